@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One set-up command for a fresh machine, with or without a GPU:
+#   bash scripts/setup.sh            -> .venv with sgl-kvtier, SGLang 0.5.23, dev tools; fio for benchmarks
+# On a machine without an NVIDIA GPU SGLang is installed from its CPU-safe requirement list
+# (scripts/requirements-sglang-cpu.txt) and then `--no-deps`, because a plain install drags in
+# GPU-only wheels (flashinfer, sglang-kernel, ...). With a GPU the normal `pip install sglang` path is used.
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+VENV="${KVTIER_VENV:-$here/.venv}"
+PY="${PYTHON:-python3}"
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# System packages: fio (benchmarks), g++/ninja/libssl-dev (SGLang JIT-compiles its page-hash extension).
+need_apt=()
+command -v fio >/dev/null 2>&1 || need_apt+=(fio)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v ninja >/dev/null 2>&1 || need_apt+=(ninja-build)
+dpkg -s libssl-dev >/dev/null 2>&1 || need_apt+=(libssl-dev)
+command -v losetup >/dev/null 2>&1 || need_apt+=(mount)
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "apt-get install ${need_apt[*]}"
+    apt-get update -qq >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    log "WARNING: missing ${need_apt[*]} and cannot apt-get (not root); benchmarks needing them will skip"
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip >/dev/null
+
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
+
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '0.5.23'" 2>/dev/null; then
+  if [ "$has_gpu" = 1 ]; then
+    log "GPU found: installing sglang==0.5.23 with its normal dependencies"
+    "${PIP[@]}" "sglang==0.5.23" "torch==2.14.1"
+  else
+    log "no GPU: installing SGLang's CPU-safe dependency set (a few minutes)"
+    cons="$(mktemp)"
+    printf 'torch==2.14.1\ntorchvision==0.29.1\n' >"$cons"
+    "${PIP[@]}" -c "$cons" -r scripts/requirements-sglang-cpu.txt
+    "${PIP[@]}" --no-deps "sglang==0.5.23"
+    rm -f "$cons"
+  fi
+fi
+
+log "installing sgl-kvtier (editable) with dev extras"
+"${PIP[@]}" --no-deps -e .
+"${PIP[@]}" -e ".[dev]"
+log "done: activate with 'source $VENV/bin/activate'"

@@ -1,0 +1,149 @@
+"""IO engines: run a batch of vectored reads/writes with many in flight, and checksum the bytes.
+
+An engine knows nothing of keys, slots or policy. It gets ``IOOp``s (fd, offset, a list of buffers) and
+returns one ``IOResult`` per op, in order: bytes moved, the xxh3-64 of the op's bytes when asked for, or
+the ``OSError`` that stopped it. An engine never raises for a failed op; the caller decides what a
+failure means. Checksums are taken over the buffers in order, so the digest of a page is the same
+whether it was moved as one run or as many.
+
+Engines: ``ThreadPoolEngine`` (``os.preadv``/``os.pwritev`` from a pool; the syscalls and xxhash release
+the GIL) and ``UringEngine`` (``io_uring`` via the PyPI ``liburing`` package, one submitting thread and a
+deep queue). ``make_engine`` picks by name.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import xxhash
+
+
+class OpKind(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclass
+class IOOp:
+    kind: OpKind
+    fd: int
+    offset: int
+    buffers: list[memoryview]  # writable for reads; moved in this order, back to back from ``offset``
+    checksum: bool = True
+
+
+@dataclass
+class IOResult:
+    nbytes: int = 0
+    checksum: int | None = None
+    error: OSError | None = None
+    short: bool = False  # the device returned fewer bytes than asked: a truncated or torn slot
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def op_length(op: IOOp) -> int:
+    return sum(b.nbytes for b in op.buffers)
+
+
+def digest(buffers: Sequence[memoryview]) -> int:
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return h.intdigest()
+
+
+def _short(op: IOOp, done: int) -> OSError:
+    return OSError(errno.EIO, f"short {op.kind.value}: {done} of {op_length(op)} bytes at offset {op.offset}")
+
+
+def run_op_blocking(op: IOOp) -> IOResult:
+    """One op with plain syscalls, retrying partial transfers; the unit of work of the thread engine."""
+    want = op_length(op)
+    try:
+        if op.kind is OpKind.WRITE:
+            crc = digest(op.buffers) if op.checksum else None
+            done = _transfer(os.pwritev, op)
+            if done != want:
+                return IOResult(done, None, _short(op, done), short=True)
+            return IOResult(done, crc)
+        done = _transfer(os.preadv, op)
+        if done != want:
+            return IOResult(done, None, _short(op, done), short=True)
+        return IOResult(done, digest(op.buffers) if op.checksum else None)
+    except OSError as exc:
+        return IOResult(0, None, exc)
+
+
+def _transfer(call, op: IOOp) -> int:
+    """Move all buffers, continuing after a partial transfer; stops at EOF (a 0-byte transfer)."""
+    buffers, offset, total = list(op.buffers), op.offset, 0
+    while buffers:
+        n = call(op.fd, buffers, offset)
+        if n <= 0:
+            break
+        total += n
+        offset += n
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if n:
+            buffers[0] = buffers[0][n:]
+    return total
+
+
+class IOEngine(Protocol):
+    name: str
+
+    def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        """Execute all ops, many at once; results in the order of ``ops``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ThreadPoolEngine:
+    """``os.preadv``/``os.pwritev`` on ``depth`` threads: simple, portable, GIL released in syscalls."""
+
+    name = "threads"
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="kvtier-io")
+
+    def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        if len(ops) == 1:
+            return [run_op_blocking(ops[0])]
+        return list(self._pool.map(run_op_blocking, ops))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def uring_available() -> bool:
+    try:
+        from sgl_kvtier.io.uring import UringEngine
+    except ImportError:
+        return False
+    return UringEngine.probe()
+
+
+_engine_lock = threading.Lock()
+
+
+def make_engine(name: str, depth: int) -> IOEngine:
+    """``threads``, ``uring`` or ``auto`` (io_uring where it works, else threads)."""
+    with _engine_lock:
+        if name == "threads" or (name == "auto" and not uring_available()):
+            return ThreadPoolEngine(depth)
+        from sgl_kvtier.io.uring import UringEngine
+
+        return UringEngine(depth)

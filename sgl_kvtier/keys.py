@@ -1,0 +1,95 @@
+"""Page keys and the namespace that scopes them.
+
+A page key is 32 raw bytes: SGLang's chained SHA-256 token-prefix page hash (given to us as 64 lowercase
+hex characters). Keys carry no model, rank or layout, so the store scopes them by a ``Namespace``: every
+field that changes the bytes of a page (model, dtype, host layout, page geometry, rank shard) plus our
+schema version. Each namespace shard is stored apart (its own directory or device region), so a page written
+under one namespace is a miss under any other, never wrong KV.
+
+Rule for changing ``Namespace``: append fields only, and bump ``SCHEMA_VERSION`` when the meaning of the
+stored bytes changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+
+from sgl_kvtier.errors import ConfigError
+
+SCHEMA_VERSION = 1
+KEY_BYTES = 32
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")
+
+PageKey = bytes
+
+
+def parse_key(text: str) -> PageKey:
+    """The 32-byte key of SGLang's 64-hex-character page hash; ``ValueError`` for anything else."""
+    if not isinstance(text, str) or not _HEX_KEY.fullmatch(text):
+        raise ValueError(f"page key must be 64 lowercase hex characters, got {text!r:.80}")
+    return bytes.fromhex(text)
+
+
+def parse_keys(texts: Iterable[str]) -> list[PageKey]:
+    return [parse_key(t) for t in texts]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What must match for two engines to share a page."""
+
+    model: str
+    dtype: str
+    layout: str  # SGLang host-pool layout, e.g. "page_first"; MLA pools are prefixed "mla:"
+    page_tokens: int
+    page_bytes: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("namespace.model", "must be a non-empty string")
+        if self.page_tokens < 1:
+            raise ConfigError("namespace.page_tokens", f"must be positive, got {self.page_tokens}")
+        if self.page_bytes < 1:
+            raise ConfigError("namespace.page_bytes", f"must be positive, got {self.page_bytes}")
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("cp_rank", "cp_size")):
+            r, s = getattr(self, rank), getattr(self, size)
+            if s < 1 or not 0 <= r < s:
+                raise ConfigError(f"namespace.{rank}", f"rank {r} is not in 0..{s - 1}")
+
+    @property
+    def shard_count(self) -> int:
+        """How many namespace shards of one deployment share the devices (one per rank)."""
+        return self.tp_size * self.pp_size * self.cp_size
+
+    def to_mapping(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> "Namespace":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def digest(self) -> bytes:
+        """16 bytes naming this namespace shard on disk (SHA-256 of its msgpack encoding)."""
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return hashlib.sha256(msgpack.packb(["sgl-kvtier-namespace", *fields])).digest()[:16]
+
+    def dirname(self) -> str:
+        return "ns-" + self.digest().hex()
+
+    def describe(self) -> str:
+        return (f"{self.model} {self.dtype} {self.layout} page={self.page_tokens}t/{self.page_bytes}B "
+                f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} cp{self.cp_rank}/{self.cp_size}")

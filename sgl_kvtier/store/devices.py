@@ -1,0 +1,265 @@
+"""Devices as slot arenas: where slot ``n`` of one namespace shard lives on one device.
+
+Directory device (a mounted filesystem, e.g. an NVMe-oF namespace formatted XFS/ext4)::
+
+    <dir>/ns-<digest>/HEADER            header (format.HEADER_MAGIC): namespace, slot size, device index/count, store id
+    <dir>/ns-<digest>/seg-00000.dat     preallocated segments of ``segment_bytes``, created as slots are first needed
+
+Raw block device (or a regular file standing in for one): the first ``BLOCK_HEADER_BYTES`` hold a region
+table (format.REGION_MAGIC) naming, per namespace shard, its header fields and its ``[offset, length)``.
+Shards claim regions under an exclusive ``flock`` on the device. A device whose first MiB is neither
+zeros nor our table is refused, so a disk holding someone's data is never formatted over.
+
+Files and directories are created 0600/0700. O_DIRECT is probed per file: a filesystem that refuses it
+(tmpfs) gets buffered IO and the store fdatasyncs instead, with one warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from sgl_kvtier.errors import DeviceError, StoreFormatError
+from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
+from sgl_kvtier.store import format as fmt
+
+log = logging.getLogger(__name__)
+_warned_buffered: set[str] = set()
+
+
+def open_file(path: str, flags: int, direct: str) -> tuple[int, bool]:
+    """Open with O_DIRECT when ``direct`` allows and the filesystem accepts it; returns (fd, is_direct)."""
+    if direct != "off":
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            if _direct_read_works(fd):
+                return fd, True
+            os.close(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        if direct == "on":
+            raise DeviceError(f"{path}: O_DIRECT is not supported here but direct_io is 'on'")
+        fs = str(Path(path).parent)
+        if fs not in _warned_buffered:
+            _warned_buffered.add(fs)
+            log.warning("%s: filesystem refuses O_DIRECT; using buffered IO with fdatasync", fs)
+    return os.open(path, flags, 0o600), False
+
+
+def _direct_read_works(fd: int) -> bool:
+    if os.fstat(fd).st_size < ALIGN and stat.S_ISREG(os.fstat(fd).st_mode):
+        return True  # nothing to read yet; the open itself was the test
+    buf = AlignedBuffer(ALIGN)
+    try:
+        os.preadv(fd, [buf.view], 0)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        buf.close()
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def check_header(found: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    if found.get("format_version") != fmt.FORMAT_VERSION:
+        raise StoreFormatError(f"{where}: store format {found.get('format_version')}, this build reads {fmt.FORMAT_VERSION}")
+    for field in ("namespace", "slot_bytes", "device_index", "device_count", "store_id"):
+        if found.get(field) != want.get(field):
+            raise StoreFormatError(
+                f"{where}: {field} is {found.get(field)!r} on disk but {want.get(field)!r} here "
+                "(devices reordered, added or removed, or another store?)")
+
+
+class Arena:
+    """One device's share of one namespace shard: ``capacity_slots`` slots of ``slot_bytes``."""
+
+    path: str
+    capacity_slots: int
+    direct: bool
+
+    def locate(self, local_slot: int) -> tuple[int, int]:
+        """(fd, byte offset) of a slot, creating backing storage if needed (may raise OSError ENOSPC)."""
+        raise NotImplementedError
+
+    def fds(self) -> list[int]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class DirectoryArena(Arena):
+    def __init__(self, root: str, nsdir: str, header: dict[str, Any], slot_bytes: int, segment_bytes: int,
+                 capacity_slots: int | None, shard_count: int, direct: str, create: bool):
+        self.path = root
+        self.dir = Path(root) / nsdir
+        self.slot_bytes = slot_bytes
+        self._direct_mode = direct
+        self._fds: dict[int, int] = {}
+        self.direct = direct != "off"
+        if not Path(root).is_dir():
+            raise DeviceError(f"{root}: not a directory")
+        if create:
+            try:
+                self.dir.mkdir(mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise DeviceError(f"{root}: cannot create {self.dir.name}: {exc.strerror}") from None
+            if not os.access(self.dir, os.W_OK):
+                raise DeviceError(f"{root}: not writable")
+        header_path = self.dir / "HEADER"
+        if header_path.exists():
+            check_header(fmt.unpack_header(fmt.HEADER_MAGIC, header_path.read_bytes(), str(header_path)),
+                         header, str(header_path))
+        elif create:
+            write_file_atomic(header_path, fmt.pack_header(fmt.HEADER_MAGIC, header))
+        else:
+            raise DeviceError(f"{self.dir}: no store here")
+        existing = sorted(self.dir.glob("seg-*.dat"))
+        self.slots_per_segment = max(1, segment_bytes // slot_bytes)
+        used = sum(p.stat().st_size for p in existing)
+        if capacity_slots is None:
+            free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+            capacity_slots = int((free + used) * 0.9) // slot_bytes // shard_count
+        self.capacity_slots = capacity_slots
+        if create:
+            free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+            need = min(capacity_slots, self.slots_per_segment) * slot_bytes
+            if capacity_slots < 1 or (free + used) < need:
+                raise DeviceError(f"{root}: too small: {free + used} bytes free, need at least {need} "
+                                  f"(one segment of {self.slots_per_segment} slots of {slot_bytes} bytes)")
+        for seg_path in existing:
+            self._open_segment(int(seg_path.stem.split("-")[1]), create=False)
+
+    def _segment_path(self, seg: int) -> Path:
+        return self.dir / f"seg-{seg:05d}.dat"
+
+    def _open_segment(self, seg: int, create: bool) -> int:
+        path = self._segment_path(seg)
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        fd, is_direct = open_file(str(path), flags, self._direct_mode)
+        self.direct = self.direct and is_direct
+        if create:
+            size = min(self.slots_per_segment, self.capacity_slots - seg * self.slots_per_segment) * self.slot_bytes
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+        self._fds[seg] = fd
+        return fd
+
+    def locate(self, local_slot: int) -> tuple[int, int]:
+        seg, index = divmod(local_slot, self.slots_per_segment)
+        fd = self._fds.get(seg)
+        if fd is None:
+            fd = self._open_segment(seg, create=True)
+        return fd, index * self.slot_bytes
+
+    def fds(self) -> list[int]:
+        return list(self._fds.values())
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class BlockArena(Arena):
+    def __init__(self, path: str, ns_digest: bytes, header: dict[str, Any], slot_bytes: int,
+                 share_bytes: int | None, shard_count: int, direct: str, create: bool):
+        self.path = path
+        self.slot_bytes = slot_bytes
+        try:
+            self._meta_fd = os.open(path, os.O_RDWR if create else os.O_RDONLY)
+        except OSError as exc:
+            raise DeviceError(f"{path}: cannot open: {exc.strerror}") from None
+        try:
+            size = os.lseek(self._meta_fd, 0, os.SEEK_END)
+            fcntl.flock(self._meta_fd, fcntl.LOCK_EX)
+            try:
+                self.offset, length = self._claim_region(ns_digest, header, size, share_bytes, shard_count, create)
+            finally:
+                fcntl.flock(self._meta_fd, fcntl.LOCK_UN)
+            self.capacity_slots = length // slot_bytes
+            self.fd, self.direct = open_file(path, os.O_RDWR if create else os.O_RDONLY, direct)
+        except BaseException:
+            os.close(self._meta_fd)
+            raise
+
+    def _read_table(self, size: int) -> dict[str, Any] | None:
+        head = os.pread(self._meta_fd, fmt.BLOCK_HEADER_BYTES, 0)
+        if head[:len(fmt.REGION_MAGIC)] == fmt.REGION_MAGIC:
+            return fmt.unpack_header(fmt.REGION_MAGIC, head, f"{self.path} region table")
+        if head.count(0) != len(head):
+            raise DeviceError(f"{self.path}: holds data that is not an sgl-kvtier store; refusing to format it. "
+                              f"If it is free, zero its first MiB: dd if=/dev/zero of={self.path} bs=1M count=1")
+        return None
+
+    def _claim_region(self, ns_digest: bytes, header: dict[str, Any], size: int, share_bytes: int | None,
+                      shard_count: int, create: bool) -> tuple[int, int]:
+        table = self._read_table(size) or {"regions": []}
+        for region in table["regions"]:
+            if region["ns"] == ns_digest:
+                check_header(region["header"], header, f"{self.path} region {ns_digest.hex()}")
+                return region["offset"], region["length"]
+        if not create:
+            raise DeviceError(f"{self.path}: no region for this namespace")
+        arena_bytes = size - fmt.BLOCK_HEADER_BYTES
+        if share_bytes is None:
+            share_bytes = arena_bytes // shard_count
+        length = share_bytes // self.slot_bytes * self.slot_bytes
+        start = max([fmt.BLOCK_HEADER_BYTES] + [r["offset"] + r["length"] for r in table["regions"]])
+        start = (start + ALIGN - 1) // ALIGN * ALIGN
+        if length < self.slot_bytes or start + length > size:
+            raise DeviceError(f"{self.path}: too small: {size - start} bytes left, this shard needs "
+                              f"{max(length, self.slot_bytes)} (slots of {self.slot_bytes} bytes)")
+        table["regions"].append({"ns": ns_digest, "offset": start, "length": length, "header": header})
+        data = fmt.pack_header(fmt.REGION_MAGIC, table)
+        if len(data) > fmt.BLOCK_HEADER_BYTES:
+            raise DeviceError(f"{self.path}: region table full")
+        os.pwrite(self._meta_fd, data, 0)
+        os.fsync(self._meta_fd)
+        return start, length
+
+    def locate(self, local_slot: int) -> tuple[int, int]:
+        return self.fd, self.offset + local_slot * self.slot_bytes
+
+    def fds(self) -> list[int]:
+        return [self.fd]
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._meta_fd)
+
+
+def is_block_like(path: str) -> bool:
+    """A raw arena: a block device, or an existing regular file standing in for one."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DeviceError(f"{path}: does not exist") from None
+    return stat.S_ISBLK(mode) or stat.S_ISREG(mode)

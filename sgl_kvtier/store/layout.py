@@ -1,0 +1,105 @@
+"""Resolve a config + namespace into the pieces of one namespace shard on disk, and lock it.
+
+The *meta directory* ``<meta_dir or first device>/ns-<digest>/`` holds ``HEADER`` (which devices, in which
+order, under which store id), ``LOCK`` (``flock``: one writer process per shard), the journals and the
+checkpoint. Every device carries a header of its own naming the same store id and its index, so a device
+list that was reordered, shortened or mixed with another store's devices is refused at open.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.io.buffers import round_up
+from sgl_kvtier.keys import Namespace
+from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.devices import Arena, BlockArena, DirectoryArena, check_header, is_block_like, write_file_atomic
+
+
+@dataclass
+class Layout:
+    meta: Path
+    arenas: list[Arena]
+    slot_bytes: int
+    store_id: str
+
+    @property
+    def capacity_slots(self) -> int:
+        # Slot g lives on arena g % n; the usable prefix of global slots ends where the smallest arena ends.
+        n = len(self.arenas)
+        return min(a.capacity_slots * n + i for i, a in enumerate(self.arenas))
+
+    @property
+    def direct(self) -> bool:
+        return all(a.direct for a in self.arenas)
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+
+
+def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
+    root = config.meta_dir or config.devices[0]
+    if not os.path.isdir(root):
+        field = "meta_dir" if config.meta_dir else "devices"
+        raise DeviceError(f"{field}: {root} is not a directory; raw block devices need a meta_dir for the journal")
+    return Path(root) / namespace.dirname()
+
+
+def acquire_writer_lock(meta: Path) -> int:
+    fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreLockedError(f"{meta}: already open for writing by pid {holder}; "
+                               "one writer process per namespace shard") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: bool) -> Layout:
+    slot_bytes = round_up(namespace.page_bytes)
+    header_path = meta / "HEADER"
+    ndev = len(config.devices)
+    meta_header = None
+    if header_path.exists():
+        meta_header = fmt.unpack_header(fmt.HEADER_MAGIC, header_path.read_bytes(), str(header_path))
+    elif not create:
+        raise DeviceError(f"{meta}: no store here")
+    store_id = meta_header["store_id"] if meta_header else uuid.uuid4().hex
+    share = None if config.capacity_bytes is None else round_up(-(-config.capacity_bytes // ndev), slot_bytes)
+    arenas: list[Arena] = []
+    try:
+        for index, path in enumerate(config.devices):
+            header = {"namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "device_index": index,
+                      "device_count": ndev, "store_id": store_id, "devices": list(config.devices)}
+            if meta_header is not None and index == 0 and meta == Path(path) / namespace.dirname():
+                check_header(meta_header, header, str(header_path))
+            if is_block_like(path):
+                arenas.append(BlockArena(path, namespace.digest(), header, slot_bytes, share,
+                                         namespace.shard_count, config.direct_io.value, create))
+            else:
+                arenas.append(DirectoryArena(path, namespace.dirname(), header, slot_bytes, config.segment_bytes,
+                                             None if share is None else share // slot_bytes, namespace.shard_count,
+                                             config.direct_io.value, create))
+        if meta_header is None:
+            if meta != Path(config.devices[0]) / namespace.dirname() or not header_path.exists():
+                write_file_atomic(header_path, fmt.pack_header(fmt.HEADER_MAGIC, {
+                    "namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "device_index": -1,
+                    "device_count": ndev, "store_id": store_id, "devices": list(config.devices)}))
+        elif meta_header.get("device_count") != ndev:
+            raise DeviceError(f"devices: this store was made on {meta_header.get('devices')}, not {list(config.devices)}")
+    except BaseException:
+        for arena in arenas:
+            arena.close()
+        raise
+    return Layout(meta, arenas, slot_bytes, store_id)

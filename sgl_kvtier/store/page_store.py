@@ -1,0 +1,404 @@
+"""PageStore: fixed-size KV pages of one namespace shard on one or more flash devices.
+
+API (used by the SGLang adapter; pages are lists of ``(address, length)`` runs in caller memory):
+    put(keys, pages, parent=None) -> [bool]   True: stored, already stored, or declined by admission
+    get(keys, pages) -> [bool]                True: the page's bytes, verified, are in the caller's runs
+    longest_prefix(keys) -> int               how many leading keys are readable now
+    delete(keys), clear(), stats(), close()
+
+Write order for a put batch: reserve slots (evicting as needed) -> write page data -> fdatasync the data
+files (durability ``batch``/``always``) -> append the journal records and publish the pages to readers ->
+fsync the journal. A page is visible only once its bytes are fully written; a reader pins its slots so an
+eviction cannot hand a slot to a writer mid-read. Every read is checked against the xxh3-64 taken at
+write time: a mismatch or short read drops the page and counts it; its bytes are never reported good.
+
+Thread safety: one lock guards the index, slots, policy and journal appends; IO runs outside it, so
+SGLang's exists / get / set threads proceed in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Sequence
+
+from sgl_kvtier.config import Durability, StoreConfig
+from sgl_kvtier.errors import StoreClosedError
+from sgl_kvtier.io.buffers import ALIGN, BouncePool, Run, copy_runs_to, copy_to_runs, runs_aligned, view
+from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest, make_engine
+from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
+from sgl_kvtier.metrics import RateLimitedLog, StoreCounters, StoreStats
+from sgl_kvtier.policy.admission import AdmissionFilter
+from sgl_kvtier.policy.eviction import make_policy
+from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.journal import Entry
+from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout
+from sgl_kvtier.store.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+
+class PageStore:
+    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, lock_fd: int | None,
+                 recovered: jr.Recovered, engine: IOEngine | None = None):
+        self.config = config
+        self.namespace = namespace
+        self.layout = layout
+        self.page_bytes = namespace.page_bytes
+        self.slot_bytes = layout.slot_bytes
+        self.readonly = lock_fd is None
+        self._lock_fd = lock_fd
+        self._lock = threading.Lock()
+        self._checkpoint_lock = threading.Lock()
+        self._closed = False
+        self._engine = engine or make_engine(config.io_engine.value, config.io_depth)
+        self._bounce = BouncePool(self.slot_bytes, config.io_depth)
+        self._ndev = len(layout.arenas)
+        self.counters = StoreCounters()
+        self._errlog = RateLimitedLog(log)
+        self._admission = AdmissionFilter(config.admission_threshold)
+        self._policy = make_policy(config.eviction)
+        self._entries: dict[PageKey, Entry] = {}
+        self._inflight: set[PageKey] = set()
+        capacity = layout.capacity_slots
+        for key, entry in recovered.entries.items():
+            if entry.slot < capacity:
+                self._entries[key] = entry
+                self._policy.insert(key, entry.parent)
+        self._slots = SlotTable(capacity, (e.slot for e in self._entries.values()))
+        self._seq = recovered.seq
+        self.recovery = recovered
+        self._journal = None if self.readonly else jr.Journal(layout.meta, recovered.generation)
+        if self._journal is not None and (recovered.replayed_records or recovered.problems):
+            self.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    def open(cls, config: StoreConfig, namespace: Namespace, *, readonly: bool = False,
+             engine: IOEngine | None = None) -> "PageStore":
+        """Open (creating if needed) the shard of ``namespace`` on ``config.devices``.
+
+        Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError.
+        """
+        meta = meta_dir(config, namespace)
+        lock_fd = None
+        if not readonly:
+            meta.mkdir(mode=0o700, exist_ok=True)
+            lock_fd = acquire_writer_lock(meta)
+        try:
+            layout = open_layout(config, namespace, meta, create=not readonly)
+            try:
+                return cls(config, namespace, layout, lock_fd, jr.recover(meta), engine)
+            except BaseException:
+                layout.close()
+                raise
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._journal is not None:
+            self.checkpoint()
+        self._closed = True
+        if self._journal is not None:
+            self._journal.close()
+        self._engine.close()
+        self._bounce.close()
+        self.layout.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+
+    def __enter__(self) -> "PageStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("page store is closed")
+
+    # ------------------------------------------------------------------ queries
+    def longest_prefix(self, keys: Sequence[PageKey]) -> int:
+        self._check_open()
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._entries:
+                    return i
+        return len(keys)
+
+    def contains(self, key: PageKey) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
+        """Store pages; ``parent`` is the key that ``keys[0]`` chains on (for chain-aware eviction)."""
+        self._check_open()
+        if self.readonly:
+            raise StoreClosedError("page store is open read-only")
+        if self.config.durability is Durability.ALWAYS and len(keys) > 1:
+            return [ok for i in range(len(keys))
+                    for ok in self.put(keys[i:i + 1], pages[i:i + 1], keys[i - 1] if i else parent)]
+        results = [True] * len(keys)
+        todo: list[tuple[int, int]] = []  # (page index, slot)
+        evicted: list[bytes] = []
+        with self._lock:
+            seen: set[PageKey] = set()
+            for i, (key, runs) in enumerate(zip(keys, pages)):
+                if not self._valid_page(key, runs, "put"):
+                    results[i] = False
+                elif key in self._entries or key in self._inflight or key in seen:
+                    self.counters.put_present += 1
+                elif not self._admission.offer(key):
+                    self.counters.put_declined += 1
+                else:
+                    slot = self._reserve_slot(evicted)
+                    if slot is None:
+                        results[i] = False
+                        self.counters.put_no_space += 1
+                        continue
+                    seen.add(key)
+                    self._inflight.add(key)
+                    todo.append((i, slot))
+            self._journal.append(evicted)
+        if not todo:
+            return results
+        written = self._write_pages([(keys[i], pages[i], slot) for i, slot in todo])
+        records = []
+        with self._lock:
+            for (i, slot), checksum in zip(todo, written):
+                key = keys[i]
+                self._inflight.discard(key)
+                if checksum is None:
+                    results[i] = False
+                    self._slots.release(slot)
+                    continue
+                chain_parent = keys[i - 1] if i > 0 else parent
+                entry = Entry(slot, checksum, chain_parent)
+                self._seq += 1
+                records.append(jr.put_record(self._seq, key, entry))
+                self._entries[key] = entry
+                self._policy.insert(key, chain_parent)
+                self.counters.put_pages += 1
+                self.counters.bytes_written += self.page_bytes
+            self._journal.append(records)
+            due = self._journal.records >= self.config.checkpoint_interval
+        if self.config.durability is not Durability.NONE:
+            self._journal.sync()
+        if due:
+            self.checkpoint()
+        return results
+
+    def _reserve_slot(self, evicted: list[bytes]) -> int | None:
+        slot = self._slots.allocate()
+        while slot is None:
+            victim = self._policy.victim()
+            if victim is None:
+                return None
+            self._drop(victim, evicted)
+            self.counters.evictions += 1
+            slot = self._slots.allocate()
+        return slot
+
+    def _drop(self, key: PageKey, records: list[bytes]) -> None:
+        """Forget a page (under the lock); its slot is reused once no reader holds it."""
+        entry = self._entries.pop(key)
+        self._policy.remove(key)
+        self._slots.release(entry.slot)
+        self._seq += 1
+        records.append(jr.del_record(self._seq, key))
+
+    def _write_pages(self, items: list[tuple[PageKey, Sequence[Run], int]]) -> list[int | None]:
+        """Write pages to their slots; the checksum of each written page, or None where it failed."""
+        sums: list[int | None] = [None] * len(items)
+        step = len(items) if not self._needs_bounce_any([r for _, r, _ in items]) else self._bounce.count
+        for start in range(0, len(items), step):
+            ops, placed = [], []
+            for j in range(start, min(start + step, len(items))):
+                _, runs, slot = items[j]
+                try:
+                    op, bounce = self._make_op(OpKind.WRITE, slot, runs)
+                except OSError as exc:  # a segment could not be created: the device is full
+                    self._device_full(slot, exc)
+                    continue
+                ops.append(op)
+                placed.append((j, bounce))
+            results = self._run(ops)
+            for (j, bounce), res in zip(placed, results):
+                if res.ok:
+                    sums[j] = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
+                else:
+                    self.counters.io_errors += 1
+                    self._errlog.error("write to %s failed: %s", self._arena(items[j][2]).path, res.error)
+                if bounce is not None:
+                    self._bounce.release(bounce)
+            if self.config.durability is not Durability.NONE:
+                self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
+        return sums
+
+    def _device_full(self, slot: int, exc: OSError) -> None:
+        self.counters.io_errors += 1
+        self._errlog.error("%s: cannot grow (%s); capacity is now %d pages", self._arena(slot).path,
+                           exc.strerror, slot)
+        with self._lock:
+            self._slots.shrink(slot)
+
+    def _arena(self, slot: int):
+        return self.layout.arenas[slot % self._ndev]
+
+    def _needs_bounce_any(self, pages: Sequence[Sequence[Run]]) -> bool:
+        return any(self._needs_bounce(runs) for runs in pages)
+
+    def _needs_bounce(self, runs: Sequence[Run]) -> bool:
+        return self.layout.direct and (self.slot_bytes != self.page_bytes or not runs_aligned(runs, ALIGN))
+
+    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run]):
+        fd, offset = self._arena(slot).locate(slot // self._ndev)
+        if not self._needs_bounce(runs):
+            return IOOp(kind, fd, offset, [view(a, n) for a, n in runs]), None
+        bounce = self._bounce.acquire()
+        if kind is OpKind.WRITE:
+            copy_runs_to(bounce.view, runs)
+        return IOOp(kind, fd, offset, [bounce.view[:self.slot_bytes]], checksum=False), bounce
+
+    def _run(self, ops: list[IOOp]) -> list[IOResult]:
+        return self._engine.run(ops)
+
+    def _sync_data(self, fds: set[int]) -> None:
+        for fd in fds:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                self.counters.io_errors += 1
+                self._errlog.error("fdatasync failed: %s", exc)
+
+    # ------------------------------------------------------------------ reads
+    def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
+        """Read pages into the caller's runs; False for a miss or for any page that fails verification."""
+        self._check_open()
+        results = [False] * len(keys)
+        todo: list[tuple[int, Entry]] = []
+        with self._lock:
+            for i, (key, runs) in enumerate(zip(keys, pages)):
+                if not self._valid_page(key, runs, "get"):
+                    continue
+                entry = self._entries.get(key)
+                if entry is None:
+                    self.counters.get_misses += 1
+                    continue
+                self._slots.pin(entry.slot)
+                todo.append((i, entry))
+            self._policy.touch([keys[i] for i, _ in todo])
+        if not todo:
+            return results
+        try:
+            verdicts = self._read_pages([(pages[i], e) for i, e in todo])
+        finally:
+            with self._lock:
+                for _, entry in todo:
+                    self._slots.unpin(entry.slot)
+        bad: list[bytes] = []
+        with self._lock:
+            for (i, entry), verdict in zip(todo, verdicts):
+                if verdict is True:
+                    results[i] = True
+                    self.counters.get_hits += 1
+                    self.counters.bytes_read += self.page_bytes
+                    continue
+                self.counters.get_misses += 1
+                if verdict == "corrupt" and self._entries.get(keys[i]) is entry:
+                    self.counters.corrupt_pages += 1
+                    self._errlog.error("page %s failed its checksum or was short; dropped (a miss)", keys[i].hex()[:16])
+                    self._drop(keys[i], bad)
+            if bad and self._journal is not None:
+                self._journal.append(bad)
+        return results
+
+    def _read_pages(self, items: list[tuple[Sequence[Run], Entry]]) -> list[bool | str]:
+        verdicts: list[bool | str] = [False] * len(items)
+        direct = not self._needs_bounce_any([runs for runs, _ in items])
+        step = len(items) if direct else max(1, self._bounce.count)
+        for start in range(0, len(items), step):
+            chunk = items[start:start + step]
+            ops, bounces = [], []
+            for runs, entry in chunk:
+                op, bounce = self._make_op(OpKind.READ, entry.slot, runs)
+                ops.append(op)
+                bounces.append(bounce)
+            for j, (res, bounce) in enumerate(zip(self._run(ops), bounces)):
+                runs, entry = chunk[j]
+                if res.ok:
+                    got = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
+                    if got == entry.checksum:
+                        if bounce is not None:
+                            copy_to_runs(bounce.view, runs)
+                        verdicts[start + j] = True
+                    else:
+                        verdicts[start + j] = "corrupt"
+                elif res.short:
+                    verdicts[start + j] = "corrupt"
+                else:
+                    self.counters.io_errors += 1
+                    self._errlog.error("read failed: %s", res.error)
+                if bounce is not None:
+                    self._bounce.release(bounce)
+        return verdicts
+
+    # ------------------------------------------------------------------ maintenance
+    def delete(self, keys: Sequence[PageKey]) -> int:
+        self._check_open()
+        records: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                if key in self._entries:
+                    self._drop(key, records)
+            self._journal.append(records)
+        if records and self.config.durability is not Durability.NONE:
+            self._journal.sync()
+        return len(records)
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = list(self._entries)
+        return self.delete(keys)
+
+    def checkpoint(self) -> None:
+        """Snapshot the index into ``checkpoint.bin`` and start a new journal generation."""
+        with self._checkpoint_lock:
+            with self._lock:
+                entries = [(k, self._entries[k]) for k in self._policy.coldest_first()]
+                seq = self._seq
+                old = self._journal
+                old.sync()
+                self._journal = jr.Journal(self.layout.meta, old.generation + 1)
+                old.close()
+            jr.write_checkpoint(self.layout.meta, entries, seq, self._journal.generation)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            pages = len(self._entries)
+            return StoreStats(
+                namespace=self.namespace.describe(), devices=[a.path for a in self.layout.arenas],
+                direct_io=self.layout.direct, engine=self._engine.name, pages=pages, slot_bytes=self.slot_bytes,
+                bytes_used=pages * self.slot_bytes, capacity_bytes=self._slots.capacity * self.slot_bytes,
+                counters=self.counters.snapshot())
+
+    def _valid_page(self, key: PageKey, runs: Sequence[Run], op: str) -> bool:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            self.counters.bad_requests += 1
+            self._errlog.error("%s: key must be %d bytes, got %r", op, KEY_BYTES, key)
+            return False
+        total = sum(n for _, n in runs)
+        if total != self.page_bytes:
+            self.counters.bad_requests += 1
+            self._errlog.error("%s: page runs add up to %d bytes, this store's pages are %d", op, total, self.page_bytes)
+            return False
+        return True
+
