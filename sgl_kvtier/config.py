@@ -73,8 +73,8 @@ class StoreConfig:
             raise ConfigError("devices", "at least one device path is required")
         if len(set(self.devices)) != len(self.devices):
             raise ConfigError("devices", f"a path is listed twice: {list(self.devices)}")
-        if self.capacity_bytes is not None and self.capacity_bytes < MiB:
-            raise ConfigError("capacity_bytes", f"must be at least 1 MiB, got {self.capacity_bytes}")
+        if self.capacity_bytes is not None and self.capacity_bytes < 4096:
+            raise ConfigError("capacity_bytes", f"must be at least 4096 bytes, got {self.capacity_bytes}")
         if not 1 <= self.admission_threshold <= 1000:
             raise ConfigError("admission_threshold", f"must be in 1..1000, got {self.admission_threshold}")
         if not 1 <= self.io_depth <= 1024:

@@ -23,7 +23,7 @@ Run = tuple[int, int]  # (address, length in bytes)
 
 def view(address: int, length: int) -> memoryview:
     """A writable, zero-copy view of ``length`` bytes at ``address`` (which the caller keeps alive)."""
-    return memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
+    return memoryview((ctypes.c_ubyte * int(length)).from_address(int(address))).cast("B")
 
 
 def runs_aligned(runs: Sequence[Run], align: int = ALIGN) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import os
 import uuid
+
+import msgpack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +48,21 @@ class Layout:
 
 def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
     root = config.meta_dir or config.devices[0]
+    field = "meta_dir" if config.meta_dir else "devices"
+    if not os.path.exists(root):
+        raise DeviceError(f"{field}: {root} does not exist")
     if not os.path.isdir(root):
-        field = "meta_dir" if config.meta_dir else "devices"
         raise DeviceError(f"{field}: {root} is not a directory; raw block devices need a meta_dir for the journal")
     return Path(root) / namespace.dirname()
 
 
 def acquire_writer_lock(meta: Path) -> int:
-    fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    """Create the shard's meta directory if needed and take its writer lock (non-blocking)."""
+    try:
+        meta.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise DeviceError(f"{meta.parent}: not writable ({exc.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -64,6 +73,15 @@ def acquire_writer_lock(meta: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def save_config(meta: Path, config: StoreConfig) -> None:
+    """Record the config a writer used, so offline tools (inspect, fsck) see the same devices and limits."""
+    write_file_atomic(meta / "CONFIG", msgpack.packb(config.to_mapping()))
+
+
+def load_config(meta: Path) -> StoreConfig:
+    return StoreConfig.from_mapping(msgpack.unpackb((meta / "CONFIG").read_bytes()))
 
 
 def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: bool) -> Layout:
@@ -81,7 +99,8 @@ def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: b
     try:
         for index, path in enumerate(config.devices):
             header = {"namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "device_index": index,
-                      "device_count": ndev, "store_id": store_id, "devices": list(config.devices)}
+                      "device_count": ndev, "store_id": store_id, "devices": list(config.devices),
+                      "meta_dir": str(meta.parent)}
             if meta_header is not None and index == 0 and meta == Path(path) / namespace.dirname():
                 check_header(meta_header, header, str(header_path))
             if is_block_like(path):

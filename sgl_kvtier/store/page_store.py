@@ -33,7 +33,7 @@ from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.policy.eviction import make_policy
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.journal import Entry
-from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout
+from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, save_config
 from sgl_kvtier.store.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class PageStore:
         self._entries: dict[PageKey, Entry] = {}
         self._inflight: set[PageKey] = set()
         capacity = layout.capacity_slots
+        if self.readonly:  # an offline reader shows everything that is there, whatever the limit now
+            capacity = max([capacity, *(e.slot + 1 for e in recovered.entries.values())])
         for key, entry in recovered.entries.items():
             if entry.slot < capacity:
                 self._entries[key] = entry
@@ -84,10 +86,11 @@ class PageStore:
         meta = meta_dir(config, namespace)
         lock_fd = None
         if not readonly:
-            meta.mkdir(mode=0o700, exist_ok=True)
             lock_fd = acquire_writer_lock(meta)
         try:
             layout = open_layout(config, namespace, meta, create=not readonly)
+            if not readonly:
+                save_config(meta, config)
             try:
                 return cls(config, namespace, layout, lock_fd, jr.recover(meta), engine)
             except BaseException:
@@ -133,6 +136,10 @@ class PageStore:
 
     def contains(self, key: PageKey) -> bool:
         return key in self._entries
+
+    def keys(self) -> list[PageKey]:
+        with self._lock:
+            return list(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)

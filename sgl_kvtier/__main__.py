@@ -1,0 +1,5 @@
+import sys
+
+from sgl_kvtier.cli import main
+
+sys.exit(main())

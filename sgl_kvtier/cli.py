@@ -1,0 +1,124 @@
+"""``sgl-kvtier``: operator commands. ``main(argv) -> exit code`` is the only reader of ``sys.argv``.
+
+    sgl-kvtier inspect PATH [--json]          namespaces, pages, bytes used/limit, devices, format
+    sgl-kvtier fsck PATH [--repair] [--json]  verify every record and page checksum; repair drops bad ones
+    sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.launch)
+
+Exit codes: 0 ok, 1 problems found (or an error), 2 usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from sgl_kvtier.errors import KVTierError
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
+    from sgl_kvtier.store.fsck import find_shards, shard_summary
+
+    shards = find_shards(args.path)
+    rows = [shard_summary(s) for s in shards]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        console.print(f"no sgl-kvtier store at {args.path}")
+        return 1
+    table = Table(title=f"sgl-kvtier store at {args.path}")
+    for col in ("namespace", "pages", "used / limit", "devices", "format", "O_DIRECT", "writer pid", "problems"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["namespace"], str(r["pages"]), f"{_human(r['bytes_used'])} / {_human(r['capacity_bytes'])}",
+                      "\n".join(r["devices"]), str(r["format_version"]), "yes" if r["direct_io"] else "no",
+                      str(r["locked_by_writer"] or "-"), "\n".join(r["problems"]) or "none")
+    console.print(table)
+    return 0
+
+
+def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
+    from sgl_kvtier.store.fsck import find_shards, fsck, open_shard
+
+    shards = find_shards(args.path)
+    if not shards:
+        console.print(f"no sgl-kvtier store at {args.path}")
+        return 1
+    reports = []
+    with Progress(console=console, transient=True, disable=args.json) as progress:
+        for shard in shards:
+            with open_shard(shard) as s:
+                total = len(s)
+            task = progress.add_task(f"verifying {shard.namespace.model}", total=total)
+            reports.append(fsck(shard, repair=args.repair, progress=lambda n, t=task: progress.advance(t, n)))
+    if args.json:
+        print(json.dumps([r.__dict__ for r in reports], indent=2))
+    else:
+        table = Table(title="fsck")
+        for col in ("namespace", "pages checked", "bad pages", "journal/checkpoint problems", "repaired"):
+            table.add_column(col)
+        for r in reports:
+            table.add_row(r.namespace, str(r.pages_checked), str(len(r.bad_pages)), "\n".join(r.problems) or "none",
+                          "yes" if r.repaired else "no")
+        console.print(table)
+    return 0 if all(r.clean or r.repaired for r in reports) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sgl-kvtier", description="NVMe / NVMe-oF flash tier for SGLang HiCache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="show the namespaces, pages and capacity of a store")
+    p.add_argument("path", help="a device directory, a meta directory or a raw block device")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("fsck", help="verify every journal record and page checksum")
+    p.add_argument("path")
+    p.add_argument("--repair", action="store_true", help="drop bad pages and torn journal tails")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fsck)
+    try:
+        from sgl_kvtier.launch import add_launch_parser
+    except ImportError:  # pragma: no cover - launch ships with the package
+        pass
+    else:
+        add_launch_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    args = parser.parse_args(argv)
+    args.extra = extra
+    console = Console(stderr=False)
+    try:
+        return args.func(args, console)
+    except KVTierError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
