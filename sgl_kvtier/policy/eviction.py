@@ -67,7 +67,9 @@ class ChainPolicy:
     def __init__(self) -> None:
         self._tick = 0
         self._last: dict[PageKey, int] = {}
-        self._parent: dict[PageKey, PageKey] = {}
+        self._born: dict[PageKey, int] = {}
+        # child -> (parent, parent's birth tick): a link to an earlier incarnation of a re-stored parent is stale
+        self._parent: dict[PageKey, tuple[PageKey, int]] = {}
         self._children: dict[PageKey, int] = {}
         self._leaves: list[tuple[int, PageKey]] = []
 
@@ -84,8 +86,9 @@ class ChainPolicy:
             self._stamp(key)
             return
         if parent is not None and parent in self._last and parent != key:
-            self._parent[key] = parent
+            self._parent[key] = (parent, self._born[parent])
             self._children[parent] = self._children.get(parent, 0) + 1
+        self._born[key] = self._tick + 1
         self._stamp(key)
 
     def touch(self, keys: Iterable[PageKey]) -> None:
@@ -97,8 +100,9 @@ class ChainPolicy:
         if self._last.pop(key, None) is None:
             return
         self._children.pop(key, None)
-        parent = self._parent.pop(key, None)
-        if parent is not None and parent in self._last:
+        self._born.pop(key, None)
+        parent, born = self._parent.pop(key, (None, None))
+        if parent is not None and self._born.get(parent) == born:
             left = self._children[parent] - 1
             if left:
                 self._children[parent] = left
@@ -122,7 +126,8 @@ class ChainPolicy:
         return sorted(self._last, key=self._last.__getitem__)
 
     def parent_of(self, key: PageKey) -> PageKey | None:
-        return self._parent.get(key)
+        parent, born = self._parent.get(key, (None, None))
+        return parent if parent is not None and self._born.get(parent) == born else None
 
     def _rebuild_heap(self) -> None:
         self._leaves = [(t, k) for k, t in self._last.items() if not self._children.get(k)]
