@@ -117,9 +117,7 @@ class DirectoryArena(Arena):
         self.path = root
         self.dir = Path(root) / nsdir
         self.slot_bytes = slot_bytes
-        self._direct_mode = direct
         self._fds: dict[int, int] = {}
-        self.direct = direct != "off"
         if not Path(root).is_dir():
             raise DeviceError(f"{root}: not a directory")
         if create:
@@ -137,19 +135,25 @@ class DirectoryArena(Arena):
             write_file_atomic(header_path, fmt.pack_header(fmt.HEADER_MAGIC, header))
         else:
             raise DeviceError(f"{self.dir}: no store here")
+        # Probe once per device so every segment, present or future, is opened the same way.
+        probe_fd, self.direct = open_file(str(header_path), os.O_RDONLY, direct)
+        os.close(probe_fd)
+        self._direct_mode = "on" if self.direct else "off"
         existing = sorted(self.dir.glob("seg-*.dat"))
         self.slots_per_segment = max(1, segment_bytes // slot_bytes)
         used = sum(p.stat().st_size for p in existing)
+        fs = os.statvfs(root)
+        free = fs.f_bavail * fs.f_frsize
+        sized = fs.f_blocks > 0  # ramfs and some FUSE filesystems report no size at all: nothing to check
         if capacity_slots is None:
-            free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+            if not sized:
+                raise DeviceError(f"{root}: the filesystem reports no size; set capacity_bytes")
             capacity_slots = int((free + used) * 0.9) // slot_bytes // shard_count
         self.capacity_slots = capacity_slots
-        if create:
-            free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
-            need = min(capacity_slots, self.slots_per_segment) * slot_bytes
-            if capacity_slots < 1 or (free + used) < need:
-                raise DeviceError(f"{root}: too small: {free + used} bytes free, need at least {need} "
-                                  f"(one segment of {self.slots_per_segment} slots of {slot_bytes} bytes)")
+        need = min(capacity_slots, self.slots_per_segment) * slot_bytes
+        if create and (capacity_slots < 1 or (sized and free + used < need)):
+            raise DeviceError(f"{root}: too small: {free + used} bytes free, need at least {need} "
+                              f"(one segment of {self.slots_per_segment} slots of {slot_bytes} bytes)")
         for seg_path in existing:
             self._open_segment(int(seg_path.stem.split("-")[1]), create=False)
 
@@ -159,8 +163,7 @@ class DirectoryArena(Arena):
     def _open_segment(self, seg: int, create: bool) -> int:
         path = self._segment_path(seg)
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        fd, is_direct = open_file(str(path), flags, self._direct_mode)
-        self.direct = self.direct and is_direct
+        fd, _ = open_file(str(path), flags, self._direct_mode)
         if create:
             size = min(self.slots_per_segment, self.capacity_slots - seg * self.slots_per_segment) * self.slot_bytes
             try:
@@ -237,6 +240,7 @@ class BlockArena(Arena):
         if length < self.slot_bytes or start + length > size:
             raise DeviceError(f"{self.path}: too small: {size - start} bytes left, this shard needs "
                               f"{max(length, self.slot_bytes)} (slots of {self.slot_bytes} bytes)")
+        header = {"format_version": fmt.FORMAT_VERSION, **header}
         table["regions"].append({"ns": ns_digest, "offset": start, "length": length, "header": header})
         data = fmt.pack_header(fmt.REGION_MAGIC, table)
         if len(data) > fmt.BLOCK_HEADER_BYTES:

@@ -1,0 +1,46 @@
+"""Keys and namespaces."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from sgl_kvtier.errors import ConfigError
+from sgl_kvtier.keys import Namespace, parse_key
+
+
+def ns(**kw):
+    base = dict(model="m", dtype="bfloat16", layout="page_first", page_tokens=64, page_bytes=1 << 20)
+    base.update(kw)
+    return Namespace(**base)
+
+
+def test_parse_key_accepts_sglang_hashes_only():
+    h = hashlib.sha256(b"x").hexdigest()
+    assert parse_key(h) == bytes.fromhex(h)
+    for bad in [h.upper(), h[:-1], h + "0", "../" + h[3:], "g" * 64, 12, None, ""]:
+        with pytest.raises(ValueError):
+            parse_key(bad)
+
+
+def test_every_field_changes_the_namespace():
+    base = ns()
+    variants = [ns(model="n"), ns(dtype="float16"), ns(layout="layer_first"), ns(page_tokens=32),
+                ns(page_bytes=2 << 20), ns(tp_rank=1, tp_size=2), ns(tp_size=2), ns(pp_rank=1, pp_size=2),
+                ns(cp_rank=1, cp_size=2), ns(schema_version=2)]
+    digests = {v.digest() for v in variants} | {base.digest()}
+    assert len(digests) == len(variants) + 1
+    assert base.digest() == ns().digest()
+    assert base.dirname() == "ns-" + base.digest().hex()
+
+
+def test_namespace_validation():
+    with pytest.raises(ConfigError, match="tp_rank"):
+        ns(tp_rank=2, tp_size=2)
+    with pytest.raises(ConfigError, match="page_bytes"):
+        ns(page_bytes=0)
+    with pytest.raises(ConfigError, match="model"):
+        ns(model="")
+    assert Namespace.from_mapping(ns(tp_rank=1, tp_size=4).to_mapping()) == ns(tp_rank=1, tp_size=4)
+    assert ns(tp_size=8, pp_size=2).shard_count == 16
