@@ -32,7 +32,7 @@ class EvictionPolicyName(str, enum.Enum):
 
 
 class IOEngineName(str, enum.Enum):
-    AUTO = "auto"  # io_uring when available, else threads
+    AUTO = "auto"  # the thread pool (measured: same GB/s as io_uring for MiB pages, steadier under GIL load)
     THREADS = "threads"
     URING = "uring"
 

@@ -3,26 +3,24 @@
 Invariants (the contract of ``ThreadPoolEngine``, see ``engine.py``):
 
 * ``run(ops)`` returns one ``IOResult`` per op, in op order, and never raises for a failed op: a negative
-  completion becomes ``OSError(-res)`` (EINTR/EAGAIN are retried), a 0-byte transfer before the op is
-  complete (EOF) ends it with ``short=True`` and an EIO error, as ``run_op_blocking`` does.
-* A partial transfer is resubmitted from ``offset + n`` with the remaining buffer slices until done.
-* Checksums are xxh3-64 over ``op.buffers`` in order (``digest``): for writes taken before submission, for
-  reads after the op's last completion. Failed and short ops carry none.
+  completion becomes ``OSError(-res)`` (EINTR/EAGAIN are retried); a 0-byte transfer before the op is
+  complete (EOF) ends it with ``short=True`` and an EIO error, as ``run_op_blocking`` does. A partial
+  transfer is resubmitted from ``offset + n`` with the remaining buffer slices.
+* Checksums are ``digest(op.buffers)`` (xxh3-64, buffers in order): for writes taken before submission,
+  for reads after the op's last completion. Failed and short ops carry none.
 * At most ``depth`` ops are in flight per ring. Each ``Iovec`` and buffer slice given to the kernel stays
   referenced from the in-flight table until its completion is reaped; ``run`` waits for every in-flight
   completion before it returns, also when it leaves by an exception.
-* Completions are reaped one at a time (``cqe[0]``, then ``io_uring_cqe_seen``): this binding's
-  ``cqe[i]`` ignores ring wrap-around, which is why reaping several by index gave bogus results.
-* The binding holds the GIL inside ``io_uring_wait_cqe``, so we never block there: we ``poll()`` the ring
-  fd, which releases the GIL (SGLang's scheduler and the other IO threads keep running).
+* Completions are reaped one at a time (``cqe[0]``, then ``io_uring_cqe_seen``): this binding's ``cqe[i]``
+  ignores ring wrap-around, which is why reaping several by index gave bogus results.
+* The binding holds the GIL inside ``io_uring_wait_cqe``, so we never block there but in ``poll()`` on
+  the ring fd, which releases the GIL (SGLang's scheduler and the other IO threads keep running).
 
 Threads: SGLang calls ``run`` from up to three threads at once; each ``run`` checks a ring out of a pool
 (making one when all are busy) and puts it back after, so a ring is used by one thread at a time. One
 ring behind a lock would make a small prefetch wait behind a large write-back batch; a ring per
-``threading.local`` would leak the rings of exited threads, out of reach of ``close()``. The pool gives
-each concurrent caller its own ring, bounded by peak concurrency, and ``close()`` reaches them all.
+``threading.local`` would leak the rings of exited threads, out of reach of ``close()``.
 """
-
 from __future__ import annotations
 
 import errno
@@ -32,7 +30,7 @@ import threading
 from collections import deque
 from typing import Sequence
 
-from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, _short, digest, op_length
+from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, _short, digest, op_length, run_op_blocking
 
 try:
     import liburing as _lu
@@ -48,12 +46,7 @@ class _Ring:
 
     def __init__(self, depth: int):
         self.ring = _lu.Ring()
-        try:  # SUBMIT_ALL (5.18+): an SQE that fails at submit (a bad fd) does not hold back the rest
-            _lu.io_uring_queue_init(depth, self.ring, _lu.IORING_SETUP_SUBMIT_ALL)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            _lu.io_uring_queue_init(depth, self.ring)
+        _lu.io_uring_queue_init(depth, self.ring)  # an SQE failing at submit stops it: see submit()
         self.cqe = _lu.Cqe()
         self.dirty = False  # completions may still be owed: never reuse it, never free it
         self.poller = select.poll()
@@ -79,12 +72,17 @@ class _Ring:
         return user_data, res
 
     def submit(self) -> None:
-        for attempt in range(_MAX_TRIES):
+        """Hand every prepared SQE to the kernel. Submission stops after an SQE that fails at submit (a
+        bad fd; its error comes back as a CQE), and on a transient shortage: submit the rest again."""
+        for _ in range(_MAX_TRIES):
             try:
-                return _lu.io_uring_submit(self.ring)
-            except OSError as exc:  # a transient kernel resource shortage is retried; all else propagates
-                if exc.errno not in _RETRY + (errno.EBUSY,) or attempt == _MAX_TRIES - 1:
+                _lu.io_uring_submit(self.ring)
+            except OSError as exc:
+                if exc.errno not in _RETRY + (errno.EBUSY,):
                     raise
+            if not _lu.io_uring_sq_ready(self.ring):
+                return
+        raise OSError(errno.EAGAIN, "io_uring: the kernel keeps refusing submissions")
 
     def close(self) -> None:
         _lu.io_uring_queue_exit(self.ring)
@@ -99,13 +97,6 @@ class _Xfer:
         self.op, self.bufs, self.offset = op, list(op.buffers), op.offset
         self.done, self.want, self.crc, self.iov, self.tries = 0, want, crc, None, 0
 
-    def advance(self, n: int) -> None:
-        self.done, self.offset = self.done + n, self.offset + n
-        while self.bufs and n >= self.bufs[0].nbytes:
-            n -= self.bufs.pop(0).nbytes
-        if n:
-            self.bufs[0] = self.bufs[0][n:]
-
     def prep(self, ring: _Ring, user_data: int) -> None:
         if self.iov is None:  # built before taking an SQE, so a failure cannot leave one half-made
             self.iov = _lu.Iovec(self.bufs)
@@ -117,21 +108,24 @@ class _Xfer:
         _lu.io_uring_sqe_set_data64(sqe, user_data)
 
     def complete(self, res: int) -> IOResult | None:
-        """Account one completion: the op's result when it is finished, None to resubmit the rest."""
+        """Account one completion: the op's result when it is finished, None to resubmit the rest.
+        A read's checksum is left to the caller, who takes it after refilling the queue."""
         self.iov = None  # the kernel is done with the iovec; the buffers stay referenced by self/op
-        op = self.op
         if res < 0:
             if -res in _RETRY and self.tries < _MAX_TRIES:
                 self.tries += 1
                 return None
             return IOResult(0, None, OSError(-res, os.strerror(-res)))
         if res == 0:  # EOF, or a device that moved nothing: a truncated or torn slot
-            return IOResult(self.done, None, _short(op, self.done), short=True)
-        self.advance(res)
+            return IOResult(self.done, None, _short(self.op, self.done), short=True)
+        self.done, self.offset, n = self.done + res, self.offset + res, res
+        while self.bufs and n >= self.bufs[0].nbytes:  # drop what moved; resume inside a buffer
+            n -= self.bufs.pop(0).nbytes
+        if n:
+            self.bufs[0] = self.bufs[0][n:]
         if self.done < self.want:
             return None
-        crc = self.crc if op.kind is OpKind.WRITE else (digest(op.buffers) if op.checksum else None)
-        return IOResult(self.done, crc)
+        return IOResult(self.done, self.crc)
 
 
 def _start(op: IOOp) -> _Xfer | IOResult:
@@ -178,7 +172,10 @@ class UringEngine:
             if self._closed:
                 raise RuntimeError("UringEngine is closed")
             ring = self._idle.pop() if self._idle else None
-        ring = ring or _Ring(self.depth)
+        try:
+            ring = ring or _Ring(self.depth)
+        except OSError:  # no further ring here now (memlock, ENOMEM): the same results, one op at a time
+            return [run_op_blocking(op) for op in ops]
         try:
             return self._run(ring, ops)
         finally:
@@ -202,8 +199,9 @@ class UringEngine:
         todo = deque(range(len(ops)))
         inflight: dict[int, _Xfer] = {}  # user_data (= op index) -> transfer; holds buffers and iovecs
         prepped = 0  # SQEs prepared, not yet submitted; all of them are also in ``inflight``
+        unhashed: list[int] = []  # reads moved in full whose checksum is still to be taken
         try:
-            while todo or inflight:
+            while True:
                 while todo and len(inflight) < self.depth:
                     i = todo.popleft()
                     x = _start(ops[i])
@@ -216,8 +214,11 @@ class UringEngine:
                 if prepped:
                     ring.submit()
                     prepped = 0
-                if not inflight:
-                    continue
+                for i in unhashed:  # hash once the device has work again, not while it idles
+                    results[i].checksum = digest(ops[i].buffers)
+                unhashed.clear()
+                if not inflight:  # the fill above leaves nothing to do only at the end
+                    break
                 ring.wait()
                 while _lu.io_uring_cq_ready(ring.ring):  # one CQE at a time, never several by index
                     i, res = ring.reap_one()
@@ -226,8 +227,10 @@ class UringEngine:
                         inflight[i].prep(ring, i)
                         prepped += 1
                     else:
+                        op = inflight.pop(i).op
                         results[i] = result
-                        del inflight[i]
+                        if result.ok and op.kind is OpKind.READ and op.checksum:
+                            unhashed.append(i)
         finally:
             if inflight:
                 _drain(ring, inflight)

@@ -317,3 +317,21 @@ def test_readonly_open_sees_pages_and_refuses_writes(tmp_path):
             ro.put([key(5)], [mem.runs(0)])
     finally:
         ro.close()
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+def test_io_engines_round_trip(tmp_path, engine):
+    if engine == "uring":
+        from sgl_kvtier.io.uring import UringEngine
+
+        if not UringEngine.probe():
+            pytest.skip("io_uring is not available here")
+    mem, odd = HostMemory(16), HostMemory(4, offset=512)
+    with open_store(tmp_path, io_engine=engine) as store:
+        assert store.stats().engine == engine
+        _, expected = put_range(store, mem, 0, 16)
+        _, expected_odd = put_range(store, odd, 100, 4)
+        mem.clear()
+        assert store.get(list(expected), [mem.runs(i) for i in range(16)]) == [True] * 16
+        assert [mem.page(i).tobytes() for i in range(16)] == list(expected.values())
+        assert store.get(list(expected_odd), [mem.runs(i) for i in range(4)]) == [True] * 4
