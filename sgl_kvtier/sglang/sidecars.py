@@ -1,0 +1,46 @@
+"""``batch_exists_v2`` semantics for side pools (Mamba/SWA state, DSA indexer, draft KV).
+
+Same fold as SGLang's own file backend: the KV prefix is the longest run of stored KV pages; each
+pool then restricts which prefix lengths are restorable:
+  ALL_PAGES       every page of the prefix must be stored for that pool;
+  TRAILING_PAGES  only the last ``len(transfer.keys)`` pages of the prefix must be stored;
+  BLOCK_GROUPS    the pool reports the whole groups it holds from the start; it never gates the KV hit.
+The usable hit is the longest prefix restorable for every gating pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer, PoolTransferResult
+
+from sgl_kvtier.keys import PageKey
+
+
+def exists_v2(storage: Any, keys: Sequence[PageKey], transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
+    kv_pages = storage.kv.longest_prefix(keys) if storage.kv is not None else 0
+    hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+    restorable = list(range(1, kv_pages + 1))
+    for transfer in transfers:
+        if not restorable:
+            break
+        name = str(transfer.name)
+        tier = storage.tiers.get(name)
+        has = [tier is not None and tier.contains(keys[i]) for i in range(kv_pages)]
+        if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+            group = max(1, transfer.group_pages or 1)
+            full = next((i for i, h in enumerate(has) if not h), kv_pages)
+            if full // group * group:
+                hit_count[name] = full // group * group
+            continue
+        if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+            boundary = next((i for i, h in enumerate(has) if not h), kv_pages)
+            allowed = set(range(1, boundary + 1))
+        else:
+            trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+            allowed = {p for p in range(1, kv_pages + 1) if all(has[max(0, p - trailing):p])}
+        boundary = max(allowed, default=0)
+        if boundary:
+            hit_count[name] = boundary
+        restorable = [p for p in restorable if p in allowed]
+    return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
