@@ -1,0 +1,120 @@
+"""``sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]``: one command for an SGLang server
+with sgl-kvtier as its L3 tier.
+
+Config file (TOML), two tables:
+    [sglang]  flags for ``python -m sglang.launch_server``: ``key = value`` becomes ``--key-with-dashes value``,
+              ``key = true`` a bare ``--key``, a list repeats the values after one flag. ``model_path`` may
+              be ``"tiny"`` / ``"bench"`` / ``"kvheavy"`` for a random model made offline (tests, demo, CPU).
+    [kvtier]  our keys (``devices``, ``capacity_bytes``, ...): validated here, before SGLang starts, and
+              passed on in ``--hicache-storage-backend-extra-config``.
+HiCache flags are always set (``--enable-hierarchical-cache --hicache-storage-backend dynamic``) and the
+extra config always names our backend with ``interface_v1`` (zero copy) and prefix keys passed (chains).
+Without a GPU the CPU flags and ``SGL_KVTIER_CPU_SHIMS=1`` are added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import ConfigError
+
+BACKEND = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
+           "interface_v1": 1, "hicache_storage_pass_prefix_keys": True}
+SGLANG_EXTRA_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
+CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+MODEL_SIZES = ("tiny", "bench", "kvheavy")
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    unknown = sorted(set(doc) - {"sglang", "kvtier"})
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown table in {path}; expected [sglang] and [kvtier]")
+    return doc
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and os.system("nvidia-smi -L >/dev/null 2>&1") == 0
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("SGL_KVTIER_MODEL_CACHE", Path.home() / ".cache" / "sgl-kvtier" / "models"))
+
+
+def resolve_model(model: str, make: bool) -> str:
+    if model not in MODEL_SIZES:
+        return model
+    path = model_cache_dir() / model
+    if make:
+        from sgl_kvtier.sglang.model_factory import make_model
+
+        make_model(path, size=model)
+    return str(path)
+
+
+def extra_config(kvtier: dict[str, Any], sglang_extra: dict[str, Any]) -> dict[str, Any]:
+    StoreConfig.from_mapping(kvtier)  # fail here, naming the field, not deep inside SGLang's scheduler
+    kvtier = dict(kvtier)
+    # The server may run elsewhere than here: relative paths are made absolute against this directory.
+    if isinstance(kvtier.get("devices"), list):
+        kvtier["devices"] = [os.path.abspath(d) for d in kvtier["devices"]]
+    if isinstance(kvtier.get("meta_dir"), str):
+        kvtier["meta_dir"] = os.path.abspath(kvtier["meta_dir"])
+    return {**BACKEND, **sglang_extra, **kvtier}
+
+
+def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: bool = True) -> tuple[list[str], dict]:
+    sg = dict(doc.get("sglang", {}))
+    if "model_path" not in sg:
+        raise ConfigError("sglang.model_path", "is required")
+    sglang_extra = {k: sg.pop(k) for k in SGLANG_EXTRA_KEYS if k in sg}
+    cmd = [sys.executable, "-m", "sglang.launch_server",
+           "--model-path", resolve_model(str(sg.pop("model_path")), make_model),
+           "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+           "--hicache-storage-backend-extra-config", json.dumps(extra_config(doc.get("kvtier", {}), sglang_extra))]
+    for key, value in sg.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is False:
+            continue
+        elif isinstance(value, list):
+            cmd += [flag, *map(str, value)]
+        else:
+            cmd += [flag, str(value)]
+    env = {}
+    if not gpu:
+        cmd += [a for a in CPU_ARGS if a not in cmd]
+        env["SGL_KVTIER_CPU_SHIMS"] = "1"
+    return cmd + extra, env
+
+
+def cmd_launch(args: argparse.Namespace, console: Any) -> int:
+    doc = load(args.config)
+    cmd, env = build_command(doc, args.extra, gpu=has_gpu(), make_model=not args.print)
+    if args.print:
+        prefix = " ".join(f"{k}={v}" for k, v in env.items())
+        print((prefix + " " if prefix else "") + shlex.join(cmd))
+        return 0
+    for device in doc.get("kvtier", {}).get("devices", []):
+        if not Path(device).exists() and not device.startswith("/dev/"):
+            Path(device).mkdir(parents=True, exist_ok=True, mode=0o700)  # a directory device
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    return 0  # pragma: no cover - exec does not return
+
+
+def add_launch_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="start an SGLang server with sgl-kvtier as its L3 tier")
+    p.add_argument("--config", required=True, help="a configs/*.toml file")
+    p.add_argument("--print", action="store_true", help="print the command instead of running it")
+    p.set_defaults(func=cmd_launch)

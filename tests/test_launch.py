@@ -1,0 +1,70 @@
+"""``sgl-kvtier launch``: the command it builds, and configs that fail before SGLang starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sgl_kvtier.cli import main
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import ConfigError
+from sgl_kvtier.launch import build_command, load
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def extra_of(cmd):
+    return json.loads(cmd[cmd.index("--hicache-storage-backend-extra-config") + 1])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    doc = load(path)
+    cmd, env = build_command(doc, [], gpu=True, make_model=False)
+    extra = extra_of(cmd)
+    assert extra["class_name"] == "KVTierStorage" and extra["interface_v1"] == 1
+    StoreConfig.from_mapping({k: v for k, v in extra.items() if k in doc["kvtier"]})
+    assert "--enable-hierarchical-cache" in cmd and cmd[cmd.index("--hicache-storage-backend") + 1] == "dynamic"
+    assert env == {}
+    for line in path.read_text().splitlines():  # every setting carries a comment
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert "#" in line, f"{path.name}: uncommented line {line!r}"
+
+
+def test_expected_configs_exist():
+    assert {p.name for p in CONFIGS} >= {"cpu-demo.toml", "nvme-local.toml", "nvmeof-4ns.toml",
+                                          "qwen3-coder-480b-tp8.toml"}
+
+
+def test_cpu_flags_and_flag_spelling(tmp_path):
+    doc = {"sglang": {"model_path": "/m", "page_size": 16, "enable_cache_report": True, "enable_metrics": False,
+                      "prefetch_threshold": 128},
+           "kvtier": {"devices": ["rel-dir"], "capacity_bytes": 1 << 30}}
+    cmd, env = build_command(doc, ["--port", "1"], gpu=False, make_model=False)
+    assert env == {"SGL_KVTIER_CPU_SHIMS": "1"}
+    assert cmd[cmd.index("--page-size") + 1] == "16" and "--enable-cache-report" in cmd
+    assert "--enable-metrics" not in cmd and "--device" in cmd and cmd[-2:] == ["--port", "1"]
+    extra = extra_of(cmd)
+    assert extra["prefetch_threshold"] == 128 and Path(extra["devices"][0]).is_absolute()
+
+
+def test_bad_kvtier_key_fails_before_launch(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[sglang]\nmodel_path = "/m"\n[kvtier]\ndevices = ["/x"]\ncapacity_bytes = "huge"\n')
+    assert main(["launch", "--config", str(cfg), "--print"]) == 1
+    assert "capacity_bytes" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="^devices"):
+        build_command({"sglang": {"model_path": "/m"}, "kvtier": {}}, [], gpu=True, make_model=False)
+    cfg.write_text('[sglang]\nmodel_path = "/m"\n[kvtierr]\n')
+    with pytest.raises(ConfigError, match="kvtierr"):
+        load(cfg)
+
+
+def test_print_shows_the_command(tmp_path, capsys):
+    cfg = tmp_path / "ok.toml"
+    cfg.write_text('[sglang]\nmodel_path = "/m"\n[kvtier]\ndevices = ["/x"]\n')
+    assert main(["launch", "--config", str(cfg), "--print"]) == 0
+    out = capsys.readouterr().out
+    assert "sglang.launch_server" in out and '"devices": ["/x"]' in out
