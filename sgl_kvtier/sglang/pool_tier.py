@@ -60,7 +60,12 @@ class PoolTier:
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
         store = self.store if self.writer else self._reader()
-        return 0 if store is None else store.longest_prefix(keys)
+        if store is None:
+            return 0
+        n = store.longest_prefix(keys)
+        if n < len(keys) and not self.writer and store.refresh():  # the writer rank may have added pages
+            n = store.longest_prefix(keys)
+        return n
 
     def contains(self, key: PageKey) -> bool:
         return self.store is not None and self.store.contains(key)

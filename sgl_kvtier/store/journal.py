@@ -63,11 +63,13 @@ class Recovered:
     replayed_records: int = 0
     torn_journals: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    owner: dict[int, PageKey] = field(default_factory=dict)  # slot -> key, for replaying more records later
+    cursor: tuple[int, int] = (0, 0)  # (generation, byte offset) just past the last record replayed
 
 
 def recover(meta: Path) -> Recovered:
     state = Recovered()
-    owner: dict[int, PageKey] = {}
+    owner = state.owner
     ckpt = meta / CHECKPOINT
     if ckpt.exists():
         try:
@@ -80,8 +82,9 @@ def recover(meta: Path) -> Recovered:
             owner.clear()
             state.checkpoint_generation = 0
     gens = [g for g in journal_generations(meta) if g >= state.checkpoint_generation]
+    state.cursor = (state.checkpoint_generation, 0)
     for gen in gens:
-        _replay(journal_path(meta, gen), state, owner)
+        state.cursor = (gen, _replay(journal_path(meta, gen), state, owner))
     state.generation = max([state.checkpoint_generation - 1, *journal_generations(meta)], default=0) + 1
     return state
 
@@ -99,37 +102,71 @@ def _load_checkpoint(fields: dict[str, Any], state: Recovered, owner: dict[int, 
     state.checkpoint_generation = fields["generation"]
 
 
-def _replay(path: Path, state: Recovered, owner: dict[int, PageKey]) -> None:
-    data = path.read_bytes()
+def _replay(path: Path, state: Recovered, owner: dict[int, PageKey], start: int = 0) -> int:
+    """Apply the records of one journal file from byte ``start``; returns the offset after the last good one."""
     try:
-        fmt.check_journal_file_header(data, str(path))
-    except CorruptRecordError as exc:
-        state.problems.append(str(exc))
-        state.torn_journals.append(path.name)
-        return
-    end = fmt.JOURNAL_FILE_HEADER_BYTES
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return start
+    if start == 0:
+        try:
+            fmt.check_journal_file_header(data, str(path))
+        except CorruptRecordError as exc:
+            state.problems.append(str(exc))
+            state.torn_journals.append(path.name)
+            return 0
+        start = fmt.JOURNAL_FILE_HEADER_BYTES
+    end = start
     entries = state.entries
-    for end, rec in fmt.iter_records(data, fmt.JOURNAL_FILE_HEADER_BYTES):
+    for end, rec in fmt.iter_records(data, start):
         state.replayed_records += 1
         state.seq = max(state.seq, rec[1])
         key = rec[2]
+        old = entries.pop(key, None)
+        if old is not None and owner.get(old.slot) == key:
+            del owner[old.slot]
         if rec[0] == fmt.PUT:
             slot = rec[3]
-            old = entries.pop(key, None)
-            if old is not None and owner.get(old.slot) == key:
-                del owner[old.slot]
             prev = owner.get(slot)
             if prev is not None:
                 entries.pop(prev, None)
             owner[slot] = key
             entries[key] = Entry(slot, rec[4], rec[5])
-        else:
-            old = entries.pop(key, None)
-            if old is not None and owner.get(old.slot) == key:
-                del owner[old.slot]
     if end != len(data):
         state.torn_journals.append(path.name)
         state.problems.append(f"{path.name}: torn or corrupt after byte {end} of {len(data)}; the rest is ignored")
+    return end
+
+
+def follow(meta: Path, state: Recovered) -> bool:
+    """Bring a reader's ``state`` up to date with what a live writer appended since; True if anything changed.
+
+    Cheap when nothing changed (a stat or two). If the writer checkpointed past journals this reader had
+    not finished, the state is rebuilt from the new checkpoint. A record missed in a race can only make a
+    page look absent or stale, and a stale slot fails its checksum on read: never wrong bytes.
+    """
+    gen, offset = state.cursor
+    path = journal_path(meta, gen)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        size = -1
+    newer = journal_path(meta, gen + 1).exists()
+    if size == offset and not newer:
+        return False
+    if size < 0:  # the writer checkpointed and removed this journal: start over from its checkpoint
+        fresh = recover(meta)
+        state.__dict__.update(fresh.__dict__)
+        return True
+    before = state.replayed_records
+    problems = len(state.problems)
+    state.cursor = (gen, _replay(path, state, state.owner, offset))
+    while journal_path(meta, state.cursor[0] + 1).exists():
+        nxt = state.cursor[0] + 1
+        state.cursor = (nxt, _replay(journal_path(meta, nxt), state, state.owner))
+    del state.problems[problems:]  # a live writer's tail is not damage
+    state.torn_journals.clear()
+    return state.replayed_records != before
 
 
 class Journal:

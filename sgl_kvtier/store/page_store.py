@@ -68,6 +68,8 @@ class PageStore:
             if entry.slot < capacity:
                 self._entries[key] = entry
                 self._policy.insert(key, entry.parent)
+        if self.readonly:
+            self._entries = recovered.entries  # ``refresh`` replays a live writer's journal into it
         self._slots = SlotTable(capacity, (e.slot for e in self._entries.values()))
         self._seq = recovered.seq
         self.recovery = recovered
@@ -133,6 +135,17 @@ class PageStore:
                 if key not in self._entries:
                     return i
         return len(keys)
+
+    def refresh(self) -> bool:
+        """Read-only stores: pick up pages a live writer (another process) added or dropped since."""
+        if not self.readonly:
+            return False
+        with self._lock:
+            changed = jr.follow(self.layout.meta, self.recovery)
+            if changed:
+                self._entries = self.recovery.entries
+                self._slots.capacity = max([self._slots.capacity, *(e.slot + 1 for e in self._entries.values())])
+            return changed
 
     def contains(self, key: PageKey) -> bool:
         return key in self._entries

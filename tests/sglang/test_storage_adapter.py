@@ -226,3 +226,24 @@ def test_prefix_keys_link_chains_across_batches(tmp_path):
     policy = backend.kv.store._policy
     assert policy.parent_of(bytes.fromhex(keys[2])) == bytes.fromhex(keys[1])
     backend.close()
+
+
+def test_mla_ranks_share_one_shard_written_by_rank_zero(tmp_path):
+    extra = {"devices": [str(tmp_path)], "capacity_bytes": 64 << 20, "interface_v1": 1}
+    pool0, pool1 = mla_host_pool("page_first"), mla_host_pool("page_first")
+    fill_random(pool0, seed=10)
+    rank1 = KVTierStorage(storage_config(extra, mla=True, tp_rank=1, tp_size=2), {})
+    rank1.register_mem_pool_host(pool1)  # may start before the writer has created the shard
+    rank0 = KVTierStorage(storage_config(extra, mla=True, tp_rank=0, tp_size=2), {})
+    rank0.register_mem_pool_host(pool0)
+    assert rank0.writer and not rank1.writer
+    keys = chain_keys(3)
+    assert rank1.batch_set_v1(keys, slots([1, 2, 3])) == [True] * 3  # non-writers skip, as SGLang expects
+    assert rank1.batch_exists(keys) == 0
+    assert rank0.batch_set_v1(keys, slots([1, 2, 3])) == [True] * 3
+    rank1.kv._next_open = 0.0  # don't wait out the reader's retry interval in a test
+    assert rank1.batch_exists(keys) == 3
+    assert rank1.batch_get_v1(keys, slots([7, 8, 9])) == [True] * 3
+    assert [page_bytes(pool1, p * PS) for p in (7, 8, 9)] == [page_bytes(pool0, p * PS) for p in (1, 2, 3)]
+    rank1.close()
+    rank0.close()

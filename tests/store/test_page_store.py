@@ -335,3 +335,27 @@ def test_io_engines_round_trip(tmp_path, engine):
         assert store.get(list(expected), [mem.runs(i) for i in range(16)]) == [True] * 16
         assert [mem.page(i).tobytes() for i in range(16)] == list(expected.values())
         assert store.get(list(expected_odd), [mem.runs(i) for i in range(4)]) == [True] * 4
+
+
+def test_reader_follows_a_live_writer(tmp_path):
+    """MLA: one writer rank, every rank reads; a reader sees new pages, deletions and checkpoints."""
+    mem = HostMemory(16)
+    writer = open_store(tmp_path, checkpoint_interval=10)
+    reader = PageStore.open(store_config(tmp_path, checkpoint_interval=10), namespace(), readonly=True)
+    try:
+        assert reader.longest_prefix([key(0)]) == 0 and reader.refresh() is False
+        _, expected = put_range(writer, mem, 0, 4)
+        assert reader.refresh() is True and reader.longest_prefix([key(i) for i in range(4)]) == 4
+        writer.delete([key(1)])
+        reader.refresh()
+        assert reader.longest_prefix([key(i) for i in range(4)]) == 1
+        for base in range(10, 40, 6):  # enough records to make the writer checkpoint and drop journals
+            put_range(writer, mem, base, 6, slot0=6)
+        reader.refresh()
+        assert reader.longest_prefix([key(i) for i in range(10, 40)]) == 30
+        mem.clear()
+        assert reader.get([key(0), key(2)], [mem.runs(0), mem.runs(1)]) == [True, True]
+        assert mem.page(0).tobytes() == expected[key(0)] and mem.page(1).tobytes() == expected[key(2)]
+    finally:
+        reader.close()
+        writer.close()
