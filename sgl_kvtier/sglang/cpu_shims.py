@@ -1,0 +1,135 @@
+"""The three shims that let SGLang 0.5.23 run HiCache (L1 -> L2 -> L3) on a CPU-only machine.
+
+Why each exists (measured, see shared/reference/sglang-on-cpu.md):
+
+1. `vllm._custom_ops.rotary_embedding`: `sglang/srt/layers/rotary_embedding/base.py` imports it when
+   the platform is neither CUDA nor SGLang's own CPU engine. Only the import has to succeed: on this
+   route the rotary layer runs `forward_native`, so the stub raises if it is ever called.
+2. `HostKVCache.__init__(pin_memory=...)`: the host-pool assembler hard-codes the default
+   `pin_memory=True`, which asks CUDA to register the buffer. No server flag turns it off.
+3. `sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct`: imported from `sgl_kernel.kvcacheio`
+   only on CUDA/ROCm/XPU, so on CPU the name is simply missing and `--hicache-io-backend direct`
+   with `layer_first` fails with NameError. A torch stand-in does the same copy with index ops.
+
+This module only defines the shims; `cpu_plugin.load()` decides whether to install them.
+Importing it pulls in torch but nothing from SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+VLLM_STUB_MARKER = "__sgl_kvtier_stub__"
+MHA_HOST_MODULE = "sglang.srt.mem_cache.pool_host.mha"
+HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__"
+
+_unpinned_logged = False
+_transfer_logged = False
+
+
+def _stub_rotary_embedding(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "vllm._custom_ops.rotary_embedding is an sgl_kvtier CPU stub: it only exists so that "
+        "SGLang's rotary layer can be imported without vLLM; the CPU route must use forward_native"
+    )
+
+
+def install_vllm_custom_ops_stub() -> bool:
+    """Make `from vllm._custom_ops import rotary_embedding` importable; True if a stub was added.
+
+    A real vLLM, if one is installed, is never shadowed. The stub holds only `rotary_embedding`, so
+    probes such as `import vllm.distributed.parallel_state` still raise ImportError as SGLang expects.
+    """
+    existing = sys.modules.get("vllm")
+    if existing is not None:
+        return False
+    if importlib.util.find_spec("vllm") is not None:
+        return False
+    pkg = types.ModuleType("vllm", "sgl_kvtier stand-in: no vLLM is installed on this machine")
+    pkg.__path__ = []  # a package with nothing on disk, so unknown submodules fail to import
+    setattr(pkg, VLLM_STUB_MARKER, True)
+    ops = types.ModuleType("vllm._custom_ops", "sgl_kvtier stand-in for vLLM's custom ops")
+    setattr(ops, "rotary_embedding", _stub_rotary_embedding)
+    setattr(ops, VLLM_STUB_MARKER, True)
+    setattr(pkg, "_custom_ops", ops)
+    sys.modules["vllm"] = pkg
+    sys.modules["vllm._custom_ops"] = ops
+    return True
+
+
+def force_unpinned_host_pool(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """BEFORE hook for `HostKVCache.__init__`: always allocate the host pool unpinned.
+
+    `pin_memory` is keyword-only in 0.5.23, so it is always in kwargs.
+    """
+    global _unpinned_logged
+    kwargs["pin_memory"] = False
+    if not _unpinned_logged:
+        _unpinned_logged = True
+        logger.info(
+            "sgl_kvtier cpu shim: HostKVCache(pool_label=%s) allocated with pin_memory=False (pid %d)",
+            kwargs.get("pool_label", "kv"),
+            os.getpid(),
+        )
+    return args, kwargs
+
+
+def transfer_kv_direct(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Torch stand-in for `sgl_kernel.kvcacheio.transfer_kv_direct`.
+
+    Copies rows `src_indices` of every source layer into rows `dst_indices` of the matching
+    destination layer (token slots along dim 0). The kernel walks whole pages; index ops copy the
+    same slots, so `page_size` only serves as a sanity check here.
+    """
+    global _transfer_logged
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"transfer_kv_direct: {len(src_layers)} source vs {len(dst_layers)} destination layers")
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(
+            f"transfer_kv_direct: {src_indices.numel()} source vs {dst_indices.numel()} destination slots"
+        )
+    if page_size > 0 and src_indices.numel() % page_size != 0:
+        raise ValueError(f"transfer_kv_direct: {src_indices.numel()} slots is not a whole number of pages")
+    if src_indices.numel() == 0:
+        return
+    if not _transfer_logged:
+        _transfer_logged = True
+        logger.info("sgl_kvtier cpu shim: torch transfer_kv_direct in use (pid %d)", os.getpid())
+    # index_select/index_copy_ need int64 indices on the tensor's own device.
+    src_idx = src_indices.to(device=src_layers[0].device, dtype=torch.int64)
+    dst_idx = dst_indices.to(device=dst_layers[0].device, dtype=torch.int64)
+    for src, dst in zip(src_layers, dst_layers):
+        rows = src.index_select(0, src_idx)
+        if rows.device != dst.device:
+            rows = rows.to(dst.device)
+        dst.index_copy_(0, dst_idx, rows)
+
+
+def install_transfer_kv_direct() -> bool:
+    """Give the MHA host-pool module a `transfer_kv_direct` if it has none; True if installed.
+
+    HookRegistry cannot do this: it resolves the target with getattr first, and on CPU the name does
+    not exist. A real kernel (GPU builds) is never replaced.
+    """
+    module = importlib.import_module(MHA_HOST_MODULE)
+    if hasattr(module, "transfer_kv_direct"):
+        return False
+    setattr(module, "transfer_kv_direct", transfer_kv_direct)
+    return True

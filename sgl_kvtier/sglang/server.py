@@ -1,0 +1,268 @@
+"""Start, query and stop a real SGLang server: the runner shared by tests, the demo and benchmarks.
+
+`SGLangServer` launches `python -m sglang.launch_server` in its own session (process group), so
+that stopping it reaches the scheduler and detokenizer it spawns. On a machine without a CUDA GPU
+it adds the CPU route (`--device cpu --attention-backend torch_native --disable-cuda-graph`) and
+sets `SGL_KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.cpu_plugin` in every SGLang
+process. HTTP goes through urllib, so this module needs nothing beyond the standard library.
+
+On CPU, SGLang treats host RAM as device memory: by default the KV pool takes most of it and HiCache
+then refuses to start ("No host memory is left for HiCache after the 10 GiB reserve"). Callers pass
+bounds such as `--max-total-tokens 16384 --hicache-ratio 2` in `extra_args`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph")
+
+
+class ServerError(RuntimeError):
+    """The server did not start, died, or answered a request with an error."""
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def has_cuda_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _tail(path: Path, max_bytes: int = 6000) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<cannot read {path}: {exc}>"
+
+
+class SGLangServer:
+    """Context manager around one `sglang.launch_server` process group.
+
+    `extra_args` are appended verbatim after the runner's own flags; `env` entries override the
+    inherited environment. `command` is the exact argv, for reports.
+    """
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: Path | str | None = None,
+        *,
+        startup_timeout_s: float = 300.0,
+        stop_grace_s: float = 20.0,
+        cpu: bool | None = None,
+    ) -> None:
+        self.port = port if port is not None else free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cpu = (not has_cuda_gpu()) if cpu is None else cpu
+        self.command: list[str] = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_path),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *(CPU_ARGS if self.cpu else ()),
+            *extra_args,
+        ]  # fmt: skip
+        self.env: dict[str, str] = dict(os.environ)
+        if self.cpu:
+            self.env["SGL_KVTIER_CPU_SHIMS"] = "1"
+        self.env.update(env or {})
+        if log_path is None:
+            log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{self.port}.log"
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> SGLangServer:
+        if self.proc is not None:
+            raise ServerError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with self.log_path.open("wb") as log:
+            # The child keeps its own copy of the descriptor; ours can close right away.
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(t0 + self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        assert self.proc is not None
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"SGLang server exited with code {code} during start-up.\n"
+                    f"command: {' '.join(self.command)}\nlog tail ({self.log_path}):\n{_tail(self.log_path)}"
+                )
+            status = self._status("/health")
+            if status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"SGLang server not healthy after {self.startup_timeout_s:.0f} s (last /health: {status}).\n"
+                    f"log tail ({self.log_path}):\n{_tail(self.log_path)}"
+                )
+            time.sleep(0.5)
+
+    def _status(self, path: str) -> int | None:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return None
+
+    def stop(self) -> int | None:
+        """SIGTERM the process group, SIGKILL it after the grace period; returns the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                proc.wait(timeout=30)
+        # The launcher may exit before its children do; sweep what is left of the group.
+        self._signal_group(signal.SIGKILL)
+        return proc.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: Any = None, timeout_s: float = 600.0) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return int(resp.status), resp.read()
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), exc.read()
+
+    def generate(
+        self,
+        text: str | None = None,
+        input_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 8,
+        temperature: float = 0.0,
+        timeout_s: float = 600.0,
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """POST /generate with one prompt; returns SGLang's JSON (`text`, `output_ids`, `meta_info`)."""
+        if (text is None) == (input_ids is None):
+            raise ValueError("pass exactly one of text and input_ids")
+        body: dict[str, Any] = {
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
+        }
+        if text is not None:
+            body["text"] = text
+        else:
+            body["input_ids"] = list(input_ids or ())
+        status, raw = self._request("POST", "/generate", body, timeout_s)
+        if status != 200:
+            raise ServerError(f"/generate answered {status}: {raw[:500]!r}")
+        out: dict[str, Any] = json.loads(raw)
+        return out
+
+    def flush_cache(self, timeout_s: float = 60.0) -> float:
+        """POST /flush_cache (drops L1 and L2, keeps L3); returns seconds spent.
+
+        The scheduler refuses (400) while it is not idle, e.g. with work still in flight after a
+        request; retry until it accepts or the deadline passes.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while True:
+            status, raw = self._request("POST", "/flush_cache", None, timeout_s=30.0)
+            if status == 200:
+                return time.monotonic() - t0
+            if status != 400 or time.monotonic() > deadline:
+                raise ServerError(f"/flush_cache answered {status}: {raw[:300]!r}")
+            time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        """Sum of every sample of Prometheus metric `name` on /metrics (0.0 if absent).
+
+        Needs `--enable-metrics`. Labels are summed over, e.g. all TP ranks.
+        """
+        status, raw = self._request("GET", "/metrics", None, timeout_s=30.0)
+        if status != 200:
+            raise ServerError(f"/metrics answered {status}; was the server started with --enable-metrics?")
+        total = 0.0
+        for line in raw.decode("utf-8", errors="replace").splitlines():
+            match = _SAMPLE.match(line)
+            if match and match.group(1) == name:
+                total += float(match.group(3))
+        return total
+
+    def wait_metric(self, name: str, at_least: float, timeout_s: float = 60.0) -> float:
+        """Poll `metric(name)` until it reaches `at_least`; returns the value seen.
+
+        E.g. `sglang:backuped_tokens_total` to know that L3 writes have landed before a flush.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.metric(name)
+            if value >= at_least:
+                return value
+            if time.monotonic() > deadline:
+                raise ServerError(f"{name} reached only {value} (wanted >= {at_least}) within {timeout_s:.0f} s")
+            time.sleep(0.2)
