@@ -1,0 +1,64 @@
+"""End to end: a real SGLang 0.5.23 server (CPU) with KVTierStorage as its L3 tier.
+
+A long prompt is answered, its pages reach our store, ``/flush_cache`` empties L1 and L2, and the same
+prompt is then served from L3 with identical greedy output. Then the server is stopped and a new one is
+started on the same store: the prompt hits L3 again (warm restart). About two minutes: two start-ups.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from sgl_kvtier.launch import BACKEND  # noqa: E402
+from sgl_kvtier.sglang.model_factory import make_model, make_prompt  # noqa: E402
+from sgl_kvtier.sglang.server import SGLangServer  # noqa: E402
+from sgl_kvtier.store.fsck import find_shards, fsck, shard_summary  # noqa: E402
+
+PAGE = 16
+PROMPT = 900
+HIT = (PROMPT - 1) // PAGE * PAGE  # SGLang computes the last token; L3 holds whole pages: 896
+BACKED_UP = "sglang:backuped_tokens_total"
+
+
+def server_args(store: Path) -> list[str]:
+    extra = {**BACKEND, "devices": [str(store)], "capacity_bytes": 256 << 20}
+    return [
+        "--max-total-tokens", "16384", "--hicache-ratio", "2",  # CPU: leave RAM for the host pool
+        "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+        "--page-size", str(PAGE), "--enable-cache-report", "--enable-metrics", "--skip-server-warmup",
+        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
+    ]  # fmt: skip
+
+
+def test_l3_hit_after_flush_and_after_restart(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "model", "tiny")
+    store = tmp_path / "flash"
+    store.mkdir()
+    prompt = make_prompt(PROMPT, seed=3, model_dir=model)
+    with SGLangServer(model, extra_args=server_args(store), log_path=tmp_path / "a.log") as srv:
+        cold = srv.generate(prompt, max_new_tokens=8)
+        assert cold["meta_info"]["cached_tokens"] == 0
+        assert srv.wait_metric(BACKED_UP, HIT, timeout_s=180) == HIT
+        srv.flush_cache()
+        warm = srv.generate(prompt, max_new_tokens=8)
+    details = warm["meta_info"]["cached_tokens_details"]
+    assert details["storage"] == HIT and details["device"] == 0 and details["host"] == 0, details
+    assert warm["output_ids"] == cold["output_ids"] and warm["text"] == cold["text"]
+
+    (shard,) = find_shards(str(store))
+    summary = shard_summary(shard)
+    assert summary["pages"] == HIT // PAGE and "layer_first" in summary["namespace"]
+    assert fsck(shard).clean
+
+    with SGLangServer(model, extra_args=server_args(store), log_path=tmp_path / "b.log") as srv:
+        restarted = srv.generate(prompt, max_new_tokens=8)
+    details = restarted["meta_info"]["cached_tokens_details"]
+    assert details["storage"] == HIT, details
+    assert restarted["output_ids"] == cold["output_ids"]
+    log = (tmp_path / "a.log").read_text(errors="replace") + (tmp_path / "b.log").read_text(errors="replace")
+    assert "Traceback" not in log
