@@ -254,11 +254,15 @@ def index_store(ctx: Ctx) -> dict:
     return ctx.index
 
 
-def index_entries(idx: dict, start: int = 0, stop: int | None = None) -> list[tuple[bytes, jr.Entry]]:
-    """Synthetic entries, coldest first: page i sits in slot i and chains on page i-1 (chains of CHAIN)."""
-    keys, sums = idx["keys"], idx["sums"]
-    return [(keys[i], jr.Entry(i, sums[i], keys[i - 1] if i % CHAIN else None))
-            for i in range(start, min(stop or idx["n"], idx["n"]))]
+def index_columns(idx: dict, start: int = 0, stop: int | None = None):
+    """Synthetic index, coldest first: page i sits in slot i and chains on page i-1 (chains of CHAIN).
+
+    Returns (keys, slots, checksums, parents) with ``parents`` as positions in the full key list (or -1).
+    """
+    stop = min(stop or idx["n"], idx["n"])
+    pos = np.arange(start, stop, dtype=np.int64)
+    parents = np.where(pos % CHAIN != 0, pos - 1, -1)
+    return idx["keys"][start:stop], pos, np.asarray(idx["sums"][start:stop], dtype=np.uint64), parents
 
 
 def timed_open(ctx: Ctx) -> tuple[float, float, PageStore]:
@@ -273,7 +277,7 @@ def timed_open(ctx: Ctx) -> tuple[float, float, PageStore]:
 def measure_reopen_checkpoint(ctx: Ctx) -> list[Row]:
     idx, times, cpu = index_store(ctx), [], []
     gen = max(jr.journal_generations(idx["meta"]), default=0) + 1
-    jr.write_checkpoint(idx["meta"], index_entries(idx), idx["n"], gen)  # also drops the older journals
+    jr.write_checkpoint(idx["meta"], *index_columns(idx), idx["n"], gen)  # also drops the older journals
     task = ctx.task("reopen from checkpoint", ctx.args.reopen_repeats)
     for _ in range(ctx.args.reopen_repeats):
         seconds, cpu_s, store = timed_open(ctx)
@@ -317,9 +321,10 @@ def measure_reopen_journal(ctx: Ctx) -> list[Row]:
     journal = jr.Journal(idx["meta"], 1)
     task = ctx.task("write journal", idx["n"])
     for start in range(0, idx["n"], 65536):
-        chunk = index_entries(idx, start, start + 65536)
-        journal.append([jr.put_record(start + i + 1, k, e) for i, (k, e) in enumerate(chunk)])
-        ctx.step(task, len(chunk))
+        keys, slots, sums, parents = index_columns(idx, start, start + 65536)
+        journal.append([jr.put_record(int(s) + 1, k, int(s), int(c), idx["keys"][p] if p >= 0 else None)
+                        for k, s, c, p in zip(keys, slots, sums, parents)])
+        ctx.step(task, len(keys))
     journal.sync()
     journal.close()
     seconds, cpu_s, store = timed_open(ctx)

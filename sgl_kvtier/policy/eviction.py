@@ -1,4 +1,8 @@
-"""Eviction policies: which stored pages to drop when the store is full. Pure bookkeeping, no IO.
+"""Eviction policies: which stored page to drop when the store is full. Pure bookkeeping, no IO.
+
+Pages are named by their slot (a small int, unique while the page is stored), so the bookkeeping is a
+few numpy arrays rather than millions of Python objects: a reopened store of 1M pages loads in
+fractions of a second.
 
 ``LRUPolicy`` drops the least recently used page.
 
@@ -6,8 +10,9 @@
 chain is only usable up to its first missing page (``batch_exists`` stops there). So it only ever drops
 *leaves* (pages no stored page chains on), least recently used first; a parent becomes a leaf, with its
 own recency, once its last child is gone. A prefix is thus eaten from its deepest end and a shared head
-outlives the many tails that hang off it. Leaves sit in a heap of (last use, key) with lazy deletion: a
-heap entry is live only while its tick is the key's current one and the key still has no children.
+outlives the many tails hanging off it. Leaves sit in a heap of ``tick << 32 | slot`` with lazy
+deletion: an entry is live only while its tick is the slot's current one and the slot has no children.
+A child's link remembers its parent's birth tick, so a link to a slot that was since reused is ignored.
 """
 
 from __future__ import annotations
@@ -16,123 +21,189 @@ import heapq
 from collections import OrderedDict
 from typing import Iterable, Protocol
 
+import numpy as np
+
 from sgl_kvtier.config import EvictionPolicyName
-from sgl_kvtier.keys import PageKey
+
+_SLOT_BITS = 32
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
 
 
 class EvictionPolicy(Protocol):
-    def insert(self, key: PageKey, parent: PageKey | None) -> None: ...
+    def insert(self, slot: int, parent: int | None) -> None: ...
 
-    def touch(self, keys: Iterable[PageKey]) -> None: ...
+    def touch(self, slots: Iterable[int]) -> None: ...
 
-    def remove(self, key: PageKey) -> None: ...
+    def remove(self, slot: int) -> None: ...
 
-    def victim(self) -> PageKey | None:
-        """The next page to drop (not removed until ``remove`` is called), or None when empty."""
+    def victim(self) -> int | None:
+        """The slot of the next page to drop (not removed until ``remove``), or None when empty."""
         ...
 
-    def coldest_first(self) -> list[PageKey]: ...
+    def coldest_first(self) -> list[int]: ...
 
-    def parent_of(self, key: PageKey) -> PageKey | None: ...
+    def parent_of(self, slot: int) -> int | None: ...
+
+    def parent_slots(self, slots: np.ndarray) -> np.ndarray:
+        """``parent_of`` for many slots at once (-1 for none)."""
+        ...
+
+    def bulk_load(self, slots: np.ndarray, parents: np.ndarray) -> None:
+        """Replace the state: ``slots`` coldest first, ``parents[i]`` the parent slot of ``slots[i]`` or -1."""
+        ...
 
 
 class LRUPolicy:
-    def __init__(self) -> None:
-        self._order: OrderedDict[PageKey, PageKey | None] = OrderedDict()
+    def __init__(self, capacity: int = 0) -> None:
+        self._order: OrderedDict[int, int | None] = OrderedDict()
 
-    def insert(self, key: PageKey, parent: PageKey | None) -> None:
-        self._order[key] = parent
-        self._order.move_to_end(key)
+    def insert(self, slot: int, parent: int | None) -> None:
+        self._order[slot] = parent
+        self._order.move_to_end(slot)
 
-    def touch(self, keys: Iterable[PageKey]) -> None:
+    def touch(self, slots: Iterable[int]) -> None:
         # Touch a chain deepest-first so its head ends up the most recent: heads are worth more.
-        for key in reversed(list(keys)):
-            if key in self._order:
-                self._order.move_to_end(key)
+        for slot in reversed(list(slots)):
+            if slot in self._order:
+                self._order.move_to_end(slot)
 
-    def remove(self, key: PageKey) -> None:
-        self._order.pop(key, None)
+    def remove(self, slot: int) -> None:
+        self._order.pop(slot, None)
 
-    def victim(self) -> PageKey | None:
+    def victim(self) -> int | None:
         return next(iter(self._order), None)
 
-    def coldest_first(self) -> list[PageKey]:
+    def coldest_first(self) -> list[int]:
         return list(self._order)
 
-    def parent_of(self, key: PageKey) -> PageKey | None:
-        return self._order.get(key)
+    def parent_of(self, slot: int) -> int | None:
+        parent = self._order.get(slot)
+        return parent if parent is not None and parent in self._order else None
+
+    def parent_slots(self, slots: np.ndarray) -> np.ndarray:
+        return np.array([-1 if (p := self.parent_of(int(s))) is None else p for s in slots], dtype=np.int64)
+
+    def bulk_load(self, slots: np.ndarray, parents: np.ndarray) -> None:
+        self._order = OrderedDict(zip(slots.tolist(), [p if p >= 0 else None for p in parents.tolist()]))
 
 
 class ChainPolicy:
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
         self._tick = 0
-        self._last: dict[PageKey, int] = {}
-        self._born: dict[PageKey, int] = {}
-        # child -> (parent, parent's birth tick): a link to an earlier incarnation of a re-stored parent is stale
-        self._parent: dict[PageKey, tuple[PageKey, int]] = {}
-        self._children: dict[PageKey, int] = {}
-        self._leaves: list[tuple[int, PageKey]] = []
+        self._alloc(max(capacity, 16))
+        self._leaves: list[int] = []
+        self._count = 0
 
-    def _stamp(self, key: PageKey) -> None:
+    def _alloc(self, n: int) -> None:
+        self._last = np.zeros(n, np.int64)  # 0: not stored
+        self._born = np.zeros(n, np.int64)
+        self._parent = np.full(n, -1, np.int64)
+        self._parent_born = np.zeros(n, np.int64)
+        self._children = np.zeros(n, np.int32)
+
+    def _fit(self, slot: int) -> None:
+        if slot >= len(self._last):
+            old = (self._last, self._born, self._parent, self._parent_born, self._children)
+            self._alloc(max(slot + 1, 2 * len(self._last)))
+            for new, prev in zip((self._last, self._born, self._parent, self._parent_born, self._children), old):
+                new[:len(prev)] = prev
+
+    def _stamp(self, slot: int) -> None:
         self._tick += 1
-        self._last[key] = self._tick
-        if not self._children.get(key):
-            heapq.heappush(self._leaves, (self._tick, key))
-        if len(self._leaves) > 2 * len(self._last) + 1024:
+        self._last[slot] = self._tick
+        if not self._children[slot]:
+            heapq.heappush(self._leaves, self._tick << _SLOT_BITS | slot)
+        if len(self._leaves) > 2 * self._count + 1024:
             self._rebuild_heap()
 
-    def insert(self, key: PageKey, parent: PageKey | None) -> None:
-        if key in self._last:
-            self._stamp(key)
+    def insert(self, slot: int, parent: int | None) -> None:
+        self._fit(slot)
+        if self._last[slot]:
+            self._stamp(slot)
             return
-        if parent is not None and parent in self._last and parent != key:
-            self._parent[key] = (parent, self._born[parent])
-            self._children[parent] = self._children.get(parent, 0) + 1
-        self._born[key] = self._tick + 1
-        self._stamp(key)
+        self._count += 1
+        if parent is not None and parent != slot and parent < len(self._last) and self._last[parent]:
+            self._parent[slot] = parent
+            self._parent_born[slot] = self._born[parent]
+            self._children[parent] += 1
+        self._born[slot] = self._tick + 1
+        self._stamp(slot)
 
-    def touch(self, keys: Iterable[PageKey]) -> None:
-        for key in reversed(list(keys)):
-            if key in self._last:
-                self._stamp(key)
+    def touch(self, slots: Iterable[int]) -> None:
+        for slot in reversed(list(slots)):
+            if slot < len(self._last) and self._last[slot]:
+                self._stamp(slot)
 
-    def remove(self, key: PageKey) -> None:
-        if self._last.pop(key, None) is None:
+    def remove(self, slot: int) -> None:
+        if slot >= len(self._last) or not self._last[slot]:
             return
-        self._children.pop(key, None)
-        self._born.pop(key, None)
-        parent, born = self._parent.pop(key, (None, None))
-        if parent is not None and self._born.get(parent) == born:
-            left = self._children[parent] - 1
-            if left:
-                self._children[parent] = left
-            else:
-                del self._children[parent]
-                heapq.heappush(self._leaves, (self._last[parent], parent))
+        self._count -= 1
+        self._last[slot] = 0
+        self._children[slot] = 0
+        parent = int(self._parent[slot])
+        self._parent[slot] = -1
+        if parent >= 0 and self._last[parent] and self._born[parent] == self._parent_born[slot]:
+            self._children[parent] -= 1
+            if not self._children[parent]:
+                heapq.heappush(self._leaves, int(self._last[parent]) << _SLOT_BITS | parent)
         # Children of a removed page keep their place; they are unreachable through SGLang's prefix
         # lookups now, but they are leaves or ancestors of leaves and go in their turn.
 
-    def victim(self) -> PageKey | None:
+    def victim(self) -> int | None:
         while self._leaves:
-            tick, key = self._leaves[0]
-            if self._last.get(key) == tick and not self._children.get(key):
-                return key
+            item = self._leaves[0]
+            slot, tick = item & _SLOT_MASK, item >> _SLOT_BITS
+            if self._last[slot] == tick and not self._children[slot]:
+                return slot
             heapq.heappop(self._leaves)
-        if self._last:  # unreachable with acyclic parents; kept so a store can never wedge full
-            return min(self._last, key=self._last.__getitem__)
+        if self._count:  # unreachable with acyclic parents; kept so a store can never wedge full
+            live = np.flatnonzero(self._last)
+            return int(live[np.argmin(self._last[live])])
         return None
 
-    def coldest_first(self) -> list[PageKey]:
-        return sorted(self._last, key=self._last.__getitem__)
+    def coldest_first(self) -> list[int]:
+        live = np.flatnonzero(self._last)
+        return live[np.argsort(self._last[live], kind="stable")].tolist()
 
-    def parent_of(self, key: PageKey) -> PageKey | None:
-        parent, born = self._parent.get(key, (None, None))
-        return parent if parent is not None and self._born.get(parent) == born else None
+    def parent_of(self, slot: int) -> int | None:
+        if slot >= len(self._last) or not self._last[slot]:
+            return None
+        parent = int(self._parent[slot])
+        if parent >= 0 and self._last[parent] and self._born[parent] == self._parent_born[slot]:
+            return parent
+        return None
+
+    def parent_slots(self, slots: np.ndarray) -> np.ndarray:
+        slots = np.asarray(slots, np.int64)
+        parents = self._parent[slots]
+        safe = np.where(parents >= 0, parents, 0)
+        valid = (parents >= 0) & (self._last[safe] > 0) & (self._born[safe] == self._parent_born[slots])
+        return np.where(valid, parents, -1)
+
+    def bulk_load(self, slots: np.ndarray, parents: np.ndarray) -> None:
+        # A checkpoint lists hot heads after their cold tails, so a parent may come after its child:
+        # links are made with every slot known. Ticks follow the order, so the leaves already form a heap.
+        slots = np.asarray(slots, np.int64)
+        parents = np.asarray(parents, np.int64)
+        n = len(slots)
+        self._alloc(max(len(self._last), int(slots.max(initial=-1)) + 1))
+        ticks = np.arange(1, n + 1, dtype=np.int64)
+        self._last[slots] = ticks
+        self._born[slots] = ticks
+        linked = (parents >= 0) & (parents != slots)
+        linked &= self._last[np.where(linked, parents, 0)] > 0
+        self._parent[slots[linked]] = parents[linked]
+        self._parent_born[slots[linked]] = self._born[parents[linked]]
+        np.add.at(self._children, parents[linked], 1)
+        leaves = self._children[slots] == 0
+        self._leaves = (ticks[leaves] << _SLOT_BITS | slots[leaves]).tolist()
+        self._tick, self._count = n, n
 
     def _rebuild_heap(self) -> None:
-        self._leaves = [(t, k) for k, t in self._last.items() if not self._children.get(k)]
+        live = np.flatnonzero((self._last > 0) & (self._children == 0))
+        self._leaves = (self._last[live] << _SLOT_BITS | live).tolist()
         heapq.heapify(self._leaves)
 
 
-def make_policy(name: EvictionPolicyName) -> EvictionPolicy:
-    return ChainPolicy() if name is EvictionPolicyName.CHAIN else LRUPolicy()
+def make_policy(name: EvictionPolicyName, capacity: int = 0) -> EvictionPolicy:
+    return ChainPolicy(capacity) if name is EvictionPolicyName.CHAIN else LRUPolicy(capacity)

@@ -45,64 +45,104 @@ def journal_generations(meta: Path) -> list[int]:
     return sorted(gens)
 
 
-@dataclass(slots=True)
-class Entry:
-    slot: int
-    checksum: int
-    parent: PageKey | None
-
-
 @dataclass
 class Recovered:
-    """Index state rebuilt from disk; ``entries`` is in eviction order, coldest first."""
+    """Index state rebuilt from disk. ``slot_of`` is in eviction order, coldest first."""
 
-    entries: dict[PageKey, Entry] = field(default_factory=dict)
+    slot_of: dict[PageKey, int] = field(default_factory=dict)  # key -> slot
+    key_of: dict[int, PageKey] = field(default_factory=dict)  # slot -> key
+    checksum: dict[int, int] = field(default_factory=dict)  # slot -> xxh3-64 of the page
+    parent: dict[int, int] = field(default_factory=dict)  # slot -> slot of the page it chains on
     seq: int = 0
     generation: int = 0  # the generation a new writer journal should use
     checkpoint_generation: int = 0
     replayed_records: int = 0
     torn_journals: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    owner: dict[int, PageKey] = field(default_factory=dict)  # slot -> key, for replaying more records later
     cursor: tuple[int, int] = (0, 0)  # (generation, byte offset) just past the last record replayed
+    # Replay bookkeeping, settled by ``_settle_links``: parents named by key, and slots that changed hands.
+    _pending_parent: dict[int, PageKey] = field(default_factory=dict)
+    _reassigned: set[int] = field(default_factory=set)
 
 
 def recover(meta: Path) -> Recovered:
     state = Recovered()
-    owner = state.owner
     ckpt = meta / CHECKPOINT
     if ckpt.exists():
         try:
-            fields = fmt.unpack_checkpoint(ckpt.read_bytes(), str(ckpt))
-            _load_checkpoint(fields, state, owner)
-        except (CorruptRecordError, ValueError, KeyError, TypeError) as exc:
-            state.problems.append(f"checkpoint unreadable ({exc}); rebuilding from journals")
+            _load_checkpoint(fmt.unpack_checkpoint(ckpt.read_bytes(), str(ckpt)), state)
+        except (CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
+            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"])
             log.warning("%s: %s", ckpt, state.problems[-1])
-            state.entries.clear()
-            owner.clear()
-            state.checkpoint_generation = 0
     gens = [g for g in journal_generations(meta) if g >= state.checkpoint_generation]
     state.cursor = (state.checkpoint_generation, 0)
     for gen in gens:
-        state.cursor = (gen, _replay(journal_path(meta, gen), state, owner))
+        state.cursor = (gen, _replay(journal_path(meta, gen), state))
+    _settle_links(state)
     state.generation = max([state.checkpoint_generation - 1, *journal_generations(meta)], default=0) + 1
     return state
 
 
-def _load_checkpoint(fields: dict[str, Any], state: Recovered, owner: dict[int, PageKey]) -> None:
+def _load_checkpoint(fields: dict[str, Any], state: Recovered) -> None:
     keys_blob: bytes = fields["keys"]
     n = len(keys_blob) // KEY_BYTES
-    slots = np.frombuffer(fields["slots"], dtype=np.int64, count=n).tolist()
-    sums = np.frombuffer(fields["checksums"], dtype=np.uint64, count=n).tolist()
-    parents = np.frombuffer(fields["parents"], dtype=np.int64, count=n).tolist()
-    keys = [keys_blob[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
-    state.entries = {k: Entry(s, c, keys[p] if p >= 0 else None) for k, s, c, p in zip(keys, slots, sums, parents)}
-    owner.update(zip(slots, keys))
+    slots = np.frombuffer(fields["slots"], dtype=np.int64, count=n)
+    parents = np.frombuffer(fields["parents"], dtype=np.int64, count=n)
+    if n and (parents.max() >= n or slots.min() < 0):
+        raise ValueError("checkpoint columns are inconsistent")
+    keys = [keys_blob[i:i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)]
+    slot_list = slots.tolist()
+    state.slot_of = dict(zip(keys, slot_list))
+    state.key_of = dict(zip(slot_list, keys))
+    state.checksum = dict(zip(slot_list, np.frombuffer(fields["checksums"], dtype=np.uint64, count=n).tolist()))
+    linked = parents >= 0
+    state.parent = dict(zip(slots[linked].tolist(), slots[parents[linked]].tolist()))
     state.seq = fields["seq"]
     state.checkpoint_generation = fields["generation"]
 
 
-def _replay(path: Path, state: Recovered, owner: dict[int, PageKey], start: int = 0) -> int:
+def _forget(state: Recovered, key: PageKey) -> None:
+    slot = state.slot_of.pop(key, None)
+    if slot is not None and state.key_of.get(slot) == key:
+        del state.key_of[slot]
+        state.checksum.pop(slot, None)
+        state.parent.pop(slot, None)
+        state._pending_parent.pop(slot, None)
+        state._reassigned.add(slot)
+
+
+def _apply(state: Recovered, rec: list[Any]) -> None:
+    state.replayed_records += 1
+    state.seq = max(state.seq, rec[1])
+    key = rec[2]
+    _forget(state, key)
+    if rec[0] != fmt.PUT:
+        return
+    slot = rec[3]
+    prev = state.key_of.get(slot)
+    if prev is not None:
+        _forget(state, prev)  # its bytes were overwritten by this page
+    state.slot_of[key] = slot
+    state.key_of[slot] = key
+    state.checksum[slot] = rec[4]
+    if rec[5] is not None:
+        state._pending_parent[slot] = rec[5]
+
+
+def _settle_links(state: Recovered) -> None:
+    """Resolve replayed parent keys to slots; drop links to slots that changed hands during replay."""
+    if state._reassigned:
+        gone = state._reassigned
+        state.parent = {c: p for c, p in state.parent.items() if p not in gone or c in state._pending_parent}
+    for slot, parent_key in state._pending_parent.items():
+        parent_slot = state.slot_of.get(parent_key)
+        if parent_slot is not None and slot in state.key_of:
+            state.parent[slot] = parent_slot
+    state._pending_parent.clear()
+    state._reassigned.clear()
+
+
+def _replay(path: Path, state: Recovered, start: int = 0) -> int:
     """Apply the records of one journal file from byte ``start``; returns the offset after the last good one."""
     try:
         data = path.read_bytes()
@@ -117,21 +157,8 @@ def _replay(path: Path, state: Recovered, owner: dict[int, PageKey], start: int 
             return 0
         start = fmt.JOURNAL_FILE_HEADER_BYTES
     end = start
-    entries = state.entries
     for end, rec in fmt.iter_records(data, start):
-        state.replayed_records += 1
-        state.seq = max(state.seq, rec[1])
-        key = rec[2]
-        old = entries.pop(key, None)
-        if old is not None and owner.get(old.slot) == key:
-            del owner[old.slot]
-        if rec[0] == fmt.PUT:
-            slot = rec[3]
-            prev = owner.get(slot)
-            if prev is not None:
-                entries.pop(prev, None)
-            owner[slot] = key
-            entries[key] = Entry(slot, rec[4], rec[5])
+        _apply(state, rec)
     if end != len(data):
         state.torn_journals.append(path.name)
         state.problems.append(f"{path.name}: torn or corrupt after byte {end} of {len(data)}; the rest is ignored")
@@ -155,15 +182,14 @@ def follow(meta: Path, state: Recovered) -> bool:
     if size == offset and not newer:
         return False
     if size < 0:  # the writer checkpointed and removed this journal: start over from its checkpoint
-        fresh = recover(meta)
-        state.__dict__.update(fresh.__dict__)
+        state.__dict__.update(recover(meta).__dict__)
         return True
-    before = state.replayed_records
-    problems = len(state.problems)
-    state.cursor = (gen, _replay(path, state, state.owner, offset))
+    before, problems = state.replayed_records, len(state.problems)
+    state.cursor = (gen, _replay(path, state, offset))
     while journal_path(meta, state.cursor[0] + 1).exists():
         nxt = state.cursor[0] + 1
-        state.cursor = (nxt, _replay(journal_path(meta, nxt), state, state.owner))
+        state.cursor = (nxt, _replay(journal_path(meta, nxt), state))
+    _settle_links(state)
     del state.problems[problems:]  # a live writer's tail is not damage
     state.torn_journals.clear()
     return state.replayed_records != before
@@ -195,26 +221,25 @@ class Journal:
         os.close(self._fd)
 
 
-def put_record(seq: int, key: PageKey, entry: Entry) -> bytes:
-    return fmt.pack_record([fmt.PUT, seq, key, entry.slot, entry.checksum, entry.parent])
+def put_record(seq: int, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> bytes:
+    return fmt.pack_record([fmt.PUT, seq, key, slot, checksum, parent])
 
 
 def del_record(seq: int, key: PageKey) -> bytes:
     return fmt.pack_record([fmt.DEL, seq, key])
 
 
-def write_checkpoint(meta: Path, entries: list[tuple[PageKey, Entry]], seq: int, generation: int) -> None:
-    """Persist ``entries`` (coldest first) as covering every journal generation below ``generation``."""
-    keys = [k for k, _ in entries]
-    position = {k: i for i, k in enumerate(keys)}
+def write_checkpoint(meta: Path, keys: list[PageKey], slots: np.ndarray, checksums: np.ndarray,
+                     parents: np.ndarray, seq: int, generation: int) -> None:
+    """Persist an index (coldest first; ``parents[i]`` indexes ``keys`` or is -1) as covering every
+    journal generation below ``generation``, then delete those journals."""
     fields = {
         "generation": generation,
         "seq": seq,
         "keys": b"".join(keys),
-        "slots": np.fromiter((e.slot for _, e in entries), dtype=np.int64, count=len(entries)).tobytes(),
-        "checksums": np.fromiter((e.checksum for _, e in entries), dtype=np.uint64, count=len(entries)).tobytes(),
-        "parents": np.fromiter((position.get(e.parent, -1) if e.parent is not None else -1 for _, e in entries),
-                               dtype=np.int64, count=len(entries)).tobytes(),
+        "slots": np.asarray(slots, dtype=np.int64).tobytes(),
+        "checksums": np.asarray(checksums, dtype=np.uint64).tobytes(),
+        "parents": np.asarray(parents, dtype=np.int64).tobytes(),
     }
     write_file_atomic(meta / CHECKPOINT, fmt.pack_checkpoint(fields))
     for gen in journal_generations(meta):

@@ -18,6 +18,8 @@ SGLang's exists / get / set threads proceed in parallel.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -30,13 +32,23 @@ from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest, make_
 from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
 from sgl_kvtier.metrics import RateLimitedLog, StoreCounters, StoreStats
 from sgl_kvtier.policy.admission import AdmissionFilter
-from sgl_kvtier.policy.eviction import make_policy
 from sgl_kvtier.store import journal as jr
-from sgl_kvtier.store.journal import Entry
+from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, save_config
 from sgl_kvtier.store.slots import SlotTable
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PageStore:
@@ -58,19 +70,12 @@ class PageStore:
         self.counters = StoreCounters()
         self._errlog = RateLimitedLog(log)
         self._admission = AdmissionFilter(config.admission_threshold)
-        self._policy = make_policy(config.eviction)
-        self._entries: dict[PageKey, Entry] = {}
         self._inflight: set[PageKey] = set()
         capacity = layout.capacity_slots
         if self.readonly:  # an offline reader shows everything that is there, whatever the limit now
-            capacity = max([capacity, *(e.slot + 1 for e in recovered.entries.values())])
-        for key, entry in recovered.entries.items():
-            if entry.slot < capacity:
-                self._entries[key] = entry
-                self._policy.insert(key, entry.parent)
-        if self.readonly:
-            self._entries = recovered.entries  # ``refresh`` replays a live writer's journal into it
-        self._slots = SlotTable(capacity, (e.slot for e in self._entries.values()))
+            capacity = max([capacity, *(s + 1 for s in recovered.key_of)])
+        self._index = PageIndex(recovered, config.eviction, capacity)
+        self._slots = SlotTable(capacity, self._index.slots())
         self._seq = recovered.seq
         self.recovery = recovered
         self._journal = None if self.readonly else jr.Journal(layout.meta, recovered.generation)
@@ -94,7 +99,8 @@ class PageStore:
             if not readonly:
                 save_config(meta, config)
             try:
-                return cls(config, namespace, layout, lock_fd, jr.recover(meta), engine)
+                with gc_paused():  # a million fresh index objects: the collector would rescan them all
+                    return cls(config, namespace, layout, lock_fd, jr.recover(meta), engine)
             except BaseException:
                 layout.close()
                 raise
@@ -132,7 +138,7 @@ class PageStore:
         self._check_open()
         with self._lock:
             for i, key in enumerate(keys):
-                if key not in self._entries:
+                if key not in self._index:
                     return i
         return len(keys)
 
@@ -143,19 +149,26 @@ class PageStore:
         with self._lock:
             changed = jr.follow(self.layout.meta, self.recovery)
             if changed:
-                self._entries = self.recovery.entries
-                self._slots.capacity = max([self._slots.capacity, *(e.slot + 1 for e in self._entries.values())])
+                capacity = max([self._slots.capacity, *(s + 1 for s in self.recovery.key_of)])
+                self._index = PageIndex(self.recovery, self.config.eviction, capacity)
+                self._slots = SlotTable(capacity, self._index.slots())
             return changed
 
     def contains(self, key: PageKey) -> bool:
-        return key in self._entries
+        return key in self._index
+
+    def slot_of(self, key: PageKey) -> int | None:
+        return self._index.slot_of.get(key)
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        return self._index.parent_of(key)
 
     def keys(self) -> list[PageKey]:
         with self._lock:
-            return list(self._entries)
+            return list(self._index.slot_of)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._index)
 
     # ------------------------------------------------------------------ writes
     def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
@@ -174,7 +187,7 @@ class PageStore:
             for i, (key, runs) in enumerate(zip(keys, pages)):
                 if not self._valid_page(key, runs, "put"):
                     results[i] = False
-                elif key in self._entries or key in self._inflight or key in seen:
+                elif key in self._index or key in self._inflight or key in seen:
                     self.counters.put_present += 1
                 elif not self._admission.offer(key):
                     self.counters.put_declined += 1
@@ -201,11 +214,9 @@ class PageStore:
                     self._slots.release(slot)
                     continue
                 chain_parent = keys[i - 1] if i > 0 else parent
-                entry = Entry(slot, checksum, chain_parent)
                 self._seq += 1
-                records.append(jr.put_record(self._seq, key, entry))
-                self._entries[key] = entry
-                self._policy.insert(key, chain_parent)
+                records.append(jr.put_record(self._seq, key, slot, checksum, chain_parent))
+                self._index.add(key, slot, checksum, chain_parent)
                 self.counters.put_pages += 1
                 self.counters.bytes_written += self.page_bytes
             self._journal.append(records)
@@ -219,7 +230,7 @@ class PageStore:
     def _reserve_slot(self, evicted: list[bytes]) -> int | None:
         slot = self._slots.allocate()
         while slot is None:
-            victim = self._policy.victim()
+            victim = self._index.victim()
             if victim is None:
                 return None
             self._drop(victim, evicted)
@@ -229,9 +240,7 @@ class PageStore:
 
     def _drop(self, key: PageKey, records: list[bytes]) -> None:
         """Forget a page (under the lock); its slot is reused once no reader holds it."""
-        entry = self._entries.pop(key)
-        self._policy.remove(key)
-        self._slots.release(entry.slot)
+        self._slots.release(self._index.remove(key))
         self._seq += 1
         records.append(jr.del_record(self._seq, key))
 
@@ -304,26 +313,26 @@ class PageStore:
         """Read pages into the caller's runs; False for a miss or for any page that fails verification."""
         self._check_open()
         results = [False] * len(keys)
-        todo: list[tuple[int, Entry]] = []
+        todo: list[tuple[int, tuple[int, int]]] = []  # (page index, (slot, checksum))
         with self._lock:
             for i, (key, runs) in enumerate(zip(keys, pages)):
                 if not self._valid_page(key, runs, "get"):
                     continue
-                entry = self._entries.get(key)
+                entry = self._index.lookup(key)
                 if entry is None:
                     self.counters.get_misses += 1
                     continue
-                self._slots.pin(entry.slot)
+                self._slots.pin(entry[0])
                 todo.append((i, entry))
-            self._policy.touch([keys[i] for i, _ in todo])
+            self._index.touch([keys[i] for i, _ in todo])
         if not todo:
             return results
         try:
             verdicts = self._read_pages([(pages[i], e) for i, e in todo])
         finally:
             with self._lock:
-                for _, entry in todo:
-                    self._slots.unpin(entry.slot)
+                for _, (slot, _) in todo:
+                    self._slots.unpin(slot)
         bad: list[bytes] = []
         with self._lock:
             for (i, entry), verdict in zip(todo, verdicts):
@@ -333,7 +342,7 @@ class PageStore:
                     self.counters.bytes_read += self.page_bytes
                     continue
                 self.counters.get_misses += 1
-                if verdict == "corrupt" and self._entries.get(keys[i]) is entry:
+                if verdict == "corrupt" and self._index.lookup(keys[i]) == entry:
                     self.counters.corrupt_pages += 1
                     self._errlog.error("page %s failed its checksum or was short; dropped (a miss)", keys[i].hex()[:16])
                     self._drop(keys[i], bad)
@@ -341,22 +350,22 @@ class PageStore:
                 self._journal.append(bad)
         return results
 
-    def _read_pages(self, items: list[tuple[Sequence[Run], Entry]]) -> list[bool | str]:
+    def _read_pages(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> list[bool | str]:
         verdicts: list[bool | str] = [False] * len(items)
         direct = not self._needs_bounce_any([runs for runs, _ in items])
         step = len(items) if direct else max(1, self._bounce.count)
         for start in range(0, len(items), step):
             chunk = items[start:start + step]
             ops, bounces = [], []
-            for runs, entry in chunk:
-                op, bounce = self._make_op(OpKind.READ, entry.slot, runs)
+            for runs, (slot, _) in chunk:
+                op, bounce = self._make_op(OpKind.READ, slot, runs)
                 ops.append(op)
                 bounces.append(bounce)
             for j, (res, bounce) in enumerate(zip(self._run(ops), bounces)):
-                runs, entry = chunk[j]
+                runs, (_, checksum) = chunk[j]
                 if res.ok:
                     got = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
-                    if got == entry.checksum:
+                    if got == checksum:
                         if bounce is not None:
                             copy_to_runs(bounce.view, runs)
                         verdicts[start + j] = True
@@ -377,7 +386,7 @@ class PageStore:
         records: list[bytes] = []
         with self._lock:
             for key in keys:
-                if key in self._entries:
+                if key in self._index:
                     self._drop(key, records)
             self._journal.append(records)
         if records and self.config.durability is not Durability.NONE:
@@ -386,24 +395,24 @@ class PageStore:
 
     def clear(self) -> int:
         with self._lock:
-            keys = list(self._entries)
+            keys = list(self._index.slot_of)
         return self.delete(keys)
 
     def checkpoint(self) -> None:
         """Snapshot the index into ``checkpoint.bin`` and start a new journal generation."""
         with self._checkpoint_lock:
             with self._lock:
-                entries = [(k, self._entries[k]) for k in self._policy.coldest_first()]
+                snapshot = self._index.snapshot()
                 seq = self._seq
                 old = self._journal
                 old.sync()
                 self._journal = jr.Journal(self.layout.meta, old.generation + 1)
                 old.close()
-            jr.write_checkpoint(self.layout.meta, entries, seq, self._journal.generation)
+            jr.write_checkpoint(self.layout.meta, *snapshot, seq, self._journal.generation)
 
     def stats(self) -> StoreStats:
         with self._lock:
-            pages = len(self._entries)
+            pages = len(self._index)
             return StoreStats(
                 namespace=self.namespace.describe(), devices=[a.path for a in self.layout.arenas],
                 direct_io=self.layout.direct, engine=self._engine.name, pages=pages, slot_bytes=self.slot_bytes,

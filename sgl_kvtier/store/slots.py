@@ -11,15 +11,19 @@ after the last reader unpins it; until then it is a zombie. Not thread-safe: the
 from __future__ import annotations
 
 import heapq
-from typing import Iterable
+
+import numpy as np
+from typing import Sequence
 
 
 class SlotTable:
-    def __init__(self, capacity: int, used: Iterable[int] = ()):
+    def __init__(self, capacity: int, used: Sequence[int] = ()):
         self.capacity = capacity
-        used_set = {s for s in used if s < capacity}
-        self.high_water = max(used_set, default=-1) + 1
-        self._free = sorted(set(range(self.high_water)) - used_set)  # a sorted list is a valid min-heap
+        taken = np.asarray(used, dtype=np.int64)
+        taken = taken[taken < capacity]
+        self.high_water = int(taken.max()) + 1 if taken.size else 0
+        # A sorted list is a valid min-heap.
+        self._free = np.setdiff1d(np.arange(self.high_water, dtype=np.int64), taken).tolist()
         self._pins: dict[int, int] = {}
         self._zombies: set[int] = set()
 

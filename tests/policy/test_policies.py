@@ -1,6 +1,8 @@
-"""Eviction policies and write admission, as pure bookkeeping."""
+"""Eviction policies and write admission, as pure bookkeeping over slots."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.policy.eviction import ChainPolicy, LRUPolicy
@@ -14,7 +16,7 @@ def drain(policy, n):
     out = []
     for _ in range(n):
         v = policy.victim()
-        out.append(int.from_bytes(v, "little"))
+        out.append(v)
         policy.remove(v)
     return out
 
@@ -22,41 +24,62 @@ def drain(policy, n):
 def test_lru_order_and_touch():
     p = LRUPolicy()
     for n in range(4):
-        p.insert(k(n), None)
-    p.touch([k(0)])
+        p.insert(n, None)
+    p.touch([0])
     assert drain(p, 4) == [1, 2, 3, 0]
     assert p.victim() is None
 
 
 def test_chain_evicts_deepest_first_and_keeps_shared_heads():
-    p = ChainPolicy()
-    p.insert(k(0), None)  # shared head
+    p = ChainPolicy(8)
+    p.insert(0, None)  # shared head
     for n in (1, 2):
-        p.insert(k(n), k(0))  # two branches off the head
-    p.insert(k(3), k(1))
-    p.touch([k(0), k(2)])  # branch 2 is hot
+        p.insert(n, 0)  # two branches off the head
+    p.insert(3, 1)
+    p.touch([0, 2])  # branch 2 is hot
     # Leaves are 3 and 2; 3 is colder. Then 1 becomes a leaf with its own (old) recency; the head goes last.
     assert drain(p, 4) == [3, 1, 2, 0]
+    assert p.victim() is None
 
 
 def test_chain_coldest_first_and_parent_links():
-    p = ChainPolicy()
-    p.insert(k(0), None)
-    p.insert(k(1), k(0))
-    assert p.parent_of(k(1)) == k(0) and p.coldest_first() == [k(0), k(1)]
-    p.remove(k(0))
-    p.insert(k(0), None)  # a new incarnation: the old child's link is stale
-    assert p.parent_of(k(1)) is None
-    p.remove(k(1))
+    p = ChainPolicy(4)
+    p.insert(0, None)
+    p.insert(1, 0)
+    assert p.parent_of(1) == 0 and p.coldest_first() == [0, 1]
+    p.remove(0)
+    p.insert(0, None)  # slot 0 reused by another page: the old child's link is stale
+    assert p.parent_of(1) is None and p.parent_slots(np.array([1, 0])).tolist() == [-1, -1]
+    p.remove(1)
     assert drain(p, 1) == [0]
 
 
+def test_chain_grows_past_its_initial_capacity():
+    p = ChainPolicy(2)
+    for n in range(100):
+        p.insert(n, n - 1 if n else None)
+    assert p.parent_of(99) == 98
+    assert drain(p, 3) == [99, 98, 97]
+
+
+def test_bulk_load_links_children_listed_before_parents():
+    """A checkpoint lists hot heads after cold tails; the links must survive a reopen."""
+    p = ChainPolicy(8)
+    p.bulk_load(np.array([5, 6, 7]), np.array([6, 7, -1]))  # 5 -> 6 -> 7, head 7 hottest
+    assert p.parent_of(5) == 6 and p.parent_of(6) == 7
+    assert p.parent_slots(np.array([5, 6, 7])).tolist() == [6, 7, -1]
+    assert drain(p, 3) == [5, 6, 7]
+    lru = LRUPolicy()
+    lru.bulk_load(np.array([5, 6]), np.array([6, -1]))
+    assert lru.parent_of(5) == 6 and lru.coldest_first() == [5, 6]
+
+
 def test_chain_heap_stays_bounded_under_many_touches():
-    p = ChainPolicy()
+    p = ChainPolicy(16)
     for n in range(10):
-        p.insert(k(n), None)
+        p.insert(n, None)
     for _ in range(5000):
-        p.touch([k(3)])
+        p.touch([3])
     assert len(p._leaves) <= 2 * 10 + 1024 + 1
 
 

@@ -223,8 +223,7 @@ def test_prefix_keys_link_chains_across_batches(tmp_path):
     keys = chain_keys(4)
     backend.batch_set_v1(keys[:2], slots([0, 1]))
     backend.batch_set_v1(keys[2:], slots([2, 3]), HiCacheStorageExtraInfo(prefix_keys=keys[:2]))
-    policy = backend.kv.store._policy
-    assert policy.parent_of(bytes.fromhex(keys[2])) == bytes.fromhex(keys[1])
+    assert backend.kv.store.parent_of(bytes.fromhex(keys[2])) == bytes.fromhex(keys[1])
     backend.close()
 
 

@@ -20,7 +20,7 @@ def populate(path, close=True):
     expected = {n: mem.fill(n, 1000 + n) for n in range(N)}
     store = open_store(path, page_bytes=PAGE)
     assert all(store.put([key(n) for n in range(N)], [mem.runs(n) for n in range(N)]))
-    slots = {n: store._entries[key(n)].slot for n in range(N)}
+    slots = {n: store.slot_of(key(n)) for n in range(N)}
     if close:
         store.close()
     return expected, slots, store

@@ -359,3 +359,13 @@ def test_reader_follows_a_live_writer(tmp_path):
     finally:
         reader.close()
         writer.close()
+
+
+def test_chain_links_survive_a_restart(tmp_path):
+    mem = HostMemory(4)
+    with open_store(tmp_path) as store:
+        put_range(store, mem, 0, 3)
+        store.get([key(0)], [mem.runs(0)])  # the head is now the hottest: it is listed after its tails
+    with open_store(tmp_path) as store:
+        assert store.parent_of(key(1)) == key(0) and store.parent_of(key(2)) == key(1)
+        assert store.parent_of(key(0)) is None
