@@ -3,6 +3,7 @@
     sgl-kvtier inspect PATH [--json]          namespaces, pages, bytes used/limit, devices, format
     sgl-kvtier fsck PATH [--repair] [--json]  verify every record and page checksum; repair drops bad ones
     sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.launch)
+    sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
 
 Exit codes: 0 ok, 1 problems found (or an error), 2 usage, 130 interrupted.
 """
@@ -80,6 +81,12 @@ def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(r.clean or r.repaired for r in reports) else 1
 
 
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from sgl_kvtier.sglang.demo import main as demo_main
+
+    return demo_main(args.dir, args.turns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sgl-kvtier", description="NVMe / NVMe-oF flash tier for SGLang HiCache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repair", action="store_true", help="drop bad pages and torn journal tails")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fsck)
+    p = sub.add_parser("demo", help="the README's main job: real SGLang on CPU, flush, restart, hits from flash")
+    p.add_argument("--dir", default=".kvtier-demo", help="directory used as the flash device (wiped first)")
+    p.add_argument("--turns", type=int, default=3, help="turns of the conversation")
+    p.set_defaults(func=cmd_demo)
     try:
         from sgl_kvtier.launch import add_launch_parser
     except ImportError:  # pragma: no cover - launch ships with the package

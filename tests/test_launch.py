@@ -68,3 +68,11 @@ def test_print_shows_the_command(tmp_path, capsys):
     assert main(["launch", "--config", str(cfg), "--print"]) == 0
     out = capsys.readouterr().out
     assert "sglang.launch_server" in out and '"devices": ["/x"]' in out
+
+
+def test_demo_default_matches_the_shipped_cpu_config():
+    from sgl_kvtier.sglang.demo import DEMO_CONFIG
+
+    shipped = load(Path(__file__).parent.parent / "configs" / "cpu-demo.toml")
+    assert shipped["kvtier"] == DEMO_CONFIG["kvtier"]
+    assert shipped["sglang"] == DEMO_CONFIG["sglang"]
