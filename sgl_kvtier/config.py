@@ -67,6 +67,14 @@ class StoreConfig:
     segment_bytes: int = 1 * GiB
     # Write a checkpoint (and start a new journal) after this many journal records.
     checkpoint_interval: int = 262_144
+    # Circuit breaker per device: open after this many consecutive failed (or slow) IOs...
+    breaker_failures: int = 3
+    # ...for this long (doubling while probes fail, up to 60 s), answering misses without IO meanwhile.
+    breaker_cooldown_s: float = 5.0
+    # An IO slower than this counts as a failure for the breaker.
+    slow_io_s: float = 2.0
+    # Testing only: inject IO faults (see sgl_kvtier.io.faulty). None in production.
+    fault_injection: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -83,6 +91,12 @@ class StoreConfig:
             raise ConfigError("segment_bytes", f"must be a multiple of 4096 and at least 1 MiB, got {self.segment_bytes}")
         if self.checkpoint_interval < 1:
             raise ConfigError("checkpoint_interval", f"must be positive, got {self.checkpoint_interval}")
+        if not 1 <= self.breaker_failures <= 10_000:
+            raise ConfigError("breaker_failures", f"must be in 1..10000, got {self.breaker_failures}")
+        if not 0 < self.breaker_cooldown_s <= 3600:
+            raise ConfigError("breaker_cooldown_s", f"must be in (0, 3600] seconds, got {self.breaker_cooldown_s}")
+        if not 0 < self.slow_io_s <= 3600:
+            raise ConfigError("slow_io_s", f"must be in (0, 3600] seconds, got {self.slow_io_s}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, ignore: frozenset[str] = frozenset()) -> "StoreConfig":
@@ -129,6 +143,16 @@ def _coerce(f: dataclasses.Field, raw: Any) -> Any:
         if isinstance(raw, bool) or not isinstance(raw, int):
             raise ConfigError(name, f"expected an integer, got {raw!r}")
         return raw
+    if kind.startswith("float"):
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(name, f"expected a number, got {raw!r}")
+        return float(raw)
+    if kind.startswith("dict"):
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ConfigError(name, f"expected a table of settings, got {raw!r}")
+        return dict(raw)
     if kind.startswith("str"):
         if raw is None and "None" in kind:
             return None

@@ -9,7 +9,7 @@ Config file (TOML), two tables:
               passed on in ``--hicache-storage-backend-extra-config``.
 HiCache flags are always set (``--enable-hierarchical-cache --hicache-storage-backend dynamic``) and the
 extra config always names our backend with ``interface_v1`` (zero copy) and prefix keys passed (chains).
-Without a GPU the CPU flags and ``SGL_KVTIER_CPU_SHIMS=1`` are added.
+Without a GPU the CPU flags and ``KVTIER_CPU_SHIMS=1`` are added.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def has_gpu() -> bool:
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get("SGL_KVTIER_MODEL_CACHE", Path.home() / ".cache" / "sgl-kvtier" / "models"))
+    return Path(os.environ.get("KVTIER_MODEL_CACHE", Path.home() / ".cache" / "sgl-kvtier" / "models"))
 
 
 def resolve_model(model: str, make: bool) -> str:
@@ -95,7 +95,7 @@ def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: 
     env = {}
     if not gpu:
         cmd += [a for a in CPU_ARGS if a not in cmd]
-        env["SGL_KVTIER_CPU_SHIMS"] = "1"
+        env["KVTIER_CPU_SHIMS"] = "1"
     return cmd + extra, env
 
 

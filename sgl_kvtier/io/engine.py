@@ -17,6 +17,7 @@ import enum
 import errno
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -36,6 +37,7 @@ class IOOp:
     offset: int
     buffers: list[memoryview]  # writable for reads; moved in this order, back to back from ``offset``
     checksum: bool = True
+    device: int = 0  # which of the store's devices (for health tracking and fault injection)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class IOResult:
     checksum: int | None = None
     error: OSError | None = None
     short: bool = False  # the device returned fewer bytes than asked: a truncated or torn slot
+    seconds: float = 0.0  # time the op spent in the device (0 where the engine does not measure it)
 
     @property
     def ok(self) -> bool:
@@ -68,19 +71,18 @@ def _short(op: IOOp, done: int) -> OSError:
 def run_op_blocking(op: IOOp) -> IOResult:
     """One op with plain syscalls, retrying partial transfers; the unit of work of the thread engine."""
     want = op_length(op)
+    start = time.perf_counter()
     try:
-        if op.kind is OpKind.WRITE:
-            crc = digest(op.buffers) if op.checksum else None
-            done = _transfer(os.pwritev, op)
-            if done != want:
-                return IOResult(done, None, _short(op, done), short=True)
-            return IOResult(done, crc)
-        done = _transfer(os.preadv, op)
+        crc = digest(op.buffers) if op.checksum and op.kind is OpKind.WRITE else None
+        done = _transfer(os.pwritev if op.kind is OpKind.WRITE else os.preadv, op)
+        seconds = time.perf_counter() - start
         if done != want:
-            return IOResult(done, None, _short(op, done), short=True)
-        return IOResult(done, digest(op.buffers) if op.checksum else None)
+            return IOResult(done, None, _short(op, done), short=True, seconds=seconds)
+        if op.kind is OpKind.READ and op.checksum:
+            crc = digest(op.buffers)
+        return IOResult(done, crc, seconds=seconds)
     except OSError as exc:
-        return IOResult(0, None, exc)
+        return IOResult(0, None, exc, seconds=time.perf_counter() - start)
 
 
 def _transfer(call, op: IOOp) -> int:

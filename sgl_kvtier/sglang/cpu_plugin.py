@@ -5,7 +5,7 @@ calls `sglang.srt.plugins.load_plugins()` early in each of its processes: the `l
 process, `Engine.__init__`, the spawned scheduler (`run_scheduler_process`), the detokenizer and the
 DP controller. `load_plugins()` runs every plugin's `load()` and then `HookRegistry.apply_hooks()`.
 
-Opt-in and inert on GPUs: `load()` does nothing unless `SGL_KVTIER_CPU_SHIMS=1` is set AND
+Opt-in and inert on GPUs: `load()` does nothing unless `KVTIER_CPU_SHIMS=1` is set AND
 `torch.cuda.is_available()` is False. The environment variable is read first, so a GPU machine
 without it never even touches torch.cuda here.
 
@@ -31,7 +31,7 @@ import os
 
 logger = logging.getLogger(__name__)
 
-ENV_FLAG = "SGL_KVTIER_CPU_SHIMS"
+ENV_FLAG = "KVTIER_CPU_SHIMS"
 
 _loaded = False
 

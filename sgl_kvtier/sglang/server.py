@@ -3,7 +3,7 @@
 `SGLangServer` launches `python -m sglang.launch_server` in its own session (process group), so
 that stopping it reaches the scheduler and detokenizer it spawns. On a machine without a CUDA GPU
 it adds the CPU route (`--device cpu --attention-backend torch_native --disable-cuda-graph`) and
-sets `SGL_KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.cpu_plugin` in every SGLang
+sets `KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.cpu_plugin` in every SGLang
 process. HTTP goes through urllib, so this module needs nothing beyond the standard library.
 
 On CPU, SGLang treats host RAM as device memory: by default the KV pool takes most of it and HiCache
@@ -90,7 +90,7 @@ class SGLangServer:
         ]  # fmt: skip
         self.env: dict[str, str] = dict(os.environ)
         if self.cpu:
-            self.env["SGL_KVTIER_CPU_SHIMS"] = "1"
+            self.env["KVTIER_CPU_SHIMS"] = "1"
         self.env.update(env or {})
         if log_path is None:
             log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{self.port}.log"

@@ -27,13 +27,16 @@ from typing import Sequence
 
 from sgl_kvtier.config import Durability, StoreConfig
 from sgl_kvtier.errors import StoreClosedError
-from sgl_kvtier.io.buffers import ALIGN, BouncePool, Run, copy_runs_to, copy_to_runs, runs_aligned, view
-from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest, make_engine
+from sgl_kvtier.io.buffers import Run
+from sgl_kvtier.io.engine import IOEngine, make_engine
 from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
 from sgl_kvtier.metrics import RateLimitedLog, StoreCounters, StoreStats
 from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.io.faulty import FaultyEngine
+from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.index import PageIndex
+from sgl_kvtier.store.transfer import PageIO
 from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, save_config
 from sgl_kvtier.store.slots import SlotTable
 
@@ -64,11 +67,16 @@ class PageStore:
         self._lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._closed = False
-        self._engine = engine or make_engine(config.io_engine.value, config.io_depth)
-        self._bounce = BouncePool(self.slot_bytes, config.io_depth)
-        self._ndev = len(layout.arenas)
         self.counters = StoreCounters()
         self._errlog = RateLimitedLog(log)
+        self._engine = engine or make_engine(config.io_engine.value, config.io_depth)
+        if config.fault_injection:
+            self._engine = FaultyEngine(self._engine, config.fault_injection)
+        self.health = DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
+                                   config.breaker_cooldown_s, config.slow_io_s)
+        self._ndev = len(layout.arenas)
+        self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
+                          config.durability is not Durability.NONE, self._device_full)
         self._admission = AdmissionFilter(config.admission_threshold)
         self._inflight: set[PageKey] = set()
         capacity = layout.capacity_slots
@@ -117,8 +125,7 @@ class PageStore:
         self._closed = True
         if self._journal is not None:
             self._journal.close()
-        self._engine.close()
-        self._bounce.close()
+        self._io.close()
         self.layout.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
@@ -137,8 +144,10 @@ class PageStore:
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
         self._check_open()
         with self._lock:
+            slot_of, usable = self._index.slot_of, self.health.usable
             for i, key in enumerate(keys):
-                if key not in self._index:
+                slot = slot_of.get(key)
+                if slot is None or not usable(slot % self._ndev):
                     return i
         return len(keys)
 
@@ -203,7 +212,7 @@ class PageStore:
             self._journal.append(evicted)
         if not todo:
             return results
-        written = self._write_pages([(keys[i], pages[i], slot) for i, slot in todo])
+        written = self._io.write([(keys[i], pages[i], slot) for i, slot in todo])
         records = []
         with self._lock:
             for (i, slot), checksum in zip(todo, written):
@@ -244,69 +253,9 @@ class PageStore:
         self._seq += 1
         records.append(jr.del_record(self._seq, key))
 
-    def _write_pages(self, items: list[tuple[PageKey, Sequence[Run], int]]) -> list[int | None]:
-        """Write pages to their slots; the checksum of each written page, or None where it failed."""
-        sums: list[int | None] = [None] * len(items)
-        step = len(items) if not self._needs_bounce_any([r for _, r, _ in items]) else self._bounce.count
-        for start in range(0, len(items), step):
-            ops, placed = [], []
-            for j in range(start, min(start + step, len(items))):
-                _, runs, slot = items[j]
-                try:
-                    op, bounce = self._make_op(OpKind.WRITE, slot, runs)
-                except OSError as exc:  # a segment could not be created: the device is full
-                    self._device_full(slot, exc)
-                    continue
-                ops.append(op)
-                placed.append((j, bounce))
-            results = self._run(ops)
-            for (j, bounce), res in zip(placed, results):
-                if res.ok:
-                    sums[j] = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
-                else:
-                    self.counters.io_errors += 1
-                    self._errlog.error("write to %s failed: %s", self._arena(items[j][2]).path, res.error)
-                if bounce is not None:
-                    self._bounce.release(bounce)
-            if self.config.durability is not Durability.NONE:
-                self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
-        return sums
-
-    def _device_full(self, slot: int, exc: OSError) -> None:
-        self.counters.io_errors += 1
-        self._errlog.error("%s: cannot grow (%s); capacity is now %d pages", self._arena(slot).path,
-                           exc.strerror, slot)
+    def _device_full(self, slot: int) -> None:
         with self._lock:
             self._slots.shrink(slot)
-
-    def _arena(self, slot: int):
-        return self.layout.arenas[slot % self._ndev]
-
-    def _needs_bounce_any(self, pages: Sequence[Sequence[Run]]) -> bool:
-        return any(self._needs_bounce(runs) for runs in pages)
-
-    def _needs_bounce(self, runs: Sequence[Run]) -> bool:
-        return self.layout.direct and (self.slot_bytes != self.page_bytes or not runs_aligned(runs, ALIGN))
-
-    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run]):
-        fd, offset = self._arena(slot).locate(slot // self._ndev)
-        if not self._needs_bounce(runs):
-            return IOOp(kind, fd, offset, [view(a, n) for a, n in runs]), None
-        bounce = self._bounce.acquire()
-        if kind is OpKind.WRITE:
-            copy_runs_to(bounce.view, runs)
-        return IOOp(kind, fd, offset, [bounce.view[:self.slot_bytes]], checksum=False), bounce
-
-    def _run(self, ops: list[IOOp]) -> list[IOResult]:
-        return self._engine.run(ops)
-
-    def _sync_data(self, fds: set[int]) -> None:
-        for fd in fds:
-            try:
-                os.fdatasync(fd)
-            except OSError as exc:
-                self.counters.io_errors += 1
-                self._errlog.error("fdatasync failed: %s", exc)
 
     # ------------------------------------------------------------------ reads
     def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
@@ -328,7 +277,7 @@ class PageStore:
         if not todo:
             return results
         try:
-            verdicts = self._read_pages([(pages[i], e) for i, e in todo])
+            verdicts = self._io.read([(pages[i], e) for i, e in todo])
         finally:
             with self._lock:
                 for _, (slot, _) in todo:
@@ -349,36 +298,6 @@ class PageStore:
             if bad and self._journal is not None:
                 self._journal.append(bad)
         return results
-
-    def _read_pages(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> list[bool | str]:
-        verdicts: list[bool | str] = [False] * len(items)
-        direct = not self._needs_bounce_any([runs for runs, _ in items])
-        step = len(items) if direct else max(1, self._bounce.count)
-        for start in range(0, len(items), step):
-            chunk = items[start:start + step]
-            ops, bounces = [], []
-            for runs, (slot, _) in chunk:
-                op, bounce = self._make_op(OpKind.READ, slot, runs)
-                ops.append(op)
-                bounces.append(bounce)
-            for j, (res, bounce) in enumerate(zip(self._run(ops), bounces)):
-                runs, (_, checksum) = chunk[j]
-                if res.ok:
-                    got = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
-                    if got == checksum:
-                        if bounce is not None:
-                            copy_to_runs(bounce.view, runs)
-                        verdicts[start + j] = True
-                    else:
-                        verdicts[start + j] = "corrupt"
-                elif res.short:
-                    verdicts[start + j] = "corrupt"
-                else:
-                    self.counters.io_errors += 1
-                    self._errlog.error("read failed: %s", res.error)
-                if bounce is not None:
-                    self._bounce.release(bounce)
-        return verdicts
 
     # ------------------------------------------------------------------ maintenance
     def delete(self, keys: Sequence[PageKey]) -> int:

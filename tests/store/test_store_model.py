@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

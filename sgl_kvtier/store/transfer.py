@@ -1,0 +1,149 @@
+"""PageIO: moves whole pages between caller memory and device slots, many IOs in flight, verified.
+
+It builds one vectored IO per page (the caller's runs straight to the slot with O_DIRECT when they are
+aligned, else through a bounce buffer: one memcpy), skips devices whose circuit is open, feeds the
+breakers, checksums every page (xxh3-64 taken before a write, checked after a read) and fdatasyncs the
+data files of a write batch unless durability is ``none``. It knows slots, not keys or the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Sequence
+
+from sgl_kvtier.io.buffers import ALIGN, BouncePool, Run, copy_runs_to, copy_to_runs, runs_aligned, view
+from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest
+from sgl_kvtier.keys import PageKey
+from sgl_kvtier.metrics import RateLimitedLog, StoreCounters
+from sgl_kvtier.store.health import DeviceHealth
+from sgl_kvtier.store.layout import Layout
+
+log = logging.getLogger(__name__)
+
+
+class PageIO:
+    def __init__(self, layout: Layout, engine: IOEngine, health: DeviceHealth, counters: StoreCounters,
+                 page_bytes: int, io_depth: int, sync_writes: bool, on_device_full: Callable[[int], None]):
+        self.layout = layout
+        self.engine = engine
+        self.health = health
+        self.counters = counters
+        self.page_bytes = page_bytes
+        self.slot_bytes = layout.slot_bytes
+        self._ndev = len(layout.arenas)
+        self._bounce = BouncePool(self.slot_bytes, io_depth)
+        self._sync_writes = sync_writes
+        self._on_device_full = on_device_full
+        self._errlog = RateLimitedLog(log)
+
+    def close(self) -> None:
+        self.engine.close()
+        self._bounce.close()
+
+    def write(self, items: list[tuple[PageKey, Sequence[Run], int]]) -> list[int | None]:
+        """Write pages to their slots; the checksum of each written page, or None where it failed."""
+        sums: list[int | None] = [None] * len(items)
+        step = len(items) if not self._needs_bounce_any([r for _, r, _ in items]) else self._bounce.count
+        for start in range(0, len(items), step):
+            ops, placed = [], []
+            for j in range(start, min(start + step, len(items))):
+                _, runs, slot = items[j]
+                if not self.health.usable(slot % self._ndev):
+                    continue  # the device's circuit is open: fail fast, no IO
+                try:
+                    op, bounce = self._make_op(OpKind.WRITE, slot, runs)
+                except OSError as exc:  # a segment could not be created: the device is full
+                    self._device_full(slot, exc)
+                    continue
+                ops.append(op)
+                placed.append((j, bounce))
+            results = self._run(ops)
+            for (j, bounce), res, op in zip(placed, results, ops):
+                self.health.record(op.device, res.ok, res.seconds)
+                if res.ok:
+                    sums[j] = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
+                else:
+                    self.counters.io_errors += 1
+                    self._errlog.error("write to %s failed: %s", self._arena(items[j][2]).path, res.error)
+                if bounce is not None:
+                    self._bounce.release(bounce)
+            if self._sync_writes:
+                self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
+        return sums
+
+    def _device_full(self, slot: int, exc: OSError) -> None:
+        self.counters.io_errors += 1
+        self._errlog.error("%s: cannot grow (%s); capacity is now %d pages", self._arena(slot).path,
+                           exc.strerror, slot)
+        self._on_device_full(slot)
+
+    def _arena(self, slot: int):
+        return self.layout.arenas[slot % self._ndev]
+
+    def _needs_bounce_any(self, pages: Sequence[Sequence[Run]]) -> bool:
+        return any(self._needs_bounce(runs) for runs in pages)
+
+    def _needs_bounce(self, runs: Sequence[Run]) -> bool:
+        return self.layout.direct and (self.slot_bytes != self.page_bytes or not runs_aligned(runs, ALIGN))
+
+    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run]):
+        fd, offset = self._arena(slot).locate(slot // self._ndev)
+        if not self._needs_bounce(runs):
+            return IOOp(kind, fd, offset, [view(a, n) for a, n in runs], device=slot % self._ndev), None
+        bounce = self._bounce.acquire()
+        if kind is OpKind.WRITE:
+            copy_runs_to(bounce.view, runs)
+        return IOOp(kind, fd, offset, [bounce.view[:self.slot_bytes]], checksum=False, device=slot % self._ndev), bounce
+
+    def _run(self, ops: list[IOOp]) -> list[IOResult]:
+        return self.engine.run(ops)
+
+    def _sync_data(self, fds: set[int]) -> None:
+        for fd in fds:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                self.counters.io_errors += 1
+                self._errlog.error("fdatasync failed: %s", exc)
+
+    def read(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> list[bool | str]:
+        """Per page: True (verified bytes are in the runs), "corrupt" (drop it), or False (a plain miss)."""
+        verdicts: list[bool | str] = [False] * len(items)
+        direct = not self._needs_bounce_any([runs for runs, _ in items])
+        step = len(items) if direct else max(1, self._bounce.count)
+        for start in range(0, len(items), step):
+            placed = []  # (item index, op, bounce)
+            for j in range(start, min(start + step, len(items))):
+                runs, (slot, _) = items[j]
+                if not self.health.usable(slot % self._ndev):
+                    continue  # the device's circuit is open: a miss, SGLang recomputes
+                try:
+                    op, bounce = self._make_op(OpKind.READ, slot, runs)
+                except OSError as exc:
+                    self.counters.io_errors += 1
+                    self._errlog.error("read of slot %d: %s", slot, exc)
+                    continue
+                placed.append((j, op, bounce))
+            results = self._run([op for _, op, _ in placed])
+            for (j, op, bounce), res in zip(placed, results):
+                self.health.record(op.device, res.ok or res.short, res.seconds)
+                verdicts[j] = self._verdict(res, bounce, items[j])
+                if bounce is not None:
+                    self._bounce.release(bounce)
+        return verdicts
+
+    def _verdict(self, res: IOResult, bounce, item: tuple[Sequence[Run], tuple[int, int]]) -> bool | str:
+        runs, (_, checksum) = item
+        if res.short:
+            return "corrupt"
+        if not res.ok:
+            self.counters.io_errors += 1
+            self._errlog.error("read failed: %s", res.error)
+            return False
+        got = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
+        if got != checksum:
+            return "corrupt"
+        if bounce is not None:
+            copy_to_runs(bounce.view, runs)
+        return True
