@@ -43,7 +43,7 @@ def test_cpu_flags_and_flag_spelling(tmp_path):
                       "prefetch_threshold": 128},
            "kvtier": {"devices": ["rel-dir"], "capacity_bytes": 1 << 30}}
     cmd, env = build_command(doc, ["--port", "1"], gpu=False, make_model=False)
-    assert env == {"SGL_KVTIER_CPU_SHIMS": "1"}
+    assert env == {"KVTIER_CPU_SHIMS": "1"}
     assert cmd[cmd.index("--page-size") + 1] == "16" and "--enable-cache-report" in cmd
     assert "--enable-metrics" not in cmd and "--device" in cmd and cmd[-2:] == ["--port", "1"]
     extra = extra_of(cmd)
