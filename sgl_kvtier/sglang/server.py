@@ -77,8 +77,11 @@ class SGLangServer:
         startup_timeout_s: float = 300.0,
         stop_grace_s: float = 20.0,
         cpu: bool | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.port = port if port is not None else free_port()
+        # Sent with every request unless a call passes its own headers (SGLang's admin endpoints need it).
+        self.auth = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
         self.url = f"http://127.0.0.1:{self.port}"
         self.cpu = (not has_cuda_gpu()) if cpu is None else cpu
         self.command: list[str] = [
@@ -87,6 +90,7 @@ class SGLangServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             *(CPU_ARGS if self.cpu else ()),
             *extra_args,
+            *(("--admin-api-key", admin_api_key) if admin_api_key else ()),
         ]  # fmt: skip
         self.env: dict[str, str] = dict(os.environ)
         if self.cpu:
@@ -186,9 +190,15 @@ class SGLangServer:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: Any = None, timeout_s: float = 600.0) -> tuple[int, bytes]:
+    def request(self, method: str, path: str, body: Any = None, timeout_s: float = 600.0,
+                headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+        """Any HTTP call on the server; (status, body). Errors are returned, not raised.
+
+        ``headers`` replaces the default ones (``self.auth``): pass ``{}`` to call without credentials.
+        """
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers=dict(self.auth if headers is None else headers))
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
@@ -204,19 +214,25 @@ class SGLangServer:
         max_new_tokens: int = 8,
         temperature: float = 0.0,
         timeout_s: float = 600.0,
+        cache_salt: str | None = None,
         **sampling: Any,
     ) -> dict[str, Any]:
-        """POST /generate with one prompt; returns SGLang's JSON (`text`, `output_ids`, `meta_info`)."""
+        """POST /generate with one prompt; returns SGLang's JSON (`text`, `output_ids`, `meta_info`).
+
+        `cache_salt` seeds SGLang's prefix-hash chain: requests with different salts share no cache.
+        """
         if (text is None) == (input_ids is None):
             raise ValueError("pass exactly one of text and input_ids")
         body: dict[str, Any] = {
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature, **sampling}
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         if text is not None:
             body["text"] = text
         else:
             body["input_ids"] = list(input_ids or ())
-        status, raw = self._request("POST", "/generate", body, timeout_s)
+        status, raw = self.request("POST", "/generate", body, timeout_s)
         if status != 200:
             raise ServerError(f"/generate answered {status}: {raw[:500]!r}")
         out: dict[str, Any] = json.loads(raw)
@@ -231,7 +247,7 @@ class SGLangServer:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         while True:
-            status, raw = self._request("POST", "/flush_cache", None, timeout_s=30.0)
+            status, raw = self.request("POST", "/flush_cache", None, timeout_s=30.0)
             if status == 200:
                 return time.monotonic() - t0
             if status != 400 or time.monotonic() > deadline:
@@ -243,7 +259,7 @@ class SGLangServer:
 
         Needs `--enable-metrics`. Labels are summed over, e.g. all TP ranks.
         """
-        status, raw = self._request("GET", "/metrics", None, timeout_s=30.0)
+        status, raw = self.request("GET", "/metrics", None, timeout_s=30.0)
         if status != 200:
             raise ServerError(f"/metrics answered {status}; was the server started with --enable-metrics?")
         total = 0.0
