@@ -84,6 +84,16 @@ def load_config(meta: Path) -> StoreConfig:
     return StoreConfig.from_mapping(msgpack.unpackb((meta / "CONFIG").read_bytes()))
 
 
+def _open_arena(config: StoreConfig, namespace: Namespace, path: str, header: dict, slot_bytes: int,
+                share: int | None, create: bool) -> Arena:
+    if is_block_like(path):
+        return BlockArena(path, namespace.digest(), header, slot_bytes, share, namespace.shard_count,
+                          config.direct_io.value, create)
+    return DirectoryArena(path, namespace.dirname(), header, slot_bytes, config.segment_bytes,
+                          None if share is None else share // slot_bytes, namespace.shard_count,
+                          config.direct_io.value, create)
+
+
 def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: bool) -> Layout:
     slot_bytes = round_up(namespace.page_bytes)
     header_path = meta / "HEADER"
@@ -103,13 +113,10 @@ def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: b
                       "meta_dir": str(meta.parent)}
             if meta_header is not None and index == 0 and meta == Path(path) / namespace.dirname():
                 check_header(meta_header, header, str(header_path))
-            if is_block_like(path):
-                arenas.append(BlockArena(path, namespace.digest(), header, slot_bytes, share,
-                                         namespace.shard_count, config.direct_io.value, create))
-            else:
-                arenas.append(DirectoryArena(path, namespace.dirname(), header, slot_bytes, config.segment_bytes,
-                                             None if share is None else share // slot_bytes, namespace.shard_count,
-                                             config.direct_io.value, create))
+            try:
+                arenas.append(_open_arena(config, namespace, path, header, slot_bytes, share, create))
+            except DeviceError as exc:
+                raise DeviceError(f"devices[{index}]: {exc}") from None
         if meta_header is None:
             if meta != Path(config.devices[0]) / namespace.dirname() or not header_path.exists():
                 write_file_atomic(header_path, fmt.pack_header(fmt.HEADER_MAGIC, {
