@@ -67,3 +67,27 @@ def open_store(path: Path | str, capacity_pages: int = 64, page_bytes: int = PAG
 
 def random_key() -> bytes:
     return os.urandom(32)
+
+
+def run_concurrently(*targets) -> None:
+    """Start ``targets`` on their own threads at the same moment; re-raise the first exception any raised."""
+    import threading
+
+    barrier, failures = threading.Barrier(len(targets)), []
+
+    def wrap(fn):
+        def body():
+            barrier.wait()
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
+                failures.append(exc)
+        return body
+
+    threads = [threading.Thread(target=wrap(fn)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]

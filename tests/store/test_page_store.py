@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import threading
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from sgl_kvtier.config import Durability
 from sgl_kvtier.errors import DeviceError, StoreLockedError
 from sgl_kvtier.store import PageStore
-from support import PAGE_BYTES, HostMemory, key, namespace, open_store, store_config
+from support import PAGE_BYTES, HostMemory, key, namespace, open_store, run_concurrently, store_config
 
 
 def put_range(store, mem, first, count, slot0=0, seed0=0):
@@ -262,15 +261,13 @@ def test_three_threads_at_once(tmp_path):
     """SGLang's exists, get and set threads hammer one store; every served page is exact."""
     mem = HostMemory(96)
     payload = {i: mem.fill(i, i) for i in range(64)}
-    errors, barrier = [], threading.Barrier(3)
+    errors = []
     with open_store(tmp_path, capacity_pages=48) as store:
         def writer():
-            barrier.wait()
             for start in range(0, 64, 8):
                 store.put([key(i) for i in range(start, start + 8)], [mem.runs(i) for i in range(start, start + 8)])
 
-        def reader(base):
-            barrier.wait()
+        def reader(base=64):
             for _ in range(40):
                 ks = [key(i) for i in range(0, 64, 3)]
                 slots = [base + j for j in range(len(ks))]
@@ -280,18 +277,12 @@ def test_three_threads_at_once(tmp_path):
                         errors.append(k)
 
         def exister():
-            barrier.wait()
             for _ in range(200):
                 n = store.longest_prefix([key(i) for i in range(64)])
                 if not 0 <= n <= 64:
                     errors.append(n)
 
-        threads = [threading.Thread(target=writer), threading.Thread(target=reader, args=(64,)),
-                   threading.Thread(target=exister)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_concurrently(writer, reader, exister)
         assert errors == []
         assert len(store) <= 48
 
