@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import errno
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -130,9 +129,6 @@ class ThreadPoolEngine:
         self._pool.shutdown(wait=True)
 
 
-_engine_lock = threading.Lock()
-
-
 def make_engine(name: str, depth: int) -> IOEngine:
     """``threads``, ``uring``, or ``auto``.
 
@@ -140,9 +136,8 @@ def make_engine(name: str, depth: int) -> IOEngine:
     same GB/s (within noise) and fell behind when another Python thread held the GIL, as SGLang's
     scheduler does; it costs ~3x less CPU per op, so it stays selectable by name for small pages.
     """
-    with _engine_lock:
-        if name == "uring":
-            from sgl_kvtier.io.uring import UringEngine
+    if name == "uring":
+        from sgl_kvtier.io.uring import UringEngine
 
-            return UringEngine(depth)
-        return ThreadPoolEngine(depth)
+        return UringEngine(depth)
+    return ThreadPoolEngine(depth)

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind
+from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest
 
 log = logging.getLogger(__name__)
 KNOBS = ("read_error_rate", "write_error_rate", "enospc_rate", "stall_rate", "stall_s", "torn_write_rate", "down")
@@ -80,7 +80,9 @@ class FaultyEngine:
             if fault == "stall":
                 res.seconds = max(res.seconds, stall)
             if fault == "torn" and res.ok:
-                res = IOResult(sum(b.nbytes for b in op.buffers), _full_digest(op), None, seconds=res.seconds)
+                # The device kept half, but says it took it all, with the checksum of the whole page.
+                full = digest(op.buffers) if op.checksum else None
+                res = IOResult(sum(b.nbytes for b in op.buffers), full, None, seconds=res.seconds)
             results.append(res)
         return results
 
@@ -117,8 +119,3 @@ class FaultyEngine:
     def close(self) -> None:
         self.inner.close()
 
-
-def _full_digest(op: IOOp) -> int | None:
-    from sgl_kvtier.io.engine import digest
-
-    return digest(op.buffers) if op.checksum else None
