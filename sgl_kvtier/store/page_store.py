@@ -23,22 +23,24 @@ import gc
 import logging
 import os
 import threading
+import time
 from typing import Sequence
 
 from sgl_kvtier.config import Durability, StoreConfig
 from sgl_kvtier.errors import StoreClosedError
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine, make_engine
+from sgl_kvtier.io.faulty import FaultyEngine
 from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
 from sgl_kvtier.metrics import RateLimitedLog, StoreCounters, StoreStats
 from sgl_kvtier.policy.admission import AdmissionFilter
+from sgl_kvtier.policy.cost_model import ReadRates
 from sgl_kvtier.store import journal as jr
-from sgl_kvtier.io.faulty import FaultyEngine
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.index import PageIndex
-from sgl_kvtier.store.transfer import PageIO
 from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, save_config
 from sgl_kvtier.store.slots import SlotTable
+from sgl_kvtier.store.transfer import PageIO
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class PageStore:
         self.health = DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
                                    config.breaker_cooldown_s, config.slow_io_s)
         self._ndev = len(layout.arenas)
+        self.read_rates = ReadRates(self._ndev)  # moving-average read bandwidth / batch latency (cost model)
         self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
                           config.durability is not Durability.NONE, self._device_full)
         self._admission = AdmissionFilter(config.admission_threshold)
@@ -140,6 +143,11 @@ class PageStore:
         if self._closed:
             raise StoreClosedError("page store is closed")
 
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise StoreClosedError("page store is open read-only")
+
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
         self._check_open()
@@ -182,9 +190,7 @@ class PageStore:
     # ------------------------------------------------------------------ writes
     def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
         """Store pages; ``parent`` is the key that ``keys[0]`` chains on (for chain-aware eviction)."""
-        self._check_open()
-        if self.readonly:
-            raise StoreClosedError("page store is open read-only")
+        self._check_writable()
         if self.config.durability is Durability.ALWAYS and len(keys) > 1:
             return [ok for i in range(len(keys))
                     for ok in self.put(keys[i:i + 1], pages[i:i + 1], keys[i - 1] if i else parent)]
@@ -276,12 +282,15 @@ class PageStore:
             self._index.touch([keys[i] for i, _ in todo])
         if not todo:
             return results
+        start = time.perf_counter()
         try:
             verdicts = self._io.read([(pages[i], e) for i, e in todo])
         finally:
             with self._lock:
                 for _, (slot, _) in todo:
                     self._slots.unpin(slot)
+        self.read_rates.record([e[0] % self._ndev for (_, e), v in zip(todo, verdicts) if v is True],
+                               self.page_bytes, time.perf_counter() - start)
         bad: list[bytes] = []
         with self._lock:
             for (i, entry), verdict in zip(todo, verdicts):
@@ -301,7 +310,7 @@ class PageStore:
 
     # ------------------------------------------------------------------ maintenance
     def delete(self, keys: Sequence[PageKey]) -> int:
-        self._check_open()
+        self._check_writable()
         records: list[bytes] = []
         with self._lock:
             for key in keys:
