@@ -240,3 +240,42 @@ def test_mla_ranks_share_one_shard_written_by_rank_zero(tmp_path):
     assert [page_bytes(pool1, p * PS) for p in (7, 8, 9)] == [page_bytes(pool0, p * PS) for p in (1, 2, 3)]
     rank1.close()
     rank0.close()
+
+
+def test_v2_side_pools_and_hit_policies(tmp_path):
+    """A side pool (here a second KV pool standing in for a draft / SWA pool) gets its own shard; v2 calls
+    move its pages and batch_exists_v2 folds SGLang's hit policies into the usable prefix."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    kv, side = mha_host_pool("page_first"), mha_host_pool("page_first", layers=1)
+    fill_random(kv, seed=11)
+    fill_random(side, seed=12)
+    backend = make_backend(tmp_path, kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(side, PoolName.DRAFT)
+    backend.on_host_pools_registered()
+    assert backend.tiers["draft"].namespace.layout.startswith("draft/")
+    keys = chain_keys(6)
+    assert backend.batch_set_v1(keys, slots([0, 1, 2, 3, 4, 5])) == [True] * 6
+    # The side pool holds pages 0-2 and 5 (say, a trailing window), not 3-4.
+    written = backend.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=slots([0, 1, 2, 5]),
+                                                 keys=keys[:3] + keys[5:])])
+    assert written == {"draft": [True] * 4}
+
+    every = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT, keys=keys,
+                                                        hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert every.kv_hit_pages == 3 and every.extra_pool_hit_pages["draft"] == 3
+    trailing = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT, keys=keys[:1],
+                                                           hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert trailing.kv_hit_pages == 6  # only the last page of a prefix must be there: 6 is restorable
+    assert trailing.restorable_prefix_pages == [1, 2, 3, 6]
+
+    expected = [page_bytes(side, p * PS) for p in (0, 1, 2)]
+    zero(side)
+    got = backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=slots([9, 10, 11, 12]),
+                                             keys=keys[:4])])
+    assert got == {"draft": [True, True, True, False]}
+    assert [page_bytes(side, p * PS) for p in (9, 10, 11)] == expected
+    bad = backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=slots([9]), keys=keys[:2])])
+    assert bad == {"draft": [False, False]}  # indices for one page, two keys: refused, not truncated
+    backend.close()
