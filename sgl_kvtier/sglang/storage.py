@@ -37,6 +37,7 @@ from sgl_kvtier.sglang.host_pages import HostPages, check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
+from sgl_kvtier.sglang import throughput
 from sgl_kvtier.sglang.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class KVTierStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ v1: zero-copy KV
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        hit = self._stored_prefix(keys)
+        # With KVTIER_PREFETCH_POLICY=cost: only the leading pages predicted to load faster than recompute.
+        return throughput.shorten_hit(self, len(keys), hit, len(getattr(extra_info, "prefix_keys", None) or ()))
+
+    def _stored_prefix(self, keys: List[str]) -> int:
         try:
             return self._kv().longest_prefix(_keys_until_invalid(keys))
         except _BOUNDARY_ERRORS as exc:
@@ -110,7 +116,7 @@ class KVTierStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ legacy: flat page tensors
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
+        return self._stored_prefix([key]) == 1
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
@@ -177,6 +183,10 @@ class KVTierStorage(HiCacheStorage):
 
     def get_stats(self):
         return self.stats.drain()
+
+    def cost_inputs(self) -> dict:
+        """The cost policy's measured inputs: read bandwidth / batch latency per pool and device, prefill speed."""
+        return throughput.cost_inputs(self)
 
     def close(self) -> None:
         for tier in self.tiers.values():

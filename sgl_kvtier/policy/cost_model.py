@@ -1,0 +1,329 @@
+"""Load or recompute: a per-request TTFT model for L3 prefix pages, and the estimators that feed it.
+
+Pure Python: no clock, no sleep, no SGLang; callers pass measured figures and elapsed times in.
+Modelled (SGLang 0.5.23, shared/reference/sglang-hicache.md section 5): a request whose storage prefetch
+is in flight is skipped at admission until the stop policy terminates the prefetch; only then can its own
+prefill start (loads of other requests overlap with it, its own prefill does not). Loading the first
+``k`` of the ``H`` L3-hit pages and recomputing the rest of the span:
+
+    TTFT(k) ~= wait(k) + prefill(tokens=(H - k) * P + tail, cached=cached + k * P)
+
+Pages move in batches of ``batch_pages`` (SGLang's STORAGE_BATCH_SIZE, 128), one ack per batch from the
+start of the hit; termination is cooperative at that granularity, so a cut keeps the completed batches
+and the batch in flight is wasted.
+
+- load:    T(n) = ceil(n / batch_pages) * batch_latency + n * page_bytes / bandwidth   (from the load's start)
+- prefill: C(t, c) = a*t + b*t*(c + t/2)/1000 + fixed, with t >= 1 (SGLang always computes the last token;
+           c + t/2 is the mean attention span of the t new tokens, so b carries the attention cost)
+- wait(k) from now, ``e`` seconds after the load began, ``next`` the end of the batch in flight:
+           max(0, T(max(k, next)) - e) + max(0, e - T(next)): a load late by ``d`` is predicted to need
+           ``d`` more, and a page of the batch under way comes only with the whole batch.
+
+Invariants:
+- ``plan`` and ``should_terminate`` choose to wait for pages only when the predicted TTFT with them is lower
+  than recomputing now by more than ``margin_s`` (ties and unknowns go to recomputing).
+- A late (stalled) load's predicted finish grows with its lateness, so it is always cut eventually.
+- Estimators are thread-safe (one lock each) and publish immutable model snapshots; a degenerate sample set
+  falls back to fewer coefficients (non-negative least squares), never to a negative speed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+STORAGE_BATCH_PAGES = 128
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    batch_pages: int = STORAGE_BATCH_PAGES  # pages per storage batch (one ack, the unit of a cut)
+    margin_s: float = 0.0  # a load must beat recomputing by more than this to be waited for
+
+    def __post_init__(self) -> None:
+        if self.batch_pages < 1:
+            raise ValueError(f"batch_pages must be >= 1, got {self.batch_pages}")
+        if not self.margin_s >= 0:
+            raise ValueError(f"margin_s must be >= 0, got {self.margin_s}")
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """The read path as a prefetch sees it: bandwidth in bytes/s (may be inf) and a fixed cost per batch."""
+
+    bandwidth_Bps: float
+    batch_latency_s: float
+
+    def load_time(self, pages: int, page_bytes: int, batch_pages: int = STORAGE_BATCH_PAGES) -> float:
+        if pages <= 0:
+            return 0.0
+        return math.ceil(pages / batch_pages) * self.batch_latency_s + pages * page_bytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    per_token_s: float  # a
+    per_token_kctx_s: float  # b: seconds per new token per 1000 tokens of mean attention span
+    fixed_s: float = 0.0
+
+    def time(self, tokens: int, cached: int) -> float:
+        t = max(int(tokens), 1)
+        return self.per_token_s * t + self.per_token_kctx_s * t * (cached + t / 2) / 1000 + self.fixed_s
+
+    @classmethod
+    def from_tokens_per_s(cls, tokens_per_s: float) -> "PrefillModel":
+        if not tokens_per_s > 0:
+            raise ValueError(f"tokens_per_s must be > 0, got {tokens_per_s}")
+        return cls(1.0 / tokens_per_s, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    page_tokens: int
+    page_bytes: int
+    hit_pages: int  # leading pages of the span that L3 holds
+    cached_tokens: int = 0  # prompt tokens before the span (device / host hits): neither loaded nor computed
+    tail_tokens: int = 0  # prompt tokens after the hit: computed in any case
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    loaded_pages: int = 0  # leading hit pages already landed (acknowledged)
+    elapsed_s: float = 0.0  # since the load was issued
+    queued_pages: int = 0  # other requests' pages ahead of this load on the (FIFO) IO queue
+
+
+@dataclass(frozen=True)
+class Decision:
+    load_pages: int  # leading hit pages to end up with
+    recompute_pages: int  # hit pages left to the prefill
+    ttft_s: float  # predicted TTFT from now for that choice
+    recompute_now_s: float  # predicted TTFT from now when stopping (or not loading) now
+    terminate: bool  # stop waiting now (pages still pending, and waiting does not pay)
+
+
+def wait_time(shape: RequestShape, progress: LoadProgress, device: DeviceModel, k: int,
+              cfg: CostConfig = CostConfig()) -> float:
+    """Predicted seconds from now until the first ``k`` hit pages have landed (0 for pages already there)."""
+    loaded = min(progress.loaded_pages, shape.hit_pages)
+    k = min(k, shape.hit_pages)
+    if k <= loaded:
+        return 0.0
+    b = cfg.batch_pages
+
+    def t(n: int) -> float:
+        return device.load_time(n, shape.page_bytes, b)
+
+    start = t(progress.queued_pages)
+    next_end = min(shape.hit_pages, loaded - loaded % b + b)
+    if loaded or progress.elapsed_s > 0:  # in flight: a page of the batch under way comes with all of it
+        k = max(k, next_end)
+    late = max(0.0, progress.elapsed_s - (start + t(next_end)))
+    return max(0.0, start + t(k) - progress.elapsed_s) + late
+
+
+def ttft(shape: RequestShape, progress: LoadProgress, device: DeviceModel, prefill: PrefillModel, k: int,
+         cfg: CostConfig = CostConfig()) -> float:
+    """Predicted TTFT from now when the request ends up with the first ``k`` hit pages loaded."""
+    k = max(min(k, shape.hit_pages), min(progress.loaded_pages, shape.hit_pages))
+    compute = prefill.time((shape.hit_pages - k) * shape.page_tokens + shape.tail_tokens,
+                           shape.cached_tokens + k * shape.page_tokens)
+    return wait_time(shape, progress, device, k, cfg) + compute
+
+
+def _candidates(hit: int, loaded: int, batch: int, within_batches: bool) -> list[int]:
+    """Where TTFT(k) can be minimal: it is concave in k between batch boundaries, so at their ends (and,
+    page by page, one short of the hit: the prefill's one-token floor flattens the last page's saving)."""
+    ks = {loaded, hit} | ({hit - 1} if within_batches else set())
+    for j in range(loaded // batch, math.ceil(hit / batch)):
+        hi = min((j + 1) * batch, hit)
+        ks.add(hi)
+        if within_batches:
+            ks.add(min(j * batch + 1, hit))
+    return sorted(k for k in ks if loaded <= k <= hit)
+
+
+def _choose(shape: RequestShape, progress: LoadProgress, device: DeviceModel, prefill: PrefillModel,
+            cfg: CostConfig, within_batches: bool) -> Decision:
+    hit = max(0, shape.hit_pages)
+    loaded = max(0, min(progress.loaded_pages, hit))
+    now = ttft(shape, progress, device, prefill, loaded, cfg)
+    best_k, best = loaded, now
+    for k in _candidates(hit, loaded, cfg.batch_pages, within_batches):
+        cost = ttft(shape, progress, device, prefill, k, cfg)
+        if cost < best:  # strict: among equals the fewest pages
+            best_k, best = k, cost
+    if best_k != loaded and not best + cfg.margin_s < now:
+        best_k, best = loaded, now
+    return Decision(best_k, hit - best_k, best, now, terminate=best_k == loaded and loaded < hit)
+
+
+def plan(shape: RequestShape, device: DeviceModel, prefill: PrefillModel, progress: LoadProgress = LoadProgress(),
+         cfg: CostConfig = CostConfig()) -> Decision:
+    """How many leading hit pages to load (any page count) so that the predicted TTFT is minimal."""
+    return _choose(shape, progress, device, prefill, cfg, within_batches=True)
+
+
+def should_terminate(shape: RequestShape, progress: LoadProgress, device: DeviceModel, prefill: PrefillModel,
+                     cfg: CostConfig = CostConfig()) -> Decision:
+    """The stop decision for a load in flight: ``terminate`` as soon as waiting for any further batch
+    boundary (or the whole hit) is predicted to finish no earlier than computing the remainder now."""
+    return _choose(shape, progress, device, prefill, cfg, within_batches=False)
+
+
+# ---------------------------------------------------------------------------------------------- estimators
+def _solve(a: list[list[float]], r: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None for a (numerically) singular system."""
+    n = len(r)
+    m = [row[:] + [r[i]] for i, row in enumerate(a)]
+    scale = max((abs(m[i][i]) for i in range(n)), default=0.0)
+    if scale <= 0:
+        return None
+    for col in range(n):
+        piv = max(range(col, n), key=lambda i: abs(m[i][col]))
+        if abs(m[piv][col]) <= 1e-10 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for i in range(col + 1, n):
+            f = m[i][col] / m[col][col]
+            for j in range(col, n + 1):
+                m[i][j] -= f * m[col][j]
+    out = [0.0] * n
+    for i in reversed(range(n)):
+        out[i] = (m[i][n] - sum(m[i][j] * out[j] for j in range(i + 1, n))) / m[i][i]
+    return out
+
+
+class _DecayingLeastSquares:
+    """Non-negative least squares of y ~ theta . x over samples whose weights halve every ``half_life``."""
+
+    def __init__(self, n: int, half_life: float, subsets: Sequence[tuple[int, ...]]):
+        if not half_life > 0:
+            raise ValueError(f"half_life must be > 0, got {half_life}")
+        self.n, self.subsets = n, subsets  # subsets in order of preference among equally good fits
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.gram = [[0.0] * n for _ in range(n)]
+        self.rhs = [0.0] * n
+        self.yy = 0.0
+        self.count = 0
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        d = self.decay
+        for i in range(self.n):
+            self.rhs[i] = self.rhs[i] * d + x[i] * y
+            for j in range(self.n):
+                self.gram[i][j] = self.gram[i][j] * d + x[i] * x[j]
+        self.yy = self.yy * d + y * y
+        self.count += 1
+
+    def solve(self) -> list[float] | None:
+        best, best_res = None, math.inf
+        tol = 1e-9 * self.yy
+        for subset in self.subsets:  # exact NNLS: the optimum is the best feasible subset solution
+            sol = _solve([[self.gram[i][j] for j in subset] for i in subset], [self.rhs[i] for i in subset])
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            theta = [dict(zip(subset, sol)).get(i, 0.0) for i in range(self.n)]
+            res = self.yy - 2 * sum(t * r for t, r in zip(theta, self.rhs)) + sum(
+                theta[i] * self.gram[i][j] * theta[j] for i in range(self.n) for j in range(self.n))
+            if res < best_res - tol:
+                best, best_res = theta, res
+        return best
+
+
+class TransferEstimator:
+    """seconds ~= batch_latency + bytes / bandwidth, fitted over recent real transfers (moving average)."""
+
+    def __init__(self, half_life: float = 32.0):
+        self._ls = _DecayingLeastSquares(2, half_life, ((0, 1), (0,), (1,)))
+        self._lock = threading.Lock()
+        self._model: DeviceModel | None = None
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not 0 < seconds < math.inf:
+            return
+        with self._lock:
+            self._ls.add((nbytes / 1e6, 1.0), seconds)
+            theta = self._ls.solve()
+            if theta is not None:
+                self._model = DeviceModel(1e6 / theta[0] if theta[0] > 0 else math.inf, theta[1])
+
+    @property
+    def samples(self) -> int:
+        return self._ls.count
+
+    def model(self) -> DeviceModel | None:
+        return self._model
+
+    def snapshot(self) -> dict:
+        m = self._model
+        return {"bandwidth_Bps": None if m is None else m.bandwidth_Bps,
+                "batch_latency_s": None if m is None else m.batch_latency_s, "samples": self.samples}
+
+
+class ReadRates:
+    """Read figures of one page store: all its devices together (what a load sees) and each device's share
+    (bytes it delivered per batch, on the batch's wall clock)."""
+
+    def __init__(self, devices: int, half_life: float = 32.0):
+        self.total = TransferEstimator(half_life)
+        self.devices = [TransferEstimator(half_life) for _ in range(devices)]
+
+    def record(self, device_of_page: Sequence[int], page_bytes: int, seconds: float) -> None:
+        self.total.record(len(device_of_page) * page_bytes, seconds)
+        for d, n in Counter(device_of_page).items():
+            if 0 <= d < len(self.devices):
+                self.devices[d].record(n * page_bytes, seconds)
+
+    def model(self) -> DeviceModel | None:
+        return self.total.model()
+
+
+class PrefillEstimator:
+    """Least-squares fit of ``PrefillModel`` over observed prefill batches (weights halve every
+    ``half_life`` batches). Until ``min_samples`` batches were seen, ``model()`` is ``seed`` (may be None)."""
+
+    _SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+
+    def __init__(self, half_life: float = 64.0, min_samples: int = 4, seed: PrefillModel | None = None):
+        self._ls = _DecayingLeastSquares(3, half_life, self._SUBSETS)
+        self._lock = threading.Lock()
+        self.min_samples = max(1, min_samples)
+        self.seed = seed
+        self._fit: PrefillModel | None = None
+
+    def record_batch(self, requests: Sequence[tuple[int, int]], seconds: float) -> None:
+        """One forward: ``(new tokens, cached tokens)`` per request, and its duration."""
+        reqs = [(int(t), int(c)) for t, c in requests if t > 0]
+        if not reqs or not 0 < seconds < math.inf:
+            return
+        x = (sum(t for t, _ in reqs) / 1e3, sum(t * (c + t / 2) for t, c in reqs) / 1e6, 1.0)
+        with self._lock:
+            self._ls.add(x, seconds)
+            theta = self._ls.solve()
+            if theta is not None:
+                self._fit = PrefillModel(theta[0] / 1e3, theta[1] / 1e3, theta[2])
+
+    def record(self, tokens: int, cached: int, seconds: float) -> None:
+        self.record_batch([(tokens, cached)], seconds)
+
+    @property
+    def samples(self) -> int:
+        return self._ls.count
+
+    def model(self) -> PrefillModel | None:
+        return self._fit if self._fit is not None and self.samples >= self.min_samples else self.seed
+
+    def snapshot(self) -> dict:
+        m = self.model()
+        fields = ("per_token_s", "per_token_kctx_s", "fixed_s")
+        return {**{f: None if m is None else getattr(m, f) for f in fields}, "samples": self.samples,
+                "source": "fit" if m is not None and m is self._fit else "seed" if m is not None else None}
+
+
+__all__ = ["CostConfig", "DeviceModel", "PrefillModel", "RequestShape", "LoadProgress", "Decision", "wait_time",
+           "ttft", "plan", "should_terminate", "TransferEstimator", "ReadRates", "PrefillEstimator",
+           "STORAGE_BATCH_PAGES"]
