@@ -282,3 +282,10 @@ class SGLangServer:
             if time.monotonic() > deadline:
                 raise ServerError(f"{name} reached only {value} (wanted >= {at_least}) within {timeout_s:.0f} s")
             time.sleep(0.2)
+
+
+def tracebacks_through(log: str, package: str = "sgl_kvtier") -> list[str]:
+    """Tracebacks in a server log with a frame in ``package`` (SGLang logs harmless ones of its own on CPU)."""
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    return [b[:3000] for b in blocks
+            if any(line.lstrip().startswith('File "') and f"/{package}/" in line for line in b.splitlines())]

@@ -21,7 +21,7 @@ pytest.importorskip("sglang")
 
 from sgl_kvtier.launch import BACKEND  # noqa: E402
 from sgl_kvtier.sglang.model_factory import make_model, make_prompt  # noqa: E402
-from sgl_kvtier.sglang.server import SGLangServer  # noqa: E402
+from sgl_kvtier.sglang.server import SGLangServer, tracebacks_through  # noqa: E402
 from sgl_kvtier.store.fsck import find_shards, shard_summary  # noqa: E402
 
 PAGE = 16
@@ -41,12 +41,6 @@ def args_for(store: Path, control: Path | None = None) -> list[str]:
         "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
     ]  # fmt: skip
     return args
-
-
-def our_tracebacks(log: str) -> list[str]:
-    """Tracebacks that pass through sgl_kvtier (SGLang logs some of its own on CPU, e.g. freeze_gc)."""
-    blocks = log.split("Traceback (most recent call last):")[1:]
-    return [b[:2000] for b in blocks if "sgl_kvtier" in b.split("\n\n")[0]]
 
 
 def storage_hit(out: dict) -> int:
@@ -113,7 +107,7 @@ def test_salts_faults_and_admin_clear(tmp_path: Path) -> None:
         cleared = srv.generate(prompt, cache_salt="tenant-a")
         assert storage_hit(cleared) == 0
         log = (tmp_path / "s.log").read_text(errors="replace")
-    assert not our_tracebacks(log)
+    assert tracebacks_through(log) == []
     assert "circuit open" in log and "circuit closed: device recovered" in log
     assert recovered_s < COOLDOWN_S + 120
     print(f"device fault: degraded at once (first failed load), recovered {recovered_s:.1f} s after opening")
@@ -132,5 +126,5 @@ def test_sglang_own_fault_injector(tmp_path: Path) -> None:
         warm = [srv.generate(p) for p in prompts]
         log = (tmp_path / "s.log").read_text(errors="replace")
     assert [w["output_ids"] for w in warm] == [c["output_ids"] for c in cold]
-    assert not our_tracebacks(log)
+    assert tracebacks_through(log) == []
     assert "FailureInjector" in log or "failure" in log.lower()
