@@ -1,0 +1,164 @@
+"""HTTP side of the benchmark: streamed /generate (TTFT measured here, at the client), phases run with a
+bounded number of requests in flight (threads), and /metrics snapshots.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from serving.workloads import Request
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+# Counters read before and after each phase (summed over TP ranks and other labels unless split).
+COUNTERS = {
+    "prompt_tokens": ("sglang:prompt_tokens_total", None),
+    "cached_device": ("sglang:cached_tokens_total", {"cache_source": "device"}),
+    "cached_host": ("sglang:cached_tokens_total", {"cache_source": "host"}),
+    "cached_storage": ("sglang:cached_tokens_total", {"cache_source": "storage"}),
+    "prefetched_tokens": ("sglang:prefetched_tokens_total", None),
+    "backuped_tokens": ("sglang:backuped_tokens_total", None),
+    "storage_prefetch_hit_tokens": ("sglang:storage_prefetch_hit_tokens_total", None),
+}
+
+
+def stream_generate(url: str, req: Request, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """One streamed /generate with `input_ids`; returns the per-request record (never raises)."""
+    body = json.dumps({
+        "input_ids": req.tokens, "stream": True,
+        "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }).encode()  # fmt: skip
+    http = urllib.request.Request(url + "/generate", data=body, method="POST",
+                                  headers={"Content-Type": "application/json"})
+    rec: dict[str, Any] = {"rid": req.rid, "group": req.group, "input_tokens": len(req.tokens)}
+    t0 = time.perf_counter()
+    rec["sent_at"] = time.time()
+    first = last = None
+    try:
+        with urllib.request.urlopen(http, timeout=timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t0
+                last = json.loads(line[5:])
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    rec["latency_s"] = time.perf_counter() - t0
+    if last is None or first is None:
+        rec.setdefault("error", "no tokens streamed")
+        return rec
+    meta = last.get("meta_info", {})
+    details = meta.get("cached_tokens_details") or {}
+    rec.update(
+        ttft_s=first, prompt_tokens=int(meta.get("prompt_tokens", len(req.tokens))),
+        completion_tokens=int(meta.get("completion_tokens", 0)), cached_tokens=int(meta.get("cached_tokens", 0)),
+        cached_device=int(details.get("device", 0)), cached_host=int(details.get("host", 0)),
+        cached_storage=int(details.get("storage", 0)), storage_backend=details.get("storage_backend"),
+    )
+    return rec
+
+
+def run_phase(url: str, requests: list[Request], concurrency: int,
+              on_done: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Send `requests` with at most `concurrency` in flight; (records in request order, wall seconds).
+
+    Requests without `arrival_s` go out in order as soon as a slot frees up (closed loop). With
+    `arrival_s` (trace replay) each is released at that offset, then waits for a slot; `late_s` records
+    how long after its arrival it was actually sent.
+    """
+    slots = threading.Semaphore(concurrency)
+    records: list[dict[str, Any] | None] = [None] * len(requests)
+
+    def one(i: int, req: Request, due: float | None) -> None:
+        try:
+            rec = stream_generate(url, req)
+            if due is not None:
+                rec["late_s"] = max(0.0, rec["sent_at"] - due)
+            records[i] = rec
+            if on_done is not None:
+                on_done(rec)
+        finally:
+            slots.release()
+
+    t0 = time.perf_counter()
+    wall0 = time.time()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for i, req in enumerate(requests):
+            due = None
+            if req.arrival_s is not None:
+                due = wall0 + req.arrival_s
+                delay = due - time.time()
+                if delay > 0:
+                    time.sleep(delay)  # replay pacing (open loop), not synchronisation
+            slots.acquire()
+            pool.submit(one, i, req, due)
+    wall = time.perf_counter() - t0
+    return [r if r is not None else {"rid": requests[i].rid, "error": "lost"} for i, r in enumerate(records)], wall
+
+
+def scrape(url: str, timeout_s: float = 30.0) -> list[tuple[str, dict[str, str], float]]:
+    """All samples on /metrics as (name, labels, value); empty if the endpoint is unavailable."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return []
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+            except ValueError:
+                continue
+    return out
+
+
+# Why L3 hits were not used (or were postponed), split by SGLang's `reason` label.
+BY_REASON = {"unfulfilled": "sglang:storage_prefetch_unfulfilled_tokens_total",
+             "deferred": "sglang:storage_prefetch_deferred_tokens_total"}
+
+
+def counters(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, (name, match) in COUNTERS.items():
+        out[key] = sum(v for n, labels, v in samples
+                       if n == name and all(labels.get(k) == want for k, want in (match or {}).items()))
+    for prefix, name in BY_REASON.items():
+        for n, labels, v in samples:
+            if n == name and "reason" in labels:
+                key = f"{prefix}_{labels['reason']}"
+                out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after.keys() | before.keys()}
+
+
+def wait_backups(url: str, at_least: float, timeout_s: float, stable_polls: int = 3,
+                 poll_s: float = 0.5) -> dict[str, Any]:
+    """Wait until `sglang:backuped_tokens_total` >= `at_least` and then unchanged over `stable_polls`
+    polls (L3 write-back has drained), or `timeout_s`. Returns what was seen."""
+    t0 = time.monotonic()
+    history: list[float] = []
+    while True:
+        value = counters(scrape(url))["backuped_tokens"]
+        history.append(value)
+        settled = value >= at_least and len(history) > stable_polls and len(set(history[-stable_polls:])) == 1
+        waited = time.monotonic() - t0
+        if settled or waited > timeout_s:
+            return {"backuped_tokens": value, "wanted_at_least": at_least, "waited_s": round(waited, 2),
+                    "settled": settled}
+        time.sleep(poll_s)
