@@ -62,11 +62,10 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
-from sgl_kvtier.sglang import KVTierStorage, cpu_plugin  # noqa: E402
+from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
 from sgl_kvtier.store.fsck import find_shards, fsck, shard_summary  # noqa: E402
 
 PS = 16  # tokens per page
@@ -79,21 +78,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # ---------------------------------------------------------------------------------------------- setup
-@pytest.fixture(scope="module")
-def cpu_shims():
-    """Install the CPU shims the way SGLang's plugin loader does, once for this process."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv(cpu_plugin.ENV_FLAG, "1")
-    try:
-        cpu_plugin.load()
-        HookRegistry.apply_hooks()
-    finally:
-        mp.undo()
-    import sglang.srt.mem_cache.pool_host.mha as mha
-
-    assert hasattr(mha, "transfer_kv_direct"), "transfer_kv_direct stand-in missing"
-
-
 @pytest.fixture
 def single_rank(cpu_shims):
     with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):

@@ -41,7 +41,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from pools import mha_host_pool, storage_config  # noqa: E402
 from sgl_kvtier.policy.cost_model import (  # noqa: E402
     LoadProgress, PrefillEstimator, PrefillModel, ReadRates, RequestShape, should_terminate)
-from sgl_kvtier.sglang import KVTierStorage, cpu_plugin, prefetch_plugin, throughput  # noqa: E402
+from sgl_kvtier.sglang import KVTierStorage, prefetch_plugin, throughput  # noqa: E402
 
 PS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
 PAGE_BYTES = PS * LAYERS * 2 * HEADS * HEAD_DIM * 2  # bf16 K and V of every layer
@@ -55,17 +55,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def cpu_shims():
-    mp = pytest.MonkeyPatch()
-    mp.setenv(cpu_plugin.ENV_FLAG, "1")
-    try:
-        cpu_plugin.load()
-        HookRegistry.apply_hooks()
-    finally:
-        mp.undo()
-
-
 @pytest.fixture
 def pristine(monkeypatch, cpu_shims):
     """Hook registry, SGLang's classes and the plugin's globals come back as they were after the test."""

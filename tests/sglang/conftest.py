@@ -1,0 +1,24 @@
+"""Shared fixtures for tests that run SGLang's classes in this process."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cpu_shims():
+    """Install the CPU shims the way SGLang's plugin loader does, once per test process."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sgl_kvtier.sglang import cpu_plugin
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(cpu_plugin.ENV_FLAG, "1")
+    try:
+        cpu_plugin.load()
+        HookRegistry.apply_hooks()
+    finally:
+        mp.undo()
+    import sglang.srt.mem_cache.pool_host.mha as mha
+
+    assert hasattr(mha, "transfer_kv_direct"), "transfer_kv_direct stand-in missing"
