@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("L3 and measurement")
     g.add_argument("--l3-dir", type=Path, help="where the L3 stores go (default <out>/l3); put it on the flash to measure")
     g.add_argument("--kvtier-capacity-gb", type=float, default=8.0)
+    g.add_argument("--kvtier-extra", type=json.loads, default={},
+                   help='more keys for kvtier-l3\'s extra config, e.g. \'{"io_depth": 4, "io_engine": "uring"}\'')
     g.add_argument("--keep-l3", action="store_true", help="keep the L3 directories after each configuration")
     g.add_argument("--flush-between-phases", action="store_true",
                    help="POST /flush_cache before each measured phase (deterministic smoke mode, not real spill)")
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                               host_size_gb=args.hicache_size, gpu=args.gpu, l3_root=(args.l3_dir or args.out / "l3").resolve(),
                               kvtier_capacity_bytes=int(args.kvtier_capacity_gb * 1e9),
                               hicache_io_backend=args.hicache_io_backend, hicache_mem_layout=args.hicache_mem_layout,
-                              extra_args=tuple(args.server_arg))
+                              extra_args=tuple(args.server_arg), kvtier_extra=args.kvtier_extra)
     host = plan.host_tokens(kvbpt)
     drop, policy = page_cache_policy(args.no_drop_caches)
     info = {w: wls[(w, 0, args.concurrency[0])].summary(args.page_size) for w in args.workload}

@@ -8,6 +8,7 @@ round-1 page to be backed up before it flushes. About two minutes: two start-ups
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -128,6 +129,9 @@ def test_configuration_flags(tmp_path: Path) -> None:
     assert k[k.index("--hicache-storage-backend") + 1] == "dynamic"
     extra = json.loads(k[k.index("--hicache-storage-backend-extra-config") + 1])
     assert extra["class_name"] == "KVTierStorage" and extra["devices"] == [str(tmp_path / "kvtier-l3")]
+    tuned = dataclasses.replace(plan, kvtier_extra={"io_depth": 4})
+    k = configs.CONFIGS["e"].args(tuned)
+    assert json.loads(k[k.index("--hicache-storage-backend-extra-config") + 1])["io_depth"] == 4
     gpu = configs.ServerPlan(page_size=64, device_tokens=10**6, host_ratio=2, host_size_gb=100, gpu=True,
                              l3_root=tmp_path, kvtier_capacity_bytes=10**9)
     g = configs.CONFIGS["e"].args(gpu)

@@ -33,6 +33,7 @@ class ServerPlan:
     hicache_mem_layout: str | None = None
     extra_args: tuple[str, ...] = ()
     log_level: str = "warning"
+    kvtier_extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # more keys for kvtier-l3's JSON
 
     def host_tokens(self, kv_bytes_per_token: int) -> int:
         if self.host_size_gb > 0:
@@ -65,7 +66,8 @@ class Config:
             args += ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
                      json.dumps({"file_storage_path": str(self.l3_dir(plan))})]
         elif self.l3 == "kvtier":
-            extra = {**BACKEND, "devices": [str(self.l3_dir(plan))], "capacity_bytes": plan.kvtier_capacity_bytes}
+            extra = {**BACKEND, "devices": [str(self.l3_dir(plan))], "capacity_bytes": plan.kvtier_capacity_bytes,
+                     **plan.kvtier_extra}
             args += ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
                      json.dumps(extra)]
         return args + list(plan.extra_args)
