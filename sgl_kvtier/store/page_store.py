@@ -165,7 +165,10 @@ class PageStore:
             return False
         with self._lock:
             changed = jr.follow(self.layout.meta, self.recovery)
-            if changed:
+            # Replayed records land in place in the dicts the index shares with ``self.recovery``; only a
+            # restart from a new checkpoint replaces them, and only then is the index rebuilt (a reader
+            # never evicts, so its policy need not see the writer's new pages).
+            if changed and self.recovery.slot_of is not self._index.slot_of:
                 capacity = max([self._slots.capacity, *(s + 1 for s in self.recovery.key_of)])
                 self._index = PageIndex(self.recovery, self.config.eviction, capacity)
                 self._slots = SlotTable(capacity, self._index.slots())
