@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from sgl_kvtier.errors import ConfigError
+from sgl_kvtier.io.throttle import validate as validate_throttle
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -75,6 +76,8 @@ class StoreConfig:
     slow_io_s: float = 2.0
     # Testing only: inject IO faults (see sgl_kvtier.io.faulty). None in production.
     fault_injection: dict | None = None
+    # Benchmarks only: emulate a slower device (bandwidth caps and added latency, see sgl_kvtier.io.throttle).
+    throttle: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -97,6 +100,8 @@ class StoreConfig:
             raise ConfigError("breaker_cooldown_s", f"must be in (0, 3600] seconds, got {self.breaker_cooldown_s}")
         if not 0 < self.slow_io_s <= 3600:
             raise ConfigError("slow_io_s", f"must be in (0, 3600] seconds, got {self.slow_io_s}")
+        if self.throttle is not None:
+            validate_throttle(self.throttle)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, ignore: frozenset[str] = frozenset()) -> "StoreConfig":

@@ -31,6 +31,7 @@ from sgl_kvtier.errors import StoreClosedError
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine, make_engine
 from sgl_kvtier.io.faulty import FaultyEngine
+from sgl_kvtier.io.throttle import ThrottledEngine
 from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
 from sgl_kvtier.metrics import RateLimitedLog, StoreCounters, StoreStats
 from sgl_kvtier.policy.admission import AdmissionFilter
@@ -74,6 +75,8 @@ class PageStore:
         self._engine = engine or make_engine(config.io_engine.value, config.io_depth)
         if config.fault_injection:
             self._engine = FaultyEngine(self._engine, config.fault_injection)
+        if config.throttle:  # benchmarks: a slower device; outermost, so real IO and faults run inside its time
+            self._engine = ThrottledEngine(self._engine, config.throttle)
         self.health = DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
                                    config.breaker_cooldown_s, config.slow_io_s)
         self._ndev = len(layout.arenas)

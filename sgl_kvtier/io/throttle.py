@@ -1,0 +1,126 @@
+"""A bandwidth- and latency-capping IO engine wrapper that emulates a slower device (benchmarks only).
+
+Enabled with the store config key ``throttle`` (a table; ``validate`` checks it when the config is built):
+    read_bytes_per_s    read bandwidth of the emulated device, bytes/s (> 0); absent: reads uncapped
+    write_bytes_per_s   write bandwidth, bytes/s (> 0); absent: writes uncapped
+    latency_s           fixed latency added to every op, seconds (>= 0); default 0
+
+The emulated device (one per store, shared by every thread that calls ``run``):
+- Queue: at most ``depth`` ops in flight (the wrapped engine's queue depth). An op is issued when it
+  arrives or, with ``depth`` ops in flight, when the earliest of them completes.
+- Bandwidth: one busy-until clock. An issued op's bytes occupy the device for ``nbytes / rate`` (the rate
+  of its kind) after the bytes of every op issued before it, so concurrent ops and concurrent callers
+  queue behind each other, and reads and writes share the device as they do on one real drive.
+- Latency: added after the op's transfer, overlapping across the ops in flight (a pipeline), so ``k``
+  ops of ``n`` bytes issued together complete after ``k * n / rate + latency`` (with ``k <= depth``):
+  the ``batch_latency + bytes / bandwidth`` shape the cost model fits.
+
+Invariants: the real IO is done by the wrapped engine, so bytes, checksums and errors are exactly the
+wrapped engine's; ``run`` returns no earlier than the emulated completion of its last op (waiting is the
+point of this engine); an op's ``IOResult.seconds`` is its emulated time from issue to completion (its
+wait behind earlier ops in flight, its transfer and the latency: what a real device's op would report),
+or the real time if that was longer. Failed ops are charged like good ones (a real device spends the
+time too). The schedule is computed under one lock at submission; sleeping happens outside it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_kvtier.errors import ConfigError
+from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, op_length
+
+log = logging.getLogger(__name__)
+KEYS = ("read_bytes_per_s", "write_bytes_per_s", "latency_s")
+DEFAULT_DEPTH = 32  # the store's default io_depth, for a wrapped engine that does not say its own
+
+
+@dataclass(frozen=True)
+class ThrottleSettings:
+    read_bytes_per_s: float = math.inf
+    write_bytes_per_s: float = math.inf
+    latency_s: float = 0.0
+
+    def transfer_s(self, kind: OpKind, nbytes: int) -> float:
+        rate = self.read_bytes_per_s if kind is OpKind.READ else self.write_bytes_per_s
+        return nbytes / rate  # 0.0 for an uncapped (infinite) rate
+
+
+def validate(settings: Mapping[str, Any]) -> ThrottleSettings:
+    """The settings of the ``throttle`` table, or ``ConfigError`` naming ``throttle.<key>``."""
+    if not isinstance(settings, Mapping):
+        raise ConfigError("throttle", f"expected a table of settings, got {settings!r}")
+    unknown = sorted(k for k in settings if k not in KEYS)
+    if unknown:
+        raise ConfigError(f"throttle.{unknown[0]}", f"unknown key (known keys: {', '.join(KEYS)})")
+    values: dict[str, float] = {}
+    for key, raw in settings.items():
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or math.isnan(raw):
+            raise ConfigError(f"throttle.{key}", f"expected a number, got {raw!r}")
+        value = float(raw)
+        if key == "latency_s" and not 0 <= value <= 60:
+            raise ConfigError(f"throttle.{key}", f"must be in [0, 60] seconds, got {raw!r}")
+        if key != "latency_s" and not 0 < value:
+            raise ConfigError(f"throttle.{key}", f"must be a positive byte rate, got {raw!r}")
+        values[key] = value
+    return ThrottleSettings(**values)
+
+
+class ThrottledEngine:
+    """Wraps an ``IOEngine``; every op takes at least the time the emulated device would take."""
+
+    def __init__(self, inner: IOEngine, settings: Mapping[str, Any] | ThrottleSettings, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self.inner = inner
+        self.name = f"throttled({inner.name})"
+        self.settings = settings if isinstance(settings, ThrottleSettings) else validate(settings)
+        self.depth = max(1, int(getattr(inner, "depth", DEFAULT_DEPTH)))
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._busy_until = -math.inf  # when the device's bandwidth is next free
+        self._inflight: list[float] = []  # completion times of issued ops (a min-heap, at most depth long)
+        self.waited_s = 0.0  # total time run() slept to reach the emulated completions (for reports)
+        log.warning("throttled IO (emulating a slower device): %s, queue depth %d", self.settings, self.depth)
+
+    def schedule(self, ops: Sequence[IOOp], now: float) -> list[tuple[float, float]]:
+        """(issue, completion) of each op arriving at ``now``, in order; advances the device state."""
+        out = []
+        with self._lock:
+            heap = self._inflight
+            while heap and heap[0] <= now:
+                heapq.heappop(heap)
+            for op in ops:
+                issue = now if len(heap) < self.depth else max(now, heapq.heappop(heap))
+                start = max(issue, self._busy_until)
+                self._busy_until = start + self.settings.transfer_s(op.kind, op_length(op))
+                done = self._busy_until + self.settings.latency_s
+                heapq.heappush(heap, done)
+                out.append((issue, done))
+        return out
+
+    def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        if not ops:
+            return []
+        plan = self.schedule(ops, self._clock())
+        results = self.inner.run(ops)
+        left = max(done for _, done in plan) - self._clock()
+        if left > 0:
+            self._sleep(left)  # the slow device being emulated
+            with self._lock:
+                self.waited_s += left
+        for res, (issue, done) in zip(results, plan):
+            res.seconds = max(res.seconds, done - issue)
+        return results
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+__all__ = ["KEYS", "ThrottleSettings", "ThrottledEngine", "validate"]
