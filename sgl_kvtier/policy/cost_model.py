@@ -265,18 +265,27 @@ class TransferEstimator:
 
 
 class ReadRates:
-    """Read figures of one page store: all its devices together (what a load sees) and each device's share
-    (bytes it delivered per batch, on the batch's wall clock)."""
+    """Read figures of one page store: all its devices together (what a load sees) and each device alone.
+
+    ``total`` is fitted on each batch's wall clock: that is what a load waits for. A device's estimator is
+    fitted on the bytes it delivered and the seconds *it* was busy with them (its own ops' timings), so
+    a slow device reads slower than a fast one in the same batch; where its ops were not timed (an engine
+    that measures nothing), on the batch's wall clock instead.
+    """
 
     def __init__(self, devices: int, half_life: float = 32.0):
         self.total = TransferEstimator(half_life)
         self.devices = [TransferEstimator(half_life) for _ in range(devices)]
 
-    def record(self, device_of_page: Sequence[int], page_bytes: int, seconds: float) -> None:
+    def record(self, device_of_page: Sequence[int], page_bytes: int, seconds: float,
+               device_seconds: Sequence[float] | None = None) -> None:
+        """One read batch: the device of each page delivered, the batch's wall clock, and optionally each
+        device's busy seconds (indexed by device; 0 or missing: not measured)."""
         self.total.record(len(device_of_page) * page_bytes, seconds)
         for d, n in Counter(device_of_page).items():
             if 0 <= d < len(self.devices):
-                self.devices[d].record(n * page_bytes, seconds)
+                own = device_seconds[d] if device_seconds is not None and d < len(device_seconds) else 0.0
+                self.devices[d].record(n * page_bytes, own if own > 0 else seconds)
 
     def model(self) -> DeviceModel | None:
         return self.total.model()

@@ -290,13 +290,14 @@ class PageStore:
             return results
         start = time.perf_counter()
         try:
-            verdicts = self._io.read([(pages[i], e) for i, e in todo])
+            verdicts, busy = self._io.read_timed([(pages[i], e) for i, e in todo])
         finally:
             with self._lock:
                 for _, (slot, _) in todo:
                     self._slots.unpin(slot)
+        # The total on the batch's wall clock (what a load waits for); each device on its own ops' time.
         self.read_rates.record([e[0] % self._ndev for (_, e), v in zip(todo, verdicts) if v is True],
-                               self.page_bytes, time.perf_counter() - start)
+                               self.page_bytes, time.perf_counter() - start, busy)
         bad: list[bytes] = []
         with self._lock:
             for (i, entry), verdict in zip(todo, verdicts):

@@ -4,6 +4,9 @@ It builds one vectored IO per page (the caller's runs straight to the slot with 
 aligned, else through a bounce buffer: one memcpy), skips devices whose circuit is open, feeds the
 breakers, checksums every page (xxh3-64 taken before a write, checked after a read) and fdatasyncs the
 data files of a write batch unless durability is ``none``. It knows slots, not keys or the index.
+
+``read_timed`` also reports each device's busy time in the batch, estimated from that device's own ops
+(``busy_seconds``), so a slow device shows up as slow even when a fast one shares the batch and its clock.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class PageIO:
         self.slot_bytes = layout.slot_bytes
         self._ndev = len(layout.arenas)
         self._bounce = BouncePool(self.slot_bytes, io_depth)
+        self._depth = max(1, io_depth)  # the engine's IOs in flight (it is built with the same depth)
         self._sync_writes = sync_writes
         self._on_device_full = on_device_full
         self._errlog = RateLimitedLog(log)
@@ -109,7 +113,12 @@ class PageIO:
 
     def read(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> list[bool | str]:
         """Per page: True (verified bytes are in the runs), "corrupt" (drop it), or False (a plain miss)."""
+        return self.read_timed(items)[0]
+
+    def read_timed(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> tuple[list[bool | str], list[float]]:
+        """``read``'s verdicts, and per device the seconds it was busy with this batch (0.0: no measured op)."""
         verdicts: list[bool | str] = [False] * len(items)
+        busy = [0.0] * self._ndev
         direct = not self._needs_bounce_any([runs for runs, _ in items])
         step = len(items) if direct else max(1, self._bounce.count)
         for start in range(0, len(items), step):
@@ -131,7 +140,11 @@ class PageIO:
                 verdicts[j] = self._verdict(res, bounce, items[j])
                 if bounce is not None:
                     self._bounce.release(bounce)
-        return verdicts
+            # Steps run one after another, so a device's busy time over the batch is the sum over steps.
+            step_busy = busy_seconds([(op.device, res.seconds) for (_, op, _), res in zip(placed, results)],
+                                     self._ndev, self._depth)
+            busy = [a + b for a, b in zip(busy, step_busy)]
+        return verdicts, busy
 
     def _verdict(self, res: IOResult, bounce, item: tuple[Sequence[Run], tuple[int, int]]) -> bool | str:
         runs, (_, checksum) = item
@@ -147,3 +160,22 @@ class PageIO:
         if bounce is not None:
             copy_to_runs(bounce.view, runs)
         return True
+
+
+def busy_seconds(op_seconds: Sequence[tuple[int, float]], ndev: int, depth: int) -> list[float]:
+    """Each device's busy time during one engine run, from its own ops' ``(device, seconds)``.
+
+    The engine ran the ``N`` ops with at most ``depth`` in flight. A device with ``n`` of them is taken to
+    have held its share of those slots, ``min(n, depth * n / N)`` on average, so its ops spanned
+    ``sum(seconds) / share``, and never less than its slowest op. With ``N <= depth`` (all in flight at
+    once) that is the slowest op. A device without ops, or whose engine measures nothing, gets 0.0.
+    """
+    total = len(op_seconds)
+    count, summed, longest = [0] * ndev, [0.0] * ndev, [0.0] * ndev
+    for d, s in op_seconds:
+        if 0 <= d < ndev:
+            count[d] += 1
+            summed[d] += max(s, 0.0)
+            longest[d] = max(longest[d], s)
+    return [0.0 if summed[d] <= 0 else max(longest[d], summed[d] / min(n, depth * n / total))
+            for d, n in enumerate(count)]

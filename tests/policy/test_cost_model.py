@@ -211,6 +211,19 @@ def test_read_rates_split_a_batch_over_devices():
     assert rates.devices[0].samples == rates.devices[1].samples == 10
 
 
+def test_read_rates_per_device_on_their_own_busy_time():
+    rates = ReadRates(devices=2)
+    for _ in range(3):  # device 1 was busy 10x longer with its half of the batch; the batch took 10 ms
+        rates.record([0, 1] * 8, PB, 0.01, device_seconds=[0.002, 0.02])
+    assert rates.total.model().bandwidth_Bps == pytest.approx(16 * PB / 0.01)
+    assert rates.devices[0].model().bandwidth_Bps == pytest.approx(8 * PB / 0.002)
+    assert rates.devices[1].model().bandwidth_Bps == pytest.approx(8 * PB / 0.02)
+    rates = ReadRates(devices=2)
+    rates.record([0, 1], PB, 0.01, device_seconds=[0.0, 0.004])  # device 0 not timed: the batch's clock
+    assert rates.devices[0].model().bandwidth_Bps == pytest.approx(PB / 0.01)
+    assert rates.devices[1].model().bandwidth_Bps == pytest.approx(PB / 0.004)
+
+
 def test_prefill_estimator_recovers_an_attention_aware_model():
     rng = random.Random(11)
     truth = PrefillModel(40e-6, 8e-6, 0.015)
