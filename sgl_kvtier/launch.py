@@ -6,7 +6,10 @@ Config file (TOML), two tables:
               ``key = true`` a bare ``--key``, a list repeats the values after one flag. ``model_path`` may
               be ``"tiny"`` / ``"bench"`` / ``"kvheavy"`` for a random model made offline (tests, demo, CPU).
     [kvtier]  our keys (``devices``, ``capacity_bytes``, ...): validated here, before SGLang starts, and
-              passed on in ``--hicache-storage-backend-extra-config``.
+              passed on in ``--hicache-storage-backend-extra-config``. One exception, ``prefetch_policy =
+              "cost" | "off"``, is no store key: it becomes ``KVTIER_PREFETCH_POLICY`` in the server's
+              environment (SGLang's plugins read it before any backend config exists); absent, the
+              environment is left as it is (the policy is off unless it was already set there).
 HiCache flags are always set (``--enable-hierarchical-cache --hicache-storage-backend dynamic``) and the
 extra config always names our backend with ``interface_v1`` (zero copy) and prefix keys passed (chains).
 Without a GPU the CPU flags and ``KVTIER_CPU_SHIMS=1`` are added.
@@ -26,12 +29,14 @@ from typing import Any
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
+from sgl_kvtier.sglang.throughput import ENV_POLICY  # plain Python: imports no sglang
 
 BACKEND = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
            "interface_v1": 1, "hicache_storage_pass_prefix_keys": True}
 SGLANG_EXTRA_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
 MODEL_SIZES = ("tiny", "bench", "kvheavy")
+PREFETCH_POLICIES = ("cost", "off")
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -73,15 +78,28 @@ def extra_config(kvtier: dict[str, Any], sglang_extra: dict[str, Any]) -> dict[s
     return {**BACKEND, **sglang_extra, **kvtier}
 
 
+def split_policy(kvtier: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``[kvtier]`` without ``prefetch_policy`` (StoreConfig rejects unknown keys), and the environment it
+    asks for. An explicit ``"off"`` is written out too, so the file wins over an inherited variable."""
+    store = dict(kvtier)
+    if "prefetch_policy" not in store:
+        return store, {}
+    policy = store.pop("prefetch_policy")
+    if policy not in PREFETCH_POLICIES:
+        raise ConfigError("kvtier.prefetch_policy", f"must be one of {', '.join(PREFETCH_POLICIES)}, got {policy!r}")
+    return store, {ENV_POLICY: policy}
+
+
 def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: bool = True) -> tuple[list[str], dict]:
     sg = dict(doc.get("sglang", {}))
     if "model_path" not in sg:
         raise ConfigError("sglang.model_path", "is required")
+    kvtier, env = split_policy(doc.get("kvtier", {}))  # a bad value stops here, before SGLang starts
     sglang_extra = {k: sg.pop(k) for k in SGLANG_EXTRA_KEYS if k in sg}
     cmd = [sys.executable, "-m", "sglang.launch_server",
            "--model-path", resolve_model(str(sg.pop("model_path")), make_model),
            "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
-           "--hicache-storage-backend-extra-config", json.dumps(extra_config(doc.get("kvtier", {}), sglang_extra))]
+           "--hicache-storage-backend-extra-config", json.dumps(extra_config(kvtier, sglang_extra))]
     for key, value in sg.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -92,7 +110,6 @@ def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: 
             cmd += [flag, *map(str, value)]
         else:
             cmd += [flag, str(value)]
-    env = {}
     if not gpu:
         cmd += [a for a in CPU_ARGS if a not in cmd]
         env["KVTIER_CPU_SHIMS"] = "1"

@@ -11,6 +11,7 @@ from sgl_kvtier.cli import main
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
 from sgl_kvtier.launch import build_command, load
+from sgl_kvtier.sglang.throughput import ENV_POLICY
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 
@@ -27,7 +28,8 @@ def test_shipped_configs_are_valid(path):
     assert extra["class_name"] == "KVTierStorage" and extra["interface_v1"] == 1
     StoreConfig.from_mapping({k: v for k, v in extra.items() if k in doc["kvtier"]})
     assert "--enable-hierarchical-cache" in cmd and cmd[cmd.index("--hicache-storage-backend") + 1] == "dynamic"
-    assert env == {}
+    policy = doc["kvtier"].get("prefetch_policy")
+    assert "prefetch_policy" not in extra and env == ({ENV_POLICY: policy} if policy else {})
     for line in path.read_text().splitlines():  # every setting carries a comment
         if "=" in line and not line.lstrip().startswith("#"):
             assert "#" in line, f"{path.name}: uncommented line {line!r}"
@@ -60,6 +62,31 @@ def test_bad_kvtier_key_fails_before_launch(tmp_path, capsys):
     cfg.write_text('[sglang]\nmodel_path = "/m"\n[kvtierr]\n')
     with pytest.raises(ConfigError, match="kvtierr"):
         load(cfg)
+
+
+def test_prefetch_policy_becomes_the_servers_environment(tmp_path, capsys):
+    def launch(kvtier_extra, gpu=True):
+        doc = {"sglang": {"model_path": "/m"}, "kvtier": {"devices": ["/x"], **kvtier_extra}}
+        cmd, env = build_command(doc, [], gpu=gpu, make_model=False)
+        assert "prefetch_policy" not in extra_of(cmd)  # a launch setting, never a store key
+        return env
+
+    assert launch({}) == {}  # default: nothing set, the policy stays off
+    assert launch({"prefetch_policy": "cost"}) == {ENV_POLICY: "cost"}
+    assert launch({"prefetch_policy": "off"}) == {ENV_POLICY: "off"}  # the file wins over an inherited value
+    assert launch({"prefetch_policy": "cost"}, gpu=False) == {ENV_POLICY: "cost", "KVTIER_CPU_SHIMS": "1"}
+    for bad in ("Cost", "on", "", True, 1):
+        with pytest.raises(ConfigError, match=r"^kvtier\.prefetch_policy: ") as err:
+            launch({"prefetch_policy": bad})
+        assert err.value.field == "kvtier.prefetch_policy"
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[sglang]\nmodel_path = "/m"\n[kvtier]\ndevices = ["/x"]\nprefetch_policy = "fast"\n')
+    assert main(["launch", "--config", str(cfg), "--print"]) == 1  # fails before anything is launched
+    out = capsys.readouterr().out
+    assert "kvtier.prefetch_policy" in out and "sglang.launch_server" not in out
+    cfg.write_text('[sglang]\nmodel_path = "/m"\n[kvtier]\ndevices = ["/x"]\nprefetch_policy = "cost"\n')
+    assert main(["launch", "--config", str(cfg), "--print"]) == 0
+    assert capsys.readouterr().out.startswith(f"{ENV_POLICY}=cost ")
 
 
 def test_print_shows_the_command(tmp_path, capsys):
