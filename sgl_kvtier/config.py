@@ -74,6 +74,9 @@ class StoreConfig:
     breaker_cooldown_s: float = 5.0
     # An IO slower than this counts as a failure for the breaker.
     slow_io_s: float = 2.0
+    # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
+    # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
+    readahead_bytes: int = 256 * MiB
     # Testing only: inject IO faults (see sgl_kvtier.io.faulty). None in production.
     fault_injection: dict | None = None
     # Benchmarks only: emulate a slower device (bandwidth caps and added latency, see sgl_kvtier.io.throttle).
@@ -98,6 +101,8 @@ class StoreConfig:
             raise ConfigError("breaker_failures", f"must be in 1..10000, got {self.breaker_failures}")
         if not 0 < self.breaker_cooldown_s <= 3600:
             raise ConfigError("breaker_cooldown_s", f"must be in (0, 3600] seconds, got {self.breaker_cooldown_s}")
+        if self.readahead_bytes < 0:
+            raise ConfigError("readahead_bytes", f"must be 0 (off) or a byte count, got {self.readahead_bytes}")
         if not 0 < self.slow_io_s <= 3600:
             raise ConfigError("slow_io_s", f"must be in (0, 3600] seconds, got {self.slow_io_s}")
         if self.throttle is not None:

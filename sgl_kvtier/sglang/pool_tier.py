@@ -2,6 +2,8 @@
 
 Writers open the shard read-write. Ranks that only read a replicated (MLA) shard open it read-only,
 lazily: the writer rank may not have created it yet, so a failed open is retried on later calls.
+Each open store gets a read-ahead stage (``config.readahead_bytes``; 0 = none): ``stage`` starts the
+reads of pages an exists query found, and every read of this tier goes through it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, KVTierError
 from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.prefetch import ReadAhead
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
 from sgl_kvtier.store import PageStore
@@ -32,13 +35,14 @@ class PoolTier:
     config: StoreConfig
     writer: bool
     store: PageStore | None = None
+    readahead: ReadAhead | None = None
     _next_open: float = field(default=0.0, repr=False)
 
     @classmethod
     def open(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> "PoolTier":
         tier = cls(name, pages, namespace_for(storage_config, pages, name), config, writer)
         if writer:
-            tier.store = PageStore.open(config, tier.namespace)  # errors here stop start-up, as they should
+            tier._attach(PageStore.open(config, tier.namespace))  # errors here stop start-up, as they should
         else:
             tier._reader()
         return tier
@@ -46,10 +50,18 @@ class PoolTier:
     def _reader(self) -> PageStore | None:
         if self.store is None and time.monotonic() >= self._next_open:
             try:
-                self.store = PageStore.open(self.config, self.namespace, readonly=True)
+                self._attach(PageStore.open(self.config, self.namespace, readonly=True))
             except DeviceError:  # not created by the writer rank yet
                 self._next_open = time.monotonic() + READER_RETRY_S
         return self.store
+
+    def _attach(self, store: PageStore) -> None:
+        self.store = store
+        if self.config.readahead_bytes >= self.pages.page_bytes:
+            # Chunks of io_depth pages: each staging job keeps the device queue full, and a span's first
+            # pages are ready before its last ones are read.
+            self.readahead = ReadAhead(store.get, self.pages.page_bytes, self.config.readahead_bytes,
+                                       chunk_pages=self.config.io_depth)
 
     def _store(self) -> PageStore:
         store = self.store if self.writer else self._reader()
@@ -66,6 +78,13 @@ class PoolTier:
         if n < len(keys) and not self.writer and store.refresh():  # the writer rank may have added pages
             n = store.longest_prefix(keys)
         return n
+
+    def stage(self, keys: Sequence[PageKey]) -> int:
+        """Start reading ``keys`` (an exists query's hit) into staging; how many reads started."""
+        return 0 if self.readahead is None else self.readahead.stage(keys)
+
+    def _get(self, store: PageStore, keys: Sequence[PageKey], runs: Sequence[Sequence]) -> list[bool]:
+        return store.get(keys, runs) if self.readahead is None else self.readahead.read(keys, runs)
 
     def contains(self, key: PageKey) -> bool:
         return self.store is not None and self.store.contains(key)
@@ -85,10 +104,10 @@ class PoolTier:
             return [False] * len(keys)
         span = host_indices[:n * self.pages.page_tokens]
         if self.pages.access is Access.ZERO_COPY:
-            oks = store.get(valid[:n], self.pages.page_runs(span))
+            oks = self._get(store, valid[:n], self.pages.page_runs(span))
         else:
             flats = [self.pages.pool.get_dummy_flat_data_page() for _ in range(n)]
-            oks = store.get(valid[:n], [[tensor_run(f)] for f in flats])
+            oks = self._get(store, valid[:n], [[tensor_run(f)] for f in flats])
             for start, flat, ok in zip(self.pages.page_starts(span), flats, oks):
                 if ok:
                     self.pages.pool.set_from_flat_data_page(start, flat)
@@ -109,7 +128,7 @@ class PoolTier:
     def read_flat(self, keys: Sequence[PageKey | None], tensors: list[torch.Tensor]) -> list[bool]:
         store = self._store()
         idx = [i for i, (k, t) in enumerate(zip(keys, tensors)) if k is not None and self._fits(t)]
-        oks = store.get([keys[i] for i in idx], [[tensor_run(tensors[i])] for i in idx])
+        oks = self._get(store, [keys[i] for i in idx], [[tensor_run(tensors[i])] for i in idx])
         out = [False] * len(keys)
         for i, ok in zip(idx, oks):
             out[i] = ok
@@ -138,6 +157,9 @@ class PoolTier:
             self.store.clear()
 
     def close(self) -> None:
+        if self.readahead is not None:
+            self.readahead.close()  # before the store: its jobs read from it
+            self.readahead = None
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -78,13 +78,19 @@ class KVTierStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ v1: zero-copy KV
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        hit = self._stored_prefix(keys)
+        parsed = _keys_until_invalid(keys)
+        hit = self._stored_prefix(parsed)
         # With KVTIER_PREFETCH_POLICY=cost: only the leading pages predicted to load faster than recompute.
-        return throughput.shorten_hit(self, len(keys), hit, len(getattr(extra_info, "prefix_keys", None) or ()))
-
-    def _stored_prefix(self, keys: List[str]) -> int:
+        hit = throughput.shorten_hit(self, len(keys), hit, len(getattr(extra_info, "prefix_keys", None) or ()))
         try:
-            return self._kv().longest_prefix(_keys_until_invalid(keys))
+            self._kv().stage(parsed[:hit])  # read-ahead: the reads start now, batch_get_v1 collects them
+        except _BOUNDARY_ERRORS as exc:
+            self._fail("batch_exists read-ahead", exc)
+        return hit
+
+    def _stored_prefix(self, keys: list[PageKey]) -> int:
+        try:
+            return self._kv().longest_prefix(keys)
         except _BOUNDARY_ERRORS as exc:
             self._fail("batch_exists", exc)
             return 0
@@ -116,7 +122,7 @@ class KVTierStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ legacy: flat page tensors
     def exists(self, key: str) -> bool:
-        return self._stored_prefix([key]) == 1
+        return self._stored_prefix(_keys_until_invalid([key])) == 1
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]

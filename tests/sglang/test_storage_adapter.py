@@ -55,6 +55,24 @@ def test_v1_round_trip_every_mha_layout(tmp_path, layout):
     dst = [70, 1, 88, 4, 90, 12, 99, 30, 31, 80, 6, 100]
     assert backend.batch_get_v1(keys, slots(dst)) == [True] * 12
     assert [page_bytes(pool, p * PS) for p in dst] == expected
+    assert backend.kv.readahead.counters.served == 12  # batch_exists started the reads; the get took them
+    backend.close()
+
+
+@pytest.mark.parametrize("readahead_bytes", [0, 3 * 8192])
+def test_read_ahead_off_or_smaller_than_the_hit_serves_the_same_bytes(tmp_path, readahead_bytes):
+    pool = mha_host_pool("layer_first")  # 2 layers x K,V x 16 tokens x 2 heads x 64 x bf16 = 16 KiB pages
+    fill_random(pool, seed=9)
+    backend = make_backend(tmp_path, pool, readahead_bytes=readahead_bytes)
+    keys = chain_keys(6)
+    expected = [page_bytes(pool, p * PS) for p in range(6)]
+    assert backend.batch_set_v1(keys, slots(list(range(6)))) == [True] * 6
+    assert backend.batch_exists(keys) == 6
+    zero(pool)
+    assert backend.batch_get_v1(keys, slots(list(range(10, 16)))) == [True] * 6
+    assert [page_bytes(pool, p * PS) for p in range(10, 16)] == expected
+    ra = backend.kv.readahead
+    assert (ra is None) if readahead_bytes == 0 else (ra.counters.served == 1 and ra.buffers_in_use() == 0)
     backend.close()
 
 

@@ -1,0 +1,233 @@
+"""Read-ahead: pages an exists query found start loading at once into a bounded staging area.
+
+Why: SGLang 0.5.23 asks ``batch_exists`` about a request's whole uncached span from its prefetch thread,
+then allocates host slots at the scheduler's next step (after the running forward: seconds on CPU), then
+its IO thread reads 128 pages per ``batch_get_v1`` call, one call at a time. ``stage`` starts every found
+page's read at the exists query; ``read`` (the ``get`` path) copies staged pages into the caller's memory,
+joining reads still in flight, and reads the rest from the store as before.
+
+Staging: page-aligned one-page buffers, made lazily and reused, at most ``budget_bytes // buffer size``
+of them. One entry per staged key: READING, then READY (verified bytes in its buffer) or FAILED.
+
+Invariants:
+- What a caller gets from staging is what ``PageStore.get`` verified for that key (staged reads are
+  ordinary store reads, checksums and all). Keys name immutable content, so a staged copy stays right
+  even if the store evicts the page meanwhile.
+- Memory never exceeds the budget: a key is staged only when a buffer is free; the leading keys of a
+  span are staged first (SGLang consumes a span in order), the rest are read on demand.
+- An entry leaves the table when taken, when it goes stale (not taken within ``stale_s``: SGLang
+  revoked, cut or dropped that prefetch), or at close. A buffer is reused only after its read ended:
+  a taker waits for the read before copying; a stale or closed entry whose read is in flight is handed
+  to the reading job, which frees the buffer when the read returns. Nothing leaks, nothing is freed
+  under a read.
+- A failed staged read is not an answer: the taker reads that page from the store itself (a miss
+  there stays a miss; a corrupt page was dropped by the store's check).
+- Staging jobs run on this object's own threads and never raise out of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from sgl_kvtier.io.buffers import AlignedBuffer, Run, copy_to_runs, round_up
+from sgl_kvtier.keys import PageKey
+from sgl_kvtier.metrics import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+Reader = Callable[[Sequence[PageKey], Sequence[Sequence[Run]]], list[bool]]
+
+
+class EntryState(enum.Enum):
+    READING = "reading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class _Entry:
+    buffer: AlignedBuffer
+    staged_at: float
+    done: threading.Event
+    state: EntryState = EntryState.READING
+    abandoned: bool = False  # left the table while READING: the job frees the buffer
+
+
+@dataclass
+class ReadAheadCounters:
+    staged: int = 0  # pages whose read was started by an exists query
+    served: int = 0  # pages a get took from staging
+    joined: int = 0  # ... of which the read was still in flight when asked for
+    failed: int = 0  # staged reads that failed (read again on demand)
+    dropped: int = 0  # staged pages never asked for (stale, or at close)
+    skipped_full: int = 0  # pages not staged because the budget was in use
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Buffers:
+    """The budget: a free list of one-page buffers, created on demand up to ``limit``."""
+
+    nbytes: int
+    limit: int
+    free: list[AlignedBuffer] = field(default_factory=list)
+    made: list[AlignedBuffer] = field(default_factory=list)
+
+    def take(self) -> AlignedBuffer | None:
+        if self.free:
+            return self.free.pop()
+        if len(self.made) < self.limit:
+            buf = AlignedBuffer(self.nbytes)
+            self.made.append(buf)
+            return buf
+        return None
+
+    @property
+    def in_use(self) -> int:
+        return len(self.made) - len(self.free)
+
+
+class ReadAhead:
+    def __init__(self, reader: Reader, page_bytes: int, budget_bytes: int, chunk_pages: int = 32,
+                 workers: int = 2, stale_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self._reader = reader
+        self.page_bytes = page_bytes
+        self._buffers = _Buffers(round_up(page_bytes), budget_bytes // round_up(page_bytes))
+        self._chunk = max(1, chunk_pages)
+        self._stale_s = stale_s
+        self._clock = clock
+        self._entries: dict[PageKey, _Entry] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-readahead")
+        self._closed = False
+        self.counters = ReadAheadCounters()
+        self._errlog = RateLimitedLog(log)
+
+    @property
+    def enabled(self) -> bool:
+        return self._buffers.limit > 0
+
+    # ------------------------------------------------------------------ exists side
+    def stage(self, keys: Sequence[PageKey]) -> int:
+        """Start reading the leading ``keys`` not staged yet, as far as the budget allows; how many started."""
+        if not self.enabled or not keys:
+            return 0
+        jobs: list[list[tuple[PageKey, _Entry]]] = []
+        with self._lock:
+            if self._closed:
+                return 0
+            self._drop_stale()
+            batch: list[tuple[PageKey, _Entry]] = []
+            for n, key in enumerate(keys):
+                if key in self._entries:
+                    continue
+                buf = self._buffers.take()
+                if buf is None:
+                    self.counters.skipped_full += len(keys) - n
+                    break
+                entry = _Entry(buf, self._clock(), threading.Event())
+                self._entries[key] = entry
+                batch.append((key, entry))
+                if len(batch) == self._chunk:
+                    jobs.append(batch)
+                    batch = []
+            if batch:
+                jobs.append(batch)
+            started = sum(len(j) for j in jobs)
+            self.counters.staged += started
+        for job in jobs:  # in key order: SGLang reads a span front to back
+            self._pool.submit(self._read_job, job)
+        return started
+
+    def _read_job(self, job: list[tuple[PageKey, _Entry]]) -> None:
+        try:
+            oks = self._reader([k for k, _ in job], [[(e.buffer.address, self.page_bytes)] for _, e in job])
+        except Exception as exc:  # thread boundary: a failed staging read is only a lost head start
+            self._errlog.error("kvtier read-ahead of %d pages failed: %s: %s", len(job), type(exc).__name__, exc)
+            oks = [False] * len(job)
+        with self._lock:
+            for (_, entry), ok in zip(job, oks):
+                entry.state = EntryState.READY if ok else EntryState.FAILED
+                self.counters.failed += not ok
+                if entry.abandoned:
+                    self._free(entry)
+                entry.done.set()
+
+    def _drop_stale(self) -> None:
+        """Under the lock: forget entries nobody asked for within ``stale_s``."""
+        horizon = self._clock() - self._stale_s
+        stale = [k for k, e in self._entries.items() if e.staged_at < horizon]
+        for key in stale:
+            self._abandon(self._entries.pop(key))
+
+    def _abandon(self, entry: _Entry) -> None:
+        self.counters.dropped += 1
+        if entry.state is EntryState.READING:
+            entry.abandoned = True
+        else:
+            self._free(entry)
+
+    def _free(self, entry: _Entry) -> None:
+        self._buffers.free.append(entry.buffer)
+
+    # ------------------------------------------------------------------ get side
+    def read(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
+        """``PageStore.get`` semantics; staged pages come from staging (waiting for in-flight reads)."""
+        with self._lock:
+            taken = {i: self._entries.pop(k) for i, k in enumerate(keys) if k in self._entries}
+        results = [False] * len(keys)
+        direct = [i for i in range(len(keys)) if i not in taken]
+        joined = sum(e.state is EntryState.READING for e in taken.values())
+        for i, entry in taken.items():
+            entry.done.wait()
+            if entry.state is EntryState.READY:
+                copy_to_runs(entry.buffer.view, pages[i])
+                results[i] = True
+            else:
+                direct.append(i)
+            with self._lock:
+                self._free(entry)
+        with self._lock:
+            self.counters.served += sum(results)
+            self.counters.joined += joined
+        if direct:
+            direct.sort()
+            for i, ok in zip(direct, self._reader([keys[i] for i in direct], [pages[i] for i in direct])):
+                results[i] = ok
+        return results
+
+    # ------------------------------------------------------------------ lifecycle
+    def staged_keys(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def buffers_in_use(self) -> int:
+        with self._lock:
+            return self._buffers.in_use
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {**self.counters.snapshot(), "staged_now": len(self._entries),
+                    "buffers_in_use": self._buffers.in_use, "buffer_limit": self._buffers.limit}
+
+    def close(self) -> None:
+        """Wait for reads in flight, then free all staging memory; later calls stage nothing."""
+        with self._lock:
+            self._closed = True
+            for entry in self._entries.values():
+                self._abandon(entry)
+            self._entries.clear()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for buf in self._buffers.made:
+                buf.close()
+            self._buffers.made.clear()
+            self._buffers.free.clear()
