@@ -13,6 +13,7 @@ index-level measurements go in ``INDEX_MEASURES``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -389,29 +390,42 @@ def run_all(ctx: Ctx) -> list[Row]:
     return list(rows.values())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@contextlib.contextmanager
+def scratch_run(args: argparse.Namespace, prefix: str):
+    """A scratch directory under ``args.dir`` for one run, a progress display, and the machine facts;
+    everything made here is removed afterwards (``args.dir`` too if this run created it)."""
     made_dir = not args.dir.exists()
     args.dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="run-", dir=args.dir))
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=args.dir))
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         machine = machine_info(root)
         with Progress(*columns, console=console, transient=True, refresh_per_second=4) as progress:
-            ctx = Ctx(args, root, progress, np.random.default_rng(0))
-            rows = run_all(ctx)
-        print_table(rows)
-        derived = ("value", "baseline", "ratio", "target", "passed")
-        result = {"machine": {**machine, "loadavg_1m_end": os.getloadavg()[0]}, "cold_reads": ctx.cold,
-                  "batch_pages": BATCH, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  "fio_runs": ctx.fio_log, "rows": [{**asdict(r), **{k: getattr(r, k) for k in derived}} for r in rows]}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {args.out}")
+            yield root, progress, machine
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if made_dir:
             shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def write_result(args: argparse.Namespace, ctx: "Ctx", machine: dict, rows: list[dict], **extra) -> None:
+    """``args.out``: the machine, the run's arguments, fio's raw runs and the rows, as JSON."""
+    result = {"machine": {**machine, "loadavg_1m_end": os.getloadavg()[0]}, "cold_reads": ctx.cold,
+              "batch_pages": BATCH, **extra, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "fio_runs": ctx.fio_log, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"wrote {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with scratch_run(args, "run-") as (root, progress, machine):
+        ctx = Ctx(args, root, progress, np.random.default_rng(0))
+        rows = run_all(ctx)
+    print_table(rows)
+    derived = ("value", "baseline", "ratio", "target", "passed")
+    write_result(args, ctx, machine, [{**asdict(r), **{k: getattr(r, k) for k in derived}} for r in rows])
     return 0 if all(r.passed is not False for r in rows) else 1
 
 

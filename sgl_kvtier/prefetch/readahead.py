@@ -7,7 +7,9 @@ page's read at the exists query; ``read`` (the ``get`` path) copies staged pages
 joining reads still in flight, and reads the rest from the store as before.
 
 Staging: page-aligned one-page buffers, made lazily and reused, at most ``budget_bytes // buffer size``
-of them. One entry per staged key: READING, then READY (verified bytes in its buffer) or FAILED.
+of them. One entry per staged key: READING, then READY (verified bytes in its buffer) or FAILED. The
+exists call only reserves budget; the staging job takes (or makes and prefaults) the buffers, so SGLang's
+prefetch thread never waits for memory.
 
 Invariants:
 - What a caller gets from staging is what ``PageStore.get`` verified for that key (staged reads are
@@ -52,9 +54,9 @@ class EntryState(enum.Enum):
 
 @dataclass(eq=False)
 class _Entry:
-    buffer: AlignedBuffer
     staged_at: float
     done: threading.Event
+    buffer: AlignedBuffer | None = None  # set by the staging job before its read
     state: EntryState = EntryState.READING
     abandoned: bool = False  # left the table while READING: the job frees the buffer
 
@@ -74,25 +76,24 @@ class ReadAheadCounters:
 
 @dataclass
 class _Buffers:
-    """The budget: a free list of one-page buffers, created on demand up to ``limit``."""
+    """The budget: ``limit`` one-page buffers, reserved by count, made on first use, then reused."""
 
     nbytes: int
     limit: int
+    in_use: int = 0  # reserved: by an entry in the table, a job, or a taker
     free: list[AlignedBuffer] = field(default_factory=list)
     made: list[AlignedBuffer] = field(default_factory=list)
 
-    def take(self) -> AlignedBuffer | None:
-        if self.free:
-            return self.free.pop()
-        if len(self.made) < self.limit:
-            buf = AlignedBuffer(self.nbytes)
-            self.made.append(buf)
-            return buf
-        return None
+    def reserve(self) -> bool:
+        if self.in_use >= self.limit:
+            return False
+        self.in_use += 1
+        return True
 
-    @property
-    def in_use(self) -> int:
-        return len(self.made) - len(self.free)
+    def release(self, buf: AlignedBuffer | None) -> None:
+        self.in_use -= 1
+        if buf is not None:
+            self.free.append(buf)
 
 
 class ReadAhead:
@@ -129,11 +130,10 @@ class ReadAhead:
             for n, key in enumerate(keys):
                 if key in self._entries:
                     continue
-                buf = self._buffers.take()
-                if buf is None:
+                if not self._buffers.reserve():
                     self.counters.skipped_full += len(keys) - n
                     break
-                entry = _Entry(buf, self._clock(), threading.Event())
+                entry = _Entry(self._clock(), threading.Event())
                 self._entries[key] = entry
                 batch.append((key, entry))
                 if len(batch) == self._chunk:
@@ -149,6 +149,7 @@ class ReadAhead:
 
     def _read_job(self, job: list[tuple[PageKey, _Entry]]) -> None:
         try:
+            self._give_buffers([e for _, e in job])
             oks = self._reader([k for k, _ in job], [[(e.buffer.address, self.page_bytes)] for _, e in job])
         except Exception as exc:  # thread boundary: a failed staging read is only a lost head start
             self._errlog.error("kvtier read-ahead of %d pages failed: %s: %s", len(job), type(exc).__name__, exc)
@@ -160,6 +161,18 @@ class ReadAhead:
                 if entry.abandoned:
                     self._free(entry)
                 entry.done.set()
+
+    def _give_buffers(self, entries: list[_Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                if self._buffers.free:
+                    entry.buffer = self._buffers.free.pop()
+            missing = [e for e in entries if e.buffer is None]
+        for entry in missing:  # new memory: made and prefaulted here, outside the lock
+            buf = AlignedBuffer(self._buffers.nbytes)
+            with self._lock:
+                self._buffers.made.append(buf)
+            entry.buffer = buf
 
     def _drop_stale(self) -> None:
         """Under the lock: forget entries nobody asked for within ``stale_s``."""
@@ -176,7 +189,8 @@ class ReadAhead:
             self._free(entry)
 
     def _free(self, entry: _Entry) -> None:
-        self._buffers.free.append(entry.buffer)
+        self._buffers.release(entry.buffer)
+        entry.buffer = None
 
     # ------------------------------------------------------------------ get side
     def read(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
