@@ -17,9 +17,7 @@ On, two hooks through SGLang's ``HookRegistry``:
   deadline, no retries, salvaging the landed batches) is SGLang's. Under ``best_effort`` and
   ``wait_complete`` (explicit operator choices) SGLang's method runs unchanged.
 - AFTER ``Scheduler.process_batch_result``: each EXTEND / MIXED batch's ``launch_ts`` to the end of its
-  result processing is a prefill sample (new and cached tokens per request) for ``throughput.PREFILL``;
-  it also offers the backend to ``prometheus.update`` (rate limited, inert without ``--enable-metrics``),
-  so the gauges follow the batches even where nothing else refreshes them.
+  result processing is a prefill sample (new and cached tokens per request) for ``throughput.PREFILL``.
 
 Invariants: a loaded prefix (every hit page acknowledged) is never cut; until both the read path and
 the prefill speed are measured, the local verdict is SGLang's own ``_prefetch_deadline_expired``; an
@@ -35,7 +33,7 @@ import time
 from typing import Any
 
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
-from sgl_kvtier.sglang import prometheus, throughput
+from sgl_kvtier.sglang import throughput
 
 logger = logging.getLogger(__name__)
 
@@ -129,5 +127,3 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
                                             _clock() - launched)
     except Exception as exc:  # a timing sample must never break the scheduler loop
         logger.debug("kvtier: prefill sample skipped: %s: %s", type(exc).__name__, exc)
-    controller = getattr(getattr(scheduler, "tree_cache", None), "cache_controller", None)
-    prometheus.update(getattr(controller, "storage_backend", None))  # never raises

@@ -37,7 +37,7 @@ from sgl_kvtier.sglang.host_pages import HostPages, check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
-from sgl_kvtier.sglang import throughput
+from sgl_kvtier.sglang import prometheus, throughput
 from sgl_kvtier.sglang.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,7 @@ class KVTierStorage(HiCacheStorage):
                 self._fail("clear", exc)
 
     def get_stats(self):
+        prometheus.update(self)  # kvtier_ gauges: at most once per KVTIER_METRICS_INTERVAL_S, never raises
         return self.stats.drain()
 
     def cost_inputs(self) -> dict:

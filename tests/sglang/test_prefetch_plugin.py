@@ -254,7 +254,10 @@ def test_check_prefetch_progress_waits_for_a_fast_load(cache, monkeypatch):
     cache.check_hicache_events()  # drains the acks: the pages are in host memory
     assert cache.check_prefetch_progress(request) is True
     assert cache.pop_prefetch_loaded_tokens(request) == N_PAGES * PS
-    assert backend.cost_inputs()["pools"]["kv"]["read"]["samples"] == 4 + 2  # the two real batches were measured
+    # The real reads were measured: read-ahead read the 128 + 12 pages of SGLang's two exists calls in chunks
+    # of io_depth (32): 4 + 1 batches, and SGLang's two gets took every page from staging.
+    assert backend.cost_inputs()["pools"]["kv"]["read"]["samples"] == 4 + 5
+    assert backend.kv.readahead.counters.served == N_PAGES
 
 
 # ---------------------------------------------------------------------------------------------- prefill timing

@@ -2,8 +2,8 @@
 real SGLang server's own ``/metrics`` (CPU, ``--enable-metrics``).
 
 The unit tests read an ``Exporter`` over a private registry; the server test reads ``/metrics`` as a
-scraper would. Until ``KVTierStorage.get_stats`` calls ``prometheus.update``, the server's gauges are
-fed by the cost plugin's per-batch hook, so the server runs with ``KVTIER_PREFETCH_POLICY=cost``.
+scraper would: SGLang's scheduler calls ``KVTierStorage.get_stats`` (which refreshes the gauges) on every
+loop with ``--enable-metrics``; the cost policy is on so that the prefill gauges have samples.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_a_real_server_shows_kvtier_gauges_on_its_metrics(tmp_path: Path) -> Non
     store = tmp_path / "flash"
     store.mkdir()
     prompt = make_prompt(PROMPT, seed=5, model_dir=model)
-    env = {throughput.ENV_POLICY: "cost", prometheus.ENV_INTERVAL: "0"}  # every batch refreshes
+    env = {throughput.ENV_POLICY: "cost", prometheus.ENV_INTERVAL: "0"}  # every get_stats refreshes
     with SGLangServer(model, extra_args=server_args(store), env=env, log_path=tmp_path / "s.log") as srv:
         srv.generate(prompt, max_new_tokens=4)
         srv.wait_metric(BACKED_UP, HIT, timeout_s=180)
