@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 from sgl_kvtier.metrics import RateLimitedLog, StoreCounters
+from sgl_kvtier.prefetch import ReadAheadCounters
 from sgl_kvtier.sglang import throughput
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ POOL = ("pool", *RANKS)
 DEVICE = (*POOL, "device", "path")
 BREAKER_VALUE = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
 COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters))
+READAHEAD = tuple(f.name for f in dataclasses.fields(ReadAheadCounters))
 
 # name, help, labels
 _GAUGES = (
@@ -66,6 +68,9 @@ _GAUGES = (
     ("store_bytes_used", "Bytes of device slots holding pages", POOL),
     ("store_capacity_bytes", "Byte limit of the pool's shard", POOL),
     *((f"store_{c}", f"StoreCounters.{c}: running total since the store opened", POOL) for c in COUNTERS),
+    *((f"readahead_{c}", f"ReadAheadCounters.{c}: pages, running total since the store opened", POOL)
+      for c in READAHEAD),
+    ("readahead_buffers_in_use", "Read-ahead staging buffers (one page each) held now", POOL),
     ("prefill_per_token_seconds", "Prefill model: seconds per new token", RANKS),
     ("prefill_per_token_kctx_seconds", "Prefill model: seconds per new token per 1000 tokens of attention span",
      RANKS),
@@ -96,6 +101,11 @@ class Exporter:
             store = getattr(tier, "store", None)
             if store is not None:
                 self._update_store((name, *ranks), store)
+            readahead = getattr(tier, "readahead", None)
+            if readahead is not None:
+                snap = readahead.snapshot()
+                for c in (*READAHEAD, "buffers_in_use"):
+                    self._set(f"readahead_{c}", (name, *ranks), snap[c])
         prefill = throughput.PREFILL.snapshot()
         self._set("prefill_per_token_seconds", ranks, prefill["per_token_s"])
         self._set("prefill_per_token_kctx_seconds", ranks, prefill["per_token_kctx_s"])

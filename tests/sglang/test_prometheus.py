@@ -204,6 +204,8 @@ def test_a_real_server_shows_kvtier_gauges_on_its_metrics(tmp_path: Path) -> Non
         assert read.bandwidth_Bps > 0 and read.batch_latency_s >= 0, read
         assert 0 < read.load_time(pages, used // pages) < 10, read
     assert only(got, "kvtier_device_breaker_state", **device) == 0
+    assert only(got, "kvtier_readahead_staged", **kv) == only(got, "kvtier_readahead_served", **kv) == pages
+    assert only(got, "kvtier_readahead_buffers_in_use", **kv) == 0
     assert only(got, "kvtier_cost_policy_enabled", tp_rank="0") == 1
     assert only(later, "kvtier_prefill_samples", tp_rank="0") >= 4
     per_token = [only(later, f"kvtier_prefill_{k}", tp_rank="0") for k in ("per_token_seconds",
