@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--max-new-tokens", type=int, default=4)
     g = p.add_argument_group("server")
     g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--device-tokens", type=int, help="--max-total-tokens; default 1.25x the longest request")
+    g.add_argument("--device-tokens", type=int, help="--max-total-tokens; default 1.25x max concurrency x the longest request")
     g.add_argument("--host-ratio", type=float,
                    help="--hicache-ratio; default: room for (documents + 2 x max concurrency) x the longest "
                         "request: a round's pages wait in the host pool until the L3 write-back has them, and "
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                            question_tokens=args.question_tokens, concurrency=args.concurrency, rounds=args.rounds,
                            prime_rounds=args.prime_rounds, max_new_tokens=args.max_new_tokens)
     longest = max(len(r.tokens) + r.max_new_tokens for rnd in rounds for r in rnd.requests)
-    device = args.device_tokens or configs.size_device_pool(longest, args.page_size, 1.25)
+    # Room for max C requests at once: the flushes, not the pool size, keep the prefixes out of L1 and L2.
+    device = args.device_tokens or configs.size_device_pool(max(args.concurrency) * longest, args.page_size, 1.25)
     ratio = args.host_ratio or configs.host_ratio_for(device, (args.documents + 2 * max(args.concurrency)) * longest)
     plan = configs.ServerPlan(page_size=args.page_size, device_tokens=device, host_ratio=ratio, host_size_gb=0,
                               gpu=args.gpu, l3_root=(args.l3_dir or args.out / "l3").resolve(),
