@@ -61,8 +61,10 @@ SPECS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(1024, 256, 512, 2, 4, 2, 64, 4096),
     # ~89M parameters: 8 x (3.1M attention + 7.9M MLP) + 1M tied embeddings.
     "bench": ModelSpec(1024, 1024, 2560, 8, 16, 8, 64, 8192),
-    # 32 layers x 16 KV heads x 64 x (K, V) x 2 bytes = 128 KiB per token, ~45M parameters.
-    "kvheavy": ModelSpec(1024, 256, 512, 32, 16, 16, 64, 8192),
+    # 64 layers x 8 KV heads x 64 x (K, V) x 2 bytes = 128 KiB per token (8x `bench`), ~100M parameters.
+    # head_dim must equal hidden_size / heads: SGLang's CPU attention path assumes it (a 256-wide model
+    # with 16 heads of 64 crashed in set_kv_buffer).
+    "kvheavy": ModelSpec(1024, 512, 512, 64, 8, 8, 64, 8192),
 }
 
 
