@@ -11,6 +11,7 @@ without it never even touches torch.cuda here.
 
 How each shim is applied:
 - `HostKVCache.__init__` (force `pin_memory=False`): through SGLang's `HookRegistry`, as a BEFORE hook.
+- torch_native extend attention (new tokens' queries only): through `HookRegistry`, as an AROUND hook.
   The registry applies it right after all plugins have run and also rebinds stale `from ... import`
   copies.
 - `vllm._custom_ops` stub: plain `sys.modules` insertion in `load()`. A hook can only wrap an object
@@ -57,11 +58,12 @@ def load() -> None:
 
     stubbed = cpu_shims.install_vllm_custom_ops_stub()
     HookRegistry.register(cpu_shims.HOST_KV_CACHE_INIT, cpu_shims.force_unpinned_host_pool, HookType.BEFORE)
+    HookRegistry.register(cpu_shims.EXTEND_ATTENTION, cpu_shims.extend_attention_new_queries_only, HookType.AROUND)
     transfer = cpu_shims.install_transfer_kv_direct()
     _loaded = True
     logger.info(
         "sgl_kvtier CPU shims loaded in pid %d (vllm stub added: %s, transfer_kv_direct stand-in: %s, "
-        "HostKVCache pin_memory hook registered)",
+        "HostKVCache pin_memory and extend-attention hooks registered)",
         os.getpid(),
         stubbed,
         transfer,

@@ -11,6 +11,16 @@ Why each exists (measured, see shared/reference/sglang-on-cpu.md):
    only on CUDA/ROCm/XPU, so on CPU the name is simply missing and `--hicache-io-backend direct`
    with `layer_first` fails with NameError. A torch stand-in does the same copy with index ops.
 
+A fourth shim is not about running at all but about measuring honestly on CPU:
+
+4. `TorchNativeAttnBackend._run_sdpa_forward_extend` (the CPU attention of `--attention-backend
+   torch_native`) builds a query tensor as long as the *whole* sequence, cached prefix included, runs
+   causal SDPA over all of it, and keeps only the new tokens' rows. A prefix-cache hit then saves the
+   linear layers but not the attention over the prefix, which GPU backends (FlashInfer, FA3, Triton)
+   never recompute. `extend_attention_new_queries_only` computes the new tokens' queries against the
+   whole cached + new key range with a bottom-right causal mask: the same rows, without the discarded
+   work. Sliding windows, cross attention, encoder lengths and non-causal calls go to SGLang's own.
+
 This module only defines the shims; `cpu_plugin.load()` decides whether to install them.
 Importing it pulls in torch but nothing from SGLang.
 """
@@ -33,6 +43,8 @@ logger = logging.getLogger(__name__)
 VLLM_STUB_MARKER = "__sgl_kvtier_stub__"
 MHA_HOST_MODULE = "sglang.srt.mem_cache.pool_host.mha"
 HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__"
+EXTEND_ATTENTION = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
+                    "_run_sdpa_forward_extend")
 
 _unpinned_logged = False
 _transfer_logged = False
@@ -133,3 +145,37 @@ def install_transfer_kv_direct() -> bool:
         return False
     setattr(module, "transfer_kv_direct", transfer_kv_direct)
     return True
+
+
+def extend_attention_new_queries_only(
+    original: Any, backend: Any, query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, encoder_lens: torch.Tensor | None = None,
+    scaling: float | None = None, enable_gqa: bool = False, causal: bool = False, is_cross_attn: bool = False,
+    sliding_window_size: int | None = None,
+) -> torch.Tensor:
+    """AROUND hook: SGLang's extend attention, computing only the new tokens' query rows (shim 4)."""
+    windowed = sliding_window_size is not None and sliding_window_size > -1
+    if encoder_lens is not None or is_cross_attn or not causal or windowed:
+        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
+                        causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    heads_first = query.dim() - 2
+    queries = query.movedim(0, heads_first)  # [heads, tokens, head_dim]
+    start = 0
+    for i in range(seq_lens.shape[0]):
+        new, prefix, total = int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
+        tokens = req_to_token[req_pool_indices[i], :total]
+        keys = k_cache[tokens].movedim(0, heads_first)
+        values = v_cache[tokens].movedim(0, heads_first)
+        q = queries[:, start:start + new, :]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        # New token j sits at position prefix + j and sees keys 0 .. prefix + j: a bottom-right causal mask.
+        mask = None if prefix == 0 else torch.ones(new, total, dtype=torch.bool, device=q.device).tril(prefix)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=enable_gqa,
+            scale=scaling, is_causal=prefix == 0)
+        output[start:start + new] = out.squeeze(0).movedim(heads_first, 0)
+        start += new
+    return output
