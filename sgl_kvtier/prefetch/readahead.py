@@ -175,9 +175,14 @@ class ReadAhead:
             entry.buffer = buf
 
     def _drop_stale(self) -> None:
-        """Under the lock: forget entries nobody asked for within ``stale_s``."""
+        """Under the lock: forget entries nobody asked for within ``stale_s``. The table is in staging order
+        (insertion order, one clock), so the scan stops at the first fresh entry."""
         horizon = self._clock() - self._stale_s
-        stale = [k for k, e in self._entries.items() if e.staged_at < horizon]
+        stale = []
+        for key, entry in self._entries.items():
+            if entry.staged_at >= horizon:
+                break
+            stale.append(key)
         for key in stale:
             self._abandon(self._entries.pop(key))
 
