@@ -91,3 +91,21 @@ def run_concurrently(*targets) -> None:
         t.join()
     if failures:
         raise failures[0]
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module; ``benchmarks/`` goes on ``sys.path`` first, as the scripts'
+    own imports (``serving``, ``bench_serving``) need when they run as scripts."""
+    import importlib.util
+    import sys
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,26 +10,13 @@ two start-ups dominate.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from support import load_benchmark
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load_bench():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_policy", BENCH / "bench_policy.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_bench()
+bench = load_benchmark("bench_policy")
 from serving import configs, policy_report, report, workloads
 from serving.policies import (
     POLICIES,

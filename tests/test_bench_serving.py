@@ -9,28 +9,17 @@ round-1 page to be backed up before it flushes. About two minutes: two start-ups
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from support import BENCHMARKS, load_benchmark
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-TRACE = BENCH.parent.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
-
-
-def _load_bench():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_serving", BENCH / "bench_serving.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+TRACE = BENCHMARKS.parent.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 
 
-bench = _load_bench()
+bench = load_benchmark("bench_serving")
 from serving import client, configs, report, workloads
 
 
