@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from serving.policies import BASELINES
+from serving.report import pyplot, save_figure
 
 TARGET = 1.1
 METRICS = (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99"))
@@ -111,11 +112,7 @@ def markdown(run: dict[str, Any]) -> str:
 def plot(run: dict[str, Any], out: Path) -> Path:
     """`ttft_by_policy.png`: per device setting, TTFT p50 bars (p99 as a marker) per policy and C, and a
     dashed line at 1.1x the better baseline's p50."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     devs = run["device_order"]
     fig, axes = plt.subplots(1, len(devs), figsize=(5.5 * len(devs), 4.5), squeeze=False)
     for ax, dev in zip(axes[0], devs):
@@ -139,8 +136,4 @@ def plot(run: dict[str, Any], out: Path) -> Path:
         ax.set_title(dev)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "ttft_by_policy.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "ttft_by_policy.png")

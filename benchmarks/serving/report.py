@@ -134,12 +134,26 @@ def markdown(run: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def plots(run: dict[str, Any], out: Path) -> list[Path]:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks run headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write as PNG, and release ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def plots(run: dict[str, Any], out: Path) -> list[Path]:
+    plt = pyplot()
     written = []
     wls = run["workloads"]
     fig, axes = plt.subplots(1, len(wls), figsize=(6 * len(wls), 4.5), squeeze=False)
@@ -157,11 +171,7 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
         ax.set_title(f"{wl}: TTFT vs concurrency")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "ttft_vs_concurrency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(fig, out / "ttft_vs_concurrency.png"))
 
     fig, axes = plt.subplots(1, len(wls), figsize=(6 * len(wls), 4.5), squeeze=False)
     colors = {"device": "#4c72b0", "host": "#55a868", "storage": "#c44e52", "computed": "#bbbbbb"}
@@ -179,9 +189,5 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("prompt tokens (measured phases)")
         ax.set_title(f"{wl}: where prompt tokens came from")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "hit_tokens_by_tier.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(save_figure(fig, out / "hit_tokens_by_tier.png"))
     return written
