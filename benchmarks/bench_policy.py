@@ -8,11 +8,11 @@ L3 directory) serving the same prompts: a write round puts D long document prefi
 later round flushes L1 + L2 (after the L3 write-back has drained) and drops the page cache, and asks one new
 question per document, so each prefix is in L3 only when its request arrives. The first of those rounds
 is unmeasured (it primes the cost model's read-speed estimate); the rest are measured at each
-concurrency level. See benchmarks/README.md, section bench_policy.py.
+concurrency level. See benchmarks/README.md, section bench_policy.
 
-    .venv/bin/python benchmarks/bench_policy.py --devices fast slow:4 --concurrency 1 4
-    .venv/bin/python benchmarks/bench_policy.py --smoke
-    .venv/bin/python benchmarks/bench_policy.py --help
+    python -m benchmarks.bench_policy --devices fast slow:4 --concurrency 1 4
+    python -m benchmarks.bench_policy --smoke
+    python -m benchmarks.bench_policy --help
 
 Writes <out>/results.json (every request and /metrics delta, the exact server commands and environment),
 <out>/report.md and <out>/ttft_by_policy.png.
@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import shlex
 import shutil
 import sys
@@ -32,34 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import drop_caches, page_cache_policy, progress
+from benchmarks.serving import client, configs, policy_report, report, session, workloads
+from benchmarks.serving.models import resolve_model
+from benchmarks.serving.policies import POLICIES, parse_device, prefix_rounds, resolve_policies, unique_tokens
+from benchmarks.serving.probes import prebuild_hash_extension, store_summary
 
-from bench_serving import resolve_model
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from serving import client, configs, policy_report, report, workloads
-from serving.machine import (
-    cpu_seconds,
-    drop_caches,
-    page_cache_policy,
-    prebuild_hash_extension,
-    store_summary,
-)
-from serving.policies import (
-    POLICIES,
-    parse_device,
-    prefix_rounds,
-    resolve_policies,
-    unique_tokens,
-)
-
-REPO = Path(__file__).resolve().parent.parent
 KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every policy runs
 SMOKE = {"model": "tiny", "devices": ["slow:2"], "policies": ["load-all", "cost"], "concurrency": [1],
          "documents": 2, "doc_tokens": 512, "question_tokens": 32, "rounds": 1, "prime_rounds": 1,
@@ -145,8 +121,8 @@ def settle(args, srv, unique: list[int], i: int, base: float, drop: bool, consol
     return out
 
 
-def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, progress, task, console) -> dict[str, Any]:
-    from sgl_kvtier.sglang.server import SGLangServer, tracebacks_through
+def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, bars, task, console) -> dict[str, Any]:
+    from sgl_kvtier.serving.server import SGLangServer, tracebacks_through
 
     tag = f"{device.name}-{policy.name}"
     plan = dataclasses.replace(plan, l3_root=plan.l3_root / tag, extra_args=policy.server_args + plan.extra_args,
@@ -161,7 +137,7 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, progr
                        cpu=not plan.gpu, startup_timeout_s=args.startup_timeout)
     res: dict[str, Any] = {"command": srv.command, "command_str": shlex.join(srv.command), "env": env,
                            "log": str(srv.log_path), "rounds": [], "levels": {}}
-    progress.update(task, description=f"{tag}: starting server")
+    bars.update(task, description=f"{tag}: starting server")
     srv.start()
     res["startup_s"] = srv.startup_s
     unique = unique_tokens(rounds, plan.page_size)
@@ -169,17 +145,10 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, progr
         base = client.counters(client.scrape(srv.url))["backuped_tokens"]
         for i, rnd in enumerate(rounds):
             pre = settle(args, srv, unique, i, base, drop, console) if i else {}
-            progress.update(task, description=f"{tag}: {rnd.kind} round {i} (C={rnd.concurrency})")
-            before = client.counters(client.scrape(srv.url))
-            cpu0 = cpu_seconds(srv.proc.pid)
-            recs, wall = client.run_phase(srv.url, rnd.requests, rnd.concurrency, lambda _r: progress.advance(task))
-            cpu1 = cpu_seconds(srv.proc.pid)
-            after = client.counters(client.scrape(srv.url))
-            res["rounds"].append({
-                "index": i, "kind": rnd.kind, "concurrency": rnd.concurrency, "measured": rnd.kind == "measured",
-                "wall_s": wall, "settle": pre, "cpu": {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0},
-                "loadavg_1m": os.getloadavg()[0], "metrics_before": before,
-                "metrics_delta": client.delta(after, before), "requests": recs})  # fmt: skip
+            bars.update(task, description=f"{tag}: {rnd.kind} round {i} (C={rnd.concurrency})")
+            m = session.measure_phase(srv, rnd.requests, rnd.concurrency, lambda _r: bars.advance(task))
+            res["rounds"].append({"index": i, "kind": rnd.kind, "concurrency": rnd.concurrency,
+                                  "measured": rnd.kind == "measured", "settle": pre, **m})
         for c in sorted({r.concurrency for r in rounds if r.kind == "measured"}):
             phases = [r for r in res["rounds"] if r["measured"] and r["concurrency"] == c]
             s = res["levels"][str(c)] = report.summarize(phases, kvbpt)
@@ -196,14 +165,7 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, progr
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(stderr=True)
-    started = time.strftime("%Y%m%d-%H%M%S")
-    args.out = (args.out or REPO / "benchmarks" / "results" / f"policy-{started}").resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.gpu is None:
-        from sgl_kvtier.sglang.server import has_cuda_gpu
-
-        args.gpu = has_cuda_gpu()
+    console, started = session.start(args, "policy")
     model_dir, model_name = resolve_model(args.model)
     kvbpt = configs.kv_bytes_per_token(model_dir)
     src = workloads.TokenSource(*workloads.token_range(model_dir), salt=0)
@@ -232,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
         "args": {k: v for k, v in vars(args).items() if k not in ("device_settings", "policy_list")},
         "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt},
-        "machine": {"host": platform.node(), "nproc": os.cpu_count(), "loadavg_start": os.getloadavg(),
-                    "python": platform.python_version()},
+        "machine": session.machine(model_dir, args.server_arg),
         "page_cache": cache_policy,
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": plan.host_tokens(kvbpt),
                    "host_ratio": ratio, "longest_request_tokens": longest},
@@ -250,28 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     total = per_server * len(args.device_settings) * len(args.policy_list)
     failed = 0
     try:
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, disable=args.no_progress) as progress:
-            task = progress.add_task("starting", total=total)
+        with progress(console, disable=args.no_progress) as bars:
+            task = bars.add_task("starting", total=total)
             for dev in args.device_settings:
                 for policy in args.policy_list:
                     slot = run["runs"].setdefault(dev.name, {})
                     try:
                         slot[policy.name] = run_server(args, dev, policy, plan, model_dir, rounds, drop, kvbpt,
-                                                       progress, task, console)
+                                                       bars, task, console)
                     except Exception as exc:  # noqa: BLE001 - one broken server must not lose the others
                         failed += 1
-                        console.print(f"[red]{dev.name} / {policy.name} failed: {type(exc).__name__}: {exc}"[:3000])
-                        slot[policy.name] = {"error": repr(exc)[:3000], "levels": {}}
-                    (args.out / "results.json").write_text(json.dumps(run, indent=1, default=str))
+                        slot[policy.name] = {"error": session.failure(console, f"{dev.name} / {policy.name}", exc),
+                                             "levels": {}}
+                    session.save(run, args.out)
     finally:
-        run["machine"]["loadavg_end"] = os.getloadavg()
-        (args.out / "results.json").write_text(json.dumps(run, indent=1, default=str))
-        md = policy_report.markdown(run)
-        (args.out / "report.md").write_text(md)
-        policy_report.plot(run, args.out)
-        console.print(md, markup=False, highlight=False)
-        console.print(f"results: {args.out}")
+        session.finish(run, args.out, policy_report.markdown, policy_report.plot, console)
     return 1 if failed else 0
 
 

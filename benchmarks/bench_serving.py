@@ -6,8 +6,8 @@ workload, same machine. Each configuration gets its own real `sglang.launch_serv
 SIGTERM to stop), which then serves every workload at every concurrency level; each level uses fresh
 prompts (a different token salt), so it starts cold in every tier.
 
-    .venv/bin/python benchmarks/bench_serving.py --model bench --configs a b c d e --concurrency 4 8
-    .venv/bin/python benchmarks/bench_serving.py --help
+    python -m benchmarks.bench_serving --model bench --configs a b c d e --concurrency 4 8
+    python -m benchmarks.bench_serving --help
 
 Writes <out>/results.json (every request, every /metrics delta, the exact server commands),
 <out>/report.md and <out>/ttft_vs_concurrency.png, <out>/hit_tokens_by_tier.png. See benchmarks/README.md.
@@ -18,38 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from serving import client, configs, report, workloads
-from serving.machine import (
-    cpu_seconds,
-    drop_caches,
-    page_cache_policy,
-    prebuild_hash_extension,
-    scheduler_pid,
-    store_summary,
-)
-
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+from benchmarks.common import TRACE, drop_caches, page_cache_policy, progress
+from benchmarks.serving import client, configs, report, session, workloads
+from benchmarks.serving.models import resolve_model
+from benchmarks.serving.probes import prebuild_hash_extension, scheduler_pid, store_summary
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--questions", type=int, default=5)
     g.add_argument("--question-tokens", type=int, default=64)
     g = p.add_argument_group("trace")
-    g.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    g.add_argument("--trace", type=Path, default=TRACE)
     g.add_argument("--trace-requests", type=int, default=40)
     g.add_argument("--trace-block-tokens", type=int, default=32, help="tokens per 512-token trace block")
     g.add_argument("--trace-max-tokens", type=int, default=3072)
@@ -115,16 +95,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def resolve_model(model: str) -> tuple[Path, str]:
-    from sgl_kvtier.launch import MODEL_SIZES, model_cache_dir
-
-    if model in MODEL_SIZES:
-        from sgl_kvtier.sglang.model_factory import make_model
-
-        return make_model(model_cache_dir() / model, model), model
-    return Path(model), Path(model).name
-
-
 def build_workload(args: argparse.Namespace, name: str, salt: int, lo_hi: tuple[int, int],
                    rows: list[dict[str, Any]] | None) -> workloads.Workload:
     src = workloads.TokenSource(*lo_hi, salt=salt)
@@ -140,8 +110,8 @@ def build_workload(args: argparse.Namespace, name: str, salt: int, lo_hi: tuple[
                            time_scale=args.trace_time_scale, warmup_fraction=args.trace_warmup_fraction)
 
 
-def run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, progress, task, console, rep: int = 0) -> dict[str, Any]:
-    from sgl_kvtier.sglang.server import SGLangServer
+def run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, bars, task, console, rep: int = 0) -> dict[str, Any]:
+    from sgl_kvtier.serving.server import SGLangServer
 
     l3 = cfg.l3_dir(plan)
     if cfg.l3:
@@ -155,7 +125,7 @@ def run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, progress, task, con
         "env": {k: v for k, v in srv.env.items() if os.environ.get(k) != v}, "log": str(srv.log_path),
         "workloads": {},
     }
-    progress.update(task, description=f"{cfg.name}: starting server")
+    bars.update(task, description=f"{cfg.name}: starting server")
     srv.start()
     res["startup_s"] = srv.startup_s
     spy = None
@@ -180,15 +150,9 @@ def run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, progress, task, con
                     settle["flush_s"] = srv.flush_cache(timeout_s=120)
                 if drop:
                     settle["drop_caches_s"] = drop_caches()
-                progress.update(task, description=f"{cfg.name} {wl_name} C={conc} phase {pi}{'' if pi else ' (warm-up)'}")
-                before = client.counters(client.scrape(srv.url))
-                cpu0, load0 = cpu_seconds(srv.proc.pid), os.getloadavg()[0]
-                recs, wall = client.run_phase(srv.url, phase, conc, lambda _r: progress.advance(task))
-                cpu1 = cpu_seconds(srv.proc.pid)
-                after = client.counters(client.scrape(srv.url))
-                cpu = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0} | {"loadavg_1m": [load0, os.getloadavg()[0]]}
-                phases.append({"phase": pi, "measured": pi > 0, "wall_s": wall, "settle": settle, "cpu": cpu,
-                               "metrics_before": before, "metrics_delta": client.delta(after, before), "requests": recs})
+                bars.update(task, description=f"{cfg.name} {wl_name} C={conc} phase {pi}{'' if pi else ' (warm-up)'}")
+                m = session.measure_phase(srv, phase, conc, lambda _r: bars.advance(task))
+                phases.append({"phase": pi, "measured": pi > 0, "settle": settle, **m})
             for p in phases:
                 p["repeat"] = rep
             level = {"concurrency": conc, "salt": li, "phases": phases, "summary": report.summarize(phases, kvbpt)}
@@ -232,14 +196,7 @@ def merge(run: dict[str, Any], cfg: configs.Config, res: dict[str, Any], kvbpt: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(stderr=True)
-    started = time.strftime("%Y%m%d-%H%M%S")
-    args.out = (args.out or REPO / "benchmarks" / "results" / f"serving-{started}").resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.gpu is None:
-        from sgl_kvtier.sglang.server import has_cuda_gpu
-
-        args.gpu = has_cuda_gpu()
+    console, started = session.start(args, "serving")
     model_dir, model_name = resolve_model(args.model)
     kvbpt = configs.kv_bytes_per_token(model_dir)
     rows = workloads.load_trace(args.trace) if "trace" in args.workload else None
@@ -274,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     run: dict[str, Any] = {
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
         "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt},
-        "machine": {"host": platform.node(), "nproc": os.cpu_count(), "loadavg_start": os.getloadavg(),
-                    "python": platform.python_version()},
+        "machine": session.machine(model_dir, args.server_arg),
         "page_cache": {"dropped": drop, "policy": policy, "flush_between_phases": args.flush_between_phases},
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": host,
                    "host_ratio": ratio, "hicache_size_gb": args.hicache_size, "max_context_tokens": max_ctx},
@@ -285,32 +241,24 @@ def main(argv: list[str] | None = None) -> int:
     if any(c.l3 for c in args.configs) and not args.gpu:
         run["hash_extension"] = prebuild_hash_extension()
     total = args.repeat * len(args.configs) * sum(len(wl.requests) for wl in wls.values())
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     failed = 0
     try:
-        with Progress(*columns, console=console, disable=args.no_progress) as progress:
-            task = progress.add_task("starting", total=total)
+        with progress(console, disable=args.no_progress) as bars:
+            task = bars.add_task("starting", total=total)
             for rep in range(args.repeat):
                 for cfg in args.configs:
                     try:
-                        res = run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, progress, task, console, rep)
+                        res = run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, bars, task, console, rep)
                         merge(run, cfg, res | {"repeat": rep}, kvbpt)
                     except Exception as exc:  # noqa: BLE001 - one broken configuration must not lose the others
                         failed += 1
-                        console.print(f"[red]{cfg.name} failed: {type(exc).__name__}: {exc}"[:3000])
                         entry = run["configs"].setdefault(cfg.name, {"key": cfg.key, "summary": cfg.summary,
                                                                      "command_str": shlex.join(cfg.args(plan)),
                                                                      "runs": [], "workloads": {}})
-                        entry["error"] = repr(exc)[:3000]
-                    (args.out / "results.json").write_text(json.dumps(run, indent=1, default=str))
+                        entry["error"] = session.failure(console, cfg.name, exc)
+                    session.save(run, args.out)
     finally:
-        run["machine"]["loadavg_end"] = os.getloadavg()
-        (args.out / "results.json").write_text(json.dumps(run, indent=1, default=str))
-        md = report.markdown(run)
-        (args.out / "report.md").write_text(md)
-        report.plots(run, args.out)
-        console.print(md)
-        console.print(f"results: {args.out}")
+        session.finish(run, args.out, report.markdown, report.plots, console)
     return 1 if failed else 0
 
 

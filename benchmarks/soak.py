@@ -1,7 +1,7 @@
 """Soak: a real SGLang server (CPU) with sgl-kvtier under a replayed production trace for a long time.
 
-    .venv/bin/python benchmarks/soak.py --minutes 30          # the long run (results in benchmarks/results/)
-    .venv/bin/python benchmarks/soak.py --minutes 2           # a quick look
+    python -m benchmarks.soak --minutes 30          # the long run (results in benchmarks/results/soak/)
+    python -m benchmarks.soak --minutes 2           # a quick look
 
 The Mooncake conversation trace (../shared/data) is replayed closed-loop at --concurrency: each 512-token
 prefix block id becomes a deterministic block of --block-tokens token ids (seeded by the id), so requests
@@ -23,19 +23,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from sgl_kvtier.launch import BACKEND  # noqa: E402
-from sgl_kvtier.sglang.model_factory import make_model  # noqa: E402
-from sgl_kvtier.sglang.server import SGLangServer  # noqa: E402
-from sgl_kvtier.store.fsck import find_shards, shard_summary  # noqa: E402
-
-TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+from benchmarks.common import REPO, RESULTS, TRACE, make_console, scratch_dir, write_json
+from benchmarks.machine import machine_line
+from benchmarks.serving.models import resolve_model
+from benchmarks.serving.probes import tree_usage
+from benchmarks.serving.report import pyplot, save_figure
+from benchmarks.serving.session import machine
+from sgl_kvtier.serving.launch import BACKEND
+from sgl_kvtier.serving.server import SGLangServer
+from sgl_kvtier.store.fsck import find_shards, shard_summary
 
 
 def load_trace(path: Path, block_tokens: int, vocab: int, limit: int) -> list[list[int]]:
@@ -52,27 +51,10 @@ def load_trace(path: Path, block_tokens: int, vocab: int, limit: int) -> list[li
     return requests
 
 
-def tree_usage(pid: int) -> tuple[float, int]:
-    """(RSS MiB, open fds) of a process and all its children."""
-    rss, fds = 0, 0
-    try:
-        root = psutil.Process(pid)
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                rss += p.memory_info().rss
-                fds += p.num_fds()
-            except psutil.Error:
-                continue
-    except psutil.Error:
-        pass
-    return rss / 2**20, fds
-
-
-def run(args: argparse.Namespace, console: Console) -> dict:
-    work = Path(args.dir).resolve()
+def run(args: argparse.Namespace, work: Path, console: Console) -> dict:
     store = work / "flash"
     store.mkdir(parents=True, exist_ok=True)
-    model = make_model(work / "model", "tiny")
+    model, _ = resolve_model("tiny")
     trace = load_trace(TRACE, args.block_tokens, 1024, 20_000)
     capacity = args.capacity_mib << 20
     extra = {**BACKEND, "devices": [str(store)], "capacity_bytes": capacity, "prefetch_threshold": 64}
@@ -80,6 +62,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                    "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", "16",
                    "--enable-cache-report", "--enable-metrics", "--skip-server-warmup",
                    "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)]
+    info = machine(model, server_args)
     windows: list[dict] = []
     done = {"requests": 0, "tokens": 0, "failed": 0, "storage_hit_tokens": 0}
     lock, stop = threading.Lock(), threading.Event()
@@ -127,7 +110,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         stop.set()
         for t in threads:
             t.join(timeout=60)
-    return {"windows": windows, "totals": done, "capacity_bytes": capacity, "command": srv.command}
+    return {"machine": info, "windows": windows, "totals": done, "capacity_bytes": capacity, "command": srv.command}
 
 
 def verdict(result: dict) -> dict:
@@ -144,6 +127,7 @@ def verdict(result: dict) -> dict:
 
 def report(result: dict, out: Path, console: Console) -> None:
     table = Table(title="soak: real SGLang + sgl-kvtier under the replayed Mooncake trace")
+    console.print(f"machine: {machine_line(result['machine'])}", markup=False, highlight=False)
     for col in ("t (s)", "RSS MiB", "fds", "req/s", "input tok/s", "flash hit tok", "store MiB", "failed"):
         table.add_column(col, justify="right")
     for w in result["windows"]:
@@ -152,13 +136,8 @@ def report(result: dict, out: Path, console: Console) -> None:
                       str(w["failed"]))
     console.print(table)
     console.print(result["verdict"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(result, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    write_json(out / "soak.json", result)
+    plt = pyplot()
     t = [w["t_s"] for w in result["windows"]]
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     for ax, key, label in zip(axes, ("rss_mib", "fds", "req_per_s"), ("server RSS (MiB)", "open fds", "requests/s")):
@@ -167,8 +146,7 @@ def report(result: dict, out: Path, console: Console) -> None:
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("seconds")
     fig.suptitle("sgl-kvtier soak")
-    fig.tight_layout()
-    fig.savefig(out / "soak.png", dpi=100)
+    save_figure(fig, out / "soak.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace block (512 in production)")
     p.add_argument("--capacity-mib", type=int, default=24, help="store limit: small, so eviction runs")
-    p.add_argument("--dir", default=str(ROOT / ".bench-soak"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
+    p.add_argument("--dir", type=Path, default=REPO / ".bench-soak", help="scratch directory (removed afterwards)")
+    p.add_argument("--out", type=Path, default=RESULTS / "soak")
     args = p.parse_args(argv)
-    console = Console()
-    result = run(args, console)
+    console = make_console()
+    with scratch_dir(args.dir, "soak-") as work:
+        result = run(args, work, console)
     result["verdict"] = verdict(result)
-    report(result, Path(args.out), console)
+    report(result, args.out, console)
     return 0 if all(result["verdict"].values()) else 1
 
 

@@ -4,12 +4,17 @@
 # On a machine without an NVIDIA GPU SGLang is installed from its CPU-safe requirement list
 # (scripts/requirements-sglang-cpu.txt) and then `--no-deps`, because a plain install drags in
 # GPU-only wheels (flashinfer, sglang-kernel, ...). With a GPU the normal `pip install sglang` path is used.
+# Every pip call installs under scripts/constraints.txt: the known-good version of every package the set-up
+# resolves (SGLang's CPU set, our dependencies, dev tools), so a dependency that changes on PyPI cannot change
+# a fresh machine. Refresh it with `bash scripts/lock.sh` (KVTIER_UNLOCKED=1 here skips the pins; lock.sh only).
+# A GPU machine uses the same pins where they apply (its extra GPU wheels are resolved by pip).
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 VENV="${KVTIER_VENV:-$here/.venv}"
 PY="${PYTHON:-python3}"
+LOCK="$here/scripts/constraints.txt"
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -30,11 +35,20 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
   fi
 fi
 
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "[setup] error: $("$PY" -V 2>&1 || echo "$PY: not found") found; sgl-kvtier needs Python >= 3.11 (as SGLang 0.5.23 does)." >&2
+  echo "[setup]        set PYTHON=/path/to/python3.11 (or newer) and run again" >&2
+  exit 1
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+if [ "${KVTIER_UNLOCKED:-0}" != 1 ]; then
+  PIP+=(-c "$LOCK")
+fi
 "${PIP[@]}" --upgrade pip >/dev/null
 
 has_gpu=0

@@ -1,3 +1,5 @@
+"""``python -m sgl_kvtier``: the operator commands of ``sgl_kvtier.cli``."""
+
 import sys
 
 from sgl_kvtier.cli import main

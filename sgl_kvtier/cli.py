@@ -2,7 +2,7 @@
 
     sgl-kvtier inspect PATH [--json]          namespaces, pages, bytes used/limit, devices, format
     sgl-kvtier fsck PATH [--repair] [--json]  verify every record and page checksum; repair drops bad ones
-    sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.launch)
+    sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.serving.launch)
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
 
 Exit codes: 0 ok, 1 problems found (or an error), 2 usage, 130 interrupted.
@@ -11,28 +11,34 @@ Exit codes: 0 ok, 1 problems found (or an error), 2 usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.serving.launch import add_launch_parser
 
 
 def _human(n: int | None) -> str:
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
+    if abs(n) < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if abs(size) < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
+    """``sgl-kvtier inspect``: the shards under a path, as a table or JSON."""
     from sgl_kvtier.store.fsck import find_shards, shard_summary
 
     shards = find_shards(args.path)
@@ -54,7 +60,12 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _advance(progress: Progress, task: TaskID, pages: int) -> None:
+    progress.advance(task, pages)
+
+
 def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
+    """``sgl-kvtier fsck``: verify (and with ``--repair`` fix) every shard; 1 if any stays bad."""
     from sgl_kvtier.store.fsck import find_shards, fsck, open_shard
 
     shards = find_shards(args.path)
@@ -67,7 +78,7 @@ def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
             with open_shard(shard) as s:
                 total = len(s)
             task = progress.add_task(f"verifying {shard.namespace.model}", total=total)
-            reports.append(fsck(shard, repair=args.repair, progress=lambda n, t=task: progress.advance(t, n)))
+            reports.append(fsck(shard, repair=args.repair, progress=functools.partial(_advance, progress, task)))
     if args.json:
         print(json.dumps([r.__dict__ for r in reports], indent=2))
     else:
@@ -82,12 +93,14 @@ def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from sgl_kvtier.sglang.demo import main as demo_main
+    """``sgl-kvtier demo``: see ``sgl_kvtier.serving.demo``."""
+    from sgl_kvtier.serving.demo import main as demo_main
 
     return demo_main(args.dir, args.turns)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every sub-command."""
     parser = argparse.ArgumentParser(prog="sgl-kvtier", description="NVMe / NVMe-oF flash tier for SGLang HiCache")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show the namespaces, pages and capacity of a store")
@@ -103,16 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".kvtier-demo", help="directory used as the flash device (wiped first)")
     p.add_argument("--turns", type=int, default=3, help="turns of the conversation")
     p.set_defaults(func=cmd_demo)
-    try:
-        from sgl_kvtier.launch import add_launch_parser
-    except ImportError:  # pragma: no cover - launch ships with the package
-        pass
-    else:
-        add_launch_parser(sub)
+    add_launch_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``); the exit code."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -123,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.extra = extra
     console = Console(stderr=False)
     try:
-        return args.func(args, console)
+        code: int = args.func(args, console)
+        return code
     except KVTierError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 1

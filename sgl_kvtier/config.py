@@ -3,17 +3,23 @@
 ``StoreConfig.from_mapping`` is the only parser: it takes the dict an operator wrote (the SGLang
 extra-config JSON, a TOML file) and raises ``ConfigError`` naming the first bad field. Unknown keys are
 errors too, so a typo never silently falls back to a default. Field names here are the config keys.
+
+The two tables ``throttle`` and ``fault_injection`` are kept as the operator wrote them (so a config
+round-trips through ``to_mapping``) and parsed into frozen ``ThrottleSpec`` / ``FaultSpec`` here, where
+their errors name ``throttle.<key>`` / ``fault_injection.<key>``; the IO wrappers take the specs. This
+module is a foundation: it imports only ``errors``, never the IO layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.io.throttle import validate as validate_throttle
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -28,17 +34,23 @@ class Durability(str, enum.Enum):
 
 
 class EvictionPolicyName(str, enum.Enum):
+    """Which pages go first when the shard is full."""
+
     LRU = "lru"
     CHAIN = "chain"  # deepest pages of a prefix chain go before their ancestors
 
 
 class IOEngineName(str, enum.Enum):
+    """Which IO engine moves the bytes (see sgl_kvtier.io.factory)."""
+
     AUTO = "auto"  # the thread pool (measured: same GB/s as io_uring for MiB pages, steadier under GIL load)
     THREADS = "threads"
-    URING = "uring"
+    URING = "uring"  # io_uring; start-up fails naming io_engine where its probe says it cannot run here
 
 
 class DirectIO(str, enum.Enum):
+    """Whether devices are opened with O_DIRECT."""
+
     AUTO = "auto"  # O_DIRECT when the filesystem accepts it, else buffered IO + fdatasync (one warning)
     ON = "on"  # O_DIRECT or fail at open
     OFF = "off"
@@ -77,10 +89,10 @@ class StoreConfig:
     # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
     # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
     readahead_bytes: int = 256 * MiB
-    # Testing only: inject IO faults (see sgl_kvtier.io.faulty). None in production.
-    fault_injection: dict | None = None
-    # Benchmarks only: emulate a slower device (bandwidth caps and added latency, see sgl_kvtier.io.throttle).
-    throttle: dict | None = None
+    # Testing only: inject IO faults (a ``FaultSpec`` table, see sgl_kvtier.io.faulty). None in production.
+    fault_injection: dict[str, Any] | None = None
+    # Benchmarks only: emulate a slower device (a ``ThrottleSpec`` table, see sgl_kvtier.io.throttle).
+    throttle: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -105,11 +117,19 @@ class StoreConfig:
             raise ConfigError("readahead_bytes", f"must be 0 (off) or a byte count, got {self.readahead_bytes}")
         if not 0 < self.slow_io_s <= 3600:
             raise ConfigError("slow_io_s", f"must be in (0, 3600] seconds, got {self.slow_io_s}")
-        if self.throttle is not None:
-            validate_throttle(self.throttle)
+        self.throttle_spec()
+        self.fault_spec()
+
+    def throttle_spec(self) -> ThrottleSpec | None:
+        """The parsed ``throttle`` table; None when there is none."""
+        return None if self.throttle is None else ThrottleSpec.from_mapping(self.throttle)
+
+    def fault_spec(self) -> FaultSpec | None:
+        """The parsed ``fault_injection`` table; None when there is none."""
+        return None if self.fault_injection is None else FaultSpec.from_mapping(self.fault_injection)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, ignore: frozenset[str] = frozenset()) -> "StoreConfig":
+    def from_mapping(cls, values: Mapping[str, Any], *, ignore: frozenset[str] = frozenset()) -> StoreConfig:
         """Build a config from operator input; ``ignore`` names keys that belong to someone else."""
         if not isinstance(values, Mapping):
             raise ConfigError("config", f"expected a mapping of keys to values, got {type(values).__name__}")
@@ -123,6 +143,7 @@ class StoreConfig:
         return cls(**kwargs)
 
     def to_mapping(self) -> dict[str, Any]:
+        """The config as operator input again: ``from_mapping(cfg.to_mapping()) == cfg``."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -130,7 +151,7 @@ class StoreConfig:
         return out
 
 
-def _coerce(f: dataclasses.Field, raw: Any) -> Any:
+def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
     """Check one operator value against the field's declared type; no silent conversions."""
     name, kind = f.name, str(f.type)
     if name == "devices":
@@ -139,8 +160,9 @@ def _coerce(f: dataclasses.Field, raw: Any) -> Any:
         if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) and p for p in raw):
             raise ConfigError(name, f"expected a list of non-empty path strings, got {raw!r}")
         return tuple(raw)
-    enum_type = {"Durability": Durability, "EvictionPolicyName": EvictionPolicyName,
-                 "IOEngineName": IOEngineName, "DirectIO": DirectIO}.get(kind)
+    enums: dict[str, type[enum.Enum]] = {"Durability": Durability, "EvictionPolicyName": EvictionPolicyName,
+                                         "IOEngineName": IOEngineName, "DirectIO": DirectIO}
+    enum_type = enums.get(kind)
     if enum_type is not None:
         try:
             return enum_type(raw)
@@ -172,4 +194,102 @@ def _coerce(f: dataclasses.Field, raw: Any) -> Any:
     raise ConfigError(name, f"cannot be set from {raw!r}")  # pragma: no cover - every field is handled above
 
 
-__all__ = ["StoreConfig", "Durability", "EvictionPolicyName", "IOEngineName", "DirectIO", "MiB", "GiB"]
+THROTTLE_KEYS = ("read_bytes_per_s", "write_bytes_per_s", "latency_s")
+FAULT_RATES = ("read_error_rate", "write_error_rate", "enospc_rate", "stall_rate", "torn_write_rate")
+FAULT_KNOBS = (*FAULT_RATES, "stall_s", "down")  # what a live control file may set
+FAULT_KEYS = ("seed", "control_file", *FAULT_KNOBS)
+
+
+@dataclass(frozen=True)
+class ThrottleSpec:
+    """The ``throttle`` table: the emulated slower device (sgl_kvtier.io.throttle). Absent rates: uncapped."""
+
+    read_bytes_per_s: float = math.inf  # > 0
+    write_bytes_per_s: float = math.inf  # > 0
+    latency_s: float = 0.0  # added to every op, in [0, 60]
+
+    def __post_init__(self) -> None:
+        for key in ("read_bytes_per_s", "write_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"throttle.{key}", f"must be a positive byte rate, got {getattr(self, key)!r}")
+        if not 0 <= self.latency_s <= 60:
+            raise ConfigError("throttle.latency_s", f"must be in [0, 60] seconds, got {self.latency_s!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: object) -> ThrottleSpec:
+        """Parse the operator's table; ``ConfigError`` naming ``throttle`` or ``throttle.<key>``."""
+        table = _table("throttle", raw, THROTTLE_KEYS)
+        return cls(**{key: _number(f"throttle.{key}", value) for key, value in table.items()})
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """The ``fault_injection`` table (testing only; what each knob does: sgl_kvtier.io.faulty)."""
+
+    seed: int = 0
+    control_file: str | None = None  # a JSON file of knobs, re-read when it changes
+    read_error_rate: float = 0.0  # rates are probabilities per op, in [0, 1]
+    write_error_rate: float = 0.0
+    enospc_rate: float = 0.0
+    stall_rate: float = 0.0
+    torn_write_rate: float = 0.0
+    stall_s: float = 0.0  # in [0, 3600]
+    down: tuple[int, ...] = ()  # device indices whose every op fails
+
+    def __post_init__(self) -> None:
+        for key in FAULT_RATES:
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"fault_injection.{key}", f"must be a probability in [0, 1], got {getattr(self, key)!r}")
+        if not 0 <= self.stall_s <= 3600:
+            raise ConfigError("fault_injection.stall_s", f"must be in [0, 3600] seconds, got {self.stall_s!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: object) -> FaultSpec:
+        """Parse the operator's table; ``ConfigError`` naming ``fault_injection`` or ``fault_injection.<key>``."""
+        return cls(**_fault_fields(_table("fault_injection", raw, FAULT_KEYS)))
+
+    def with_knobs(self, raw: object) -> FaultSpec:
+        """These settings with the knobs of a control file's mapping applied (``ConfigError`` if bad)."""
+        return dataclasses.replace(self, **_fault_fields(_table("fault_injection.control_file", raw, FAULT_KNOBS)))
+
+
+def _table(field: str, raw: object, known: tuple[str, ...]) -> Mapping[str, Any]:
+    """``raw`` as a mapping with only ``known`` keys, or ``ConfigError`` naming the table or the bad key."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(field, f"expected a table of settings, got {raw!r}")
+    unknown = sorted(str(k) for k in raw if k not in known)
+    if unknown:
+        raise ConfigError(f"{field}.{unknown[0]}", f"unknown key (known keys: {', '.join(known)})")
+    return raw
+
+
+def _number(field: str, raw: object) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or math.isnan(raw):
+        raise ConfigError(field, f"expected a number, got {raw!r}")
+    return float(raw)
+
+
+def _fault_fields(table: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in table.items():
+        field = f"fault_injection.{key}"
+        if key == "seed":
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                raise ConfigError(field, f"expected an integer, got {raw!r}")
+            out[key] = raw
+        elif key == "control_file":
+            if not isinstance(raw, str) or not raw:
+                raise ConfigError(field, f"expected a path string, got {raw!r}")
+            out[key] = raw
+        elif key == "down":
+            if not isinstance(raw, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                            for d in raw):
+                raise ConfigError(field, f"expected a list of device indices, got {raw!r}")
+            out[key] = tuple(raw)
+        else:
+            out[key] = _number(field, raw)
+    return out
+
+
+__all__ = ["StoreConfig", "Durability", "EvictionPolicyName", "IOEngineName", "DirectIO", "MiB", "GiB",
+           "ThrottleSpec", "FaultSpec", "THROTTLE_KEYS", "FAULT_KEYS", "FAULT_KNOBS", "FAULT_RATES"]

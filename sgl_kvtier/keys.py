@@ -6,6 +6,11 @@ field that changes the bytes of a page (model, dtype, host layout, page geometry
 schema version. Each namespace shard is stored apart (its own directory or device region), so a page written
 under one namespace is a miss under any other, never wrong KV.
 
+``PageKey`` is a distinct type (``NewType`` over ``bytes``): only ``parse_key`` makes one from SGLang's
+text, and the store's API takes only valid keys. An invalid key from SGLang is handled at the adapter
+boundary (a miss, or a page not stored); ``valid_runs`` splits a parsed batch where its invalid keys are,
+so a page's chain parent is always the page really preceding it.
+
 Rule for changing ``Namespace``: append fields only, and bump ``SCHEMA_VERSION`` when the meaning of the
 stored bytes changes.
 """
@@ -14,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, NewType
 
 import msgpack
 
@@ -24,7 +30,7 @@ from sgl_kvtier.errors import ConfigError
 SCHEMA_VERSION = 1
 KEY_BYTES = 32
 
-PageKey = bytes
+PageKey = NewType("PageKey", bytes)
 
 
 def parse_key(text: str) -> PageKey:
@@ -37,12 +43,28 @@ def parse_key(text: str) -> PageKey:
         except ValueError:
             key = b""
         if len(key) == KEY_BYTES:
-            return key
+            return PageKey(key)
     raise ValueError(f"page key must be 64 lowercase hex characters, got {text!r:.80}")
 
 
 def parse_keys(texts: Iterable[str]) -> list[PageKey]:
+    """``parse_key`` of each text; ``ValueError`` at the first invalid one."""
     return [parse_key(t) for t in texts]
+
+
+def valid_runs(keys: Sequence[PageKey | None]) -> list[tuple[int, list[PageKey]]]:
+    """The maximal runs of consecutive valid keys (``None`` marks an invalid one), each with the index of
+    its first key: ``[k0, None, k2, k3]`` -> ``[(0, [k0]), (2, [k2, k3])]``."""
+    runs: list[tuple[int, list[PageKey]]] = []
+    current: list[PageKey] = []
+    for i, k in enumerate(keys):
+        if k is None:
+            current = []
+            continue
+        if not current:  # a fresh list (the start, or just past an invalid key) begins a run here
+            runs.append((i, current))
+        current.append(k)
+    return runs
 
 
 @dataclass(frozen=True)
@@ -80,10 +102,12 @@ class Namespace:
         return self.tp_size * self.pp_size * self.cp_size
 
     def to_mapping(self) -> dict[str, Any]:
+        """The fields as a plain dict (what device headers record)."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> "Namespace":
+    def from_mapping(cls, values: dict[str, Any]) -> Namespace:
+        """The inverse of ``to_mapping``; unknown keys are ignored, missing appended fields default."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
@@ -93,8 +117,10 @@ class Namespace:
         return hashlib.sha256(msgpack.packb(["sgl-kvtier-namespace", *fields])).digest()[:16]
 
     def dirname(self) -> str:
+        """The shard's directory name, ``ns-<digest hex>``."""
         return "ns-" + self.digest().hex()
 
     def describe(self) -> str:
+        """One human-readable line naming the shard."""
         return (f"{self.model} {self.dtype} {self.layout} page={self.page_tokens}t/{self.page_bytes}B "
                 f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} cp{self.cp_rank}/{self.cp_size}")

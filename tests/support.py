@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.buffers import AlignedBuffer
-from sgl_kvtier.keys import Namespace
-from sgl_kvtier.store import PageStore
+from sgl_kvtier.io.engine import IOOp, IOResult, ThreadPoolEngine
+from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.store.page_store import PageStore
 
 PAGE_BYTES = 16 * 1024
 
@@ -48,8 +50,24 @@ class HostMemory:
         self.array[:] = 0
 
 
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 8
+class EngineWrapper:
+    """An IO engine that passes every batch to a real thread-pool engine; a test's subclass overrides
+    ``run`` to bend what the device does or reports, without sleeping."""
+
+    name = "wrapped"
+
+    def __init__(self, depth: int = 4):
+        self.inner = ThreadPoolEngine(depth)
+
+    def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        return self.inner.run(ops)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def key(n: int) -> PageKey:
+    return PageKey(n.to_bytes(4, "little") * 8)
 
 
 def store_config(path: Path | str, capacity_pages: int = 64, page_bytes: int = PAGE_BYTES, **config) -> StoreConfig:
@@ -65,8 +83,8 @@ def open_store(path: Path | str, capacity_pages: int = 64, page_bytes: int = PAG
     return PageStore.open(store_config(path, capacity_pages, page_bytes, **config), ns or namespace(page_bytes))
 
 
-def random_key() -> bytes:
-    return os.urandom(32)
+def random_key() -> PageKey:
+    return PageKey(os.urandom(32))
 
 
 def run_concurrently(*targets) -> None:
@@ -93,19 +111,97 @@ def run_concurrently(*targets) -> None:
         raise failures[0]
 
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+# ---------------------------------------------------------------------- lifecycle checks (open / close)
+def open_fds_under(root: Path | str) -> dict[int, str]:
+    """This process's open descriptors on paths under ``root``, ``{fd: path}`` (``/proc/self/fd`` links
+    resolved; a file deleted meanwhile still shows, as ``'<path> (deleted)'``)."""
+    prefix = os.path.realpath(root) + os.sep
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed between the listing and the look (the listing's own descriptor)
+            continue
+        if target.startswith(prefix):
+            found[int(name)] = target
+    return found
 
 
-def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` as a module; ``benchmarks/`` goes on ``sys.path`` first, as the scripts'
-    own imports (``serving``, ``bench_serving``) need when they run as scripts."""
-    import importlib.util
+def kvtier_threads() -> set:
+    """The live threads whose names start with ``kvtier-`` (IO engine and read-ahead pools)."""
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("kvtier-")}
+
+
+_TAKE_LOCK = """
+import sys
+from pathlib import Path
+from sgl_kvtier.errors import StoreLockedError
+from sgl_kvtier.store.layout import acquire_writer_lock, release_writer_lock
+try:
+    fd = acquire_writer_lock(Path(sys.argv[1]))
+except StoreLockedError:
+    sys.exit(3)
+release_writer_lock(fd)
+"""
+
+
+def lock_free_elsewhere(meta: Path) -> bool:
+    """Whether another process can take the writer lock of the shard in ``meta`` now (it takes it through
+    the store's own ``acquire_writer_lock`` and gives it back at once)."""
+    import subprocess
     import sys
 
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _TAKE_LOCK, str(meta)], capture_output=True, text=True,
+                          timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode in (0, 3), done.stderr
+    return done.returncode == 0
+
+
+class OSFaults:
+    """A stand-in for the ``os`` module as one store module sees it, failing some calls the way a sick or
+    full device does: ``monkeypatch.setattr(module, "os", OSFaults(errno.EIO, {"fsync"}, "journal-"))``.
+
+    Each call named in ``calls`` (``open``, ``write``, ``fsync``, ``close``) raises ``OSError(error)`` when
+    its path (for a descriptor: what ``/proc/self/fd`` names) contains ``path``; everything else goes to
+    ``os``. A failing ``close`` closes the descriptor first, as Linux does when close(2) reports an error.
+    ``failed`` lists the paths of the calls it failed, in order.
+    """
+
+    def __init__(self, error: int, calls: set[str], path: str):
+        self.error, self.calls, self.path = error, set(calls), path
+        self.failed: list[str] = []
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    def _fail(self, call: str, path: str) -> None:
+        if call in self.calls and self.path in path:
+            self.failed.append(path)
+            raise OSError(self.error, os.strerror(self.error), path)
+
+    @staticmethod
+    def _path_of(fd: int) -> str:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return ""
+
+    def open(self, path, flags, mode=0o777, *, dir_fd=None):
+        self._fail("open", os.fspath(path))
+        return os.open(path, flags, mode, dir_fd=dir_fd)
+
+    def write(self, fd: int, data) -> int:
+        self._fail("write", self._path_of(fd))
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        self._fail("fsync", self._path_of(fd))
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        path = self._path_of(fd)
+        os.close(fd)
+        self._fail("close", path)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_policy.py: policies, device settings, the prefix-round workload, the report, and a smoke
+"""benchmarks.bench_policy: policies, device settings, the prefix-round workload, the report, and a smoke
 run on real servers.
 
 The smoke run (`--smoke`) starts two real SGLang servers on the CPU (tiny model, HiCache + sgl-kvtier L3 on a
@@ -14,11 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-from support import load_benchmark
 
-bench = load_benchmark("bench_policy")
-from serving import configs, policy_report, report, workloads
-from serving.policies import (
+from benchmarks import bench_policy as bench
+from benchmarks.serving import configs, policy_report, report, workloads
+from benchmarks.serving.policies import (
     POLICIES,
     parse_device,
     prefix_rounds,
@@ -129,7 +128,7 @@ def test_smoke_defaults_yield_to_explicit_flags() -> None:
 
 def test_smoke_run(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
-    from sgl_kvtier.sglang.model_factory import make_model
+    from sgl_kvtier.serving.model_factory import make_model
 
     model = make_model(tmp_path / "model", "tiny")
     out = tmp_path / "out"
@@ -157,3 +156,5 @@ def test_smoke_run(tmp_path: Path) -> None:
     assert all(q["cached_device"] == 0 and q["cached_host"] == 0 for q in prime["requests"])
     md = (out / "report.md").read_text()
     assert f"## {dev}" in md and "| load-all | 1 |" in md and "| cost | 1 |" in md and "wait_complete" in md
+    assert run["machine"]["cpu_flags"].keys() == {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert f"Machine: {run['machine']['cpu_model']}" in md

@@ -1,4 +1,4 @@
-"""benchmarks/bench_serving.py: pure parts (workloads, flags, report) and a smoke run on real servers.
+"""benchmarks.bench_serving: pure parts (workloads, flags, report) and a smoke run on real servers.
 
 The smoke run starts two real SGLang servers on the CPU (tiny model): `radix` and `kvtier-l3`, each
 serving 2 clients x 2 rounds at concurrency 1. It uses `--flush-between-phases`, so round 2 finds L1
@@ -14,13 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-from support import BENCHMARKS, load_benchmark
 
-TRACE = BENCHMARKS.parent.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
-
-
-bench = load_benchmark("bench_serving")
-from serving import client, configs, report, workloads
+from benchmarks import bench_serving as bench
+from benchmarks.common import TRACE
+from benchmarks.serving import client, configs, report, workloads
 
 
 def src(salt: int = 0) -> workloads.TokenSource:
@@ -218,7 +215,7 @@ def test_repetitions_pool_their_requests() -> None:
 
 def test_smoke_run_two_configurations(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
-    from sgl_kvtier.sglang.model_factory import make_model
+    from sgl_kvtier.serving.model_factory import make_model
 
     model = make_model(tmp_path / "model", "tiny")
     out = tmp_path / "out"
@@ -233,7 +230,7 @@ def test_smoke_run_two_configurations(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0, name
     run = json.loads((out / "results.json").read_text())
     assert list(run["configs"]) == ["radix", "kvtier-l3"]
-    for name, cfg in run["configs"].items():
+    for cfg in run["configs"].values():
         assert "error" not in cfg, cfg.get("error")
         assert cfg["command"][1:3] == ["-m", "sglang.launch_server"] and cfg["startup_s"] > 0
         (level,) = cfg["workloads"]["multiturn"]
@@ -256,3 +253,6 @@ def test_smoke_run_two_configurations(tmp_path: Path) -> None:
     assert radix["cached_tokens"]["storage"] == 0
     md = (out / "report.md").read_text()
     assert "| kvtier-l3 | 1 |" in md and "| radix | 1 |" in md and "sglang.launch_server" in md
+    machine = run["machine"]
+    assert machine["model_dtype"].startswith("bfloat16") and machine["matmul_gflops"]["fp32"] > 0
+    assert f"Machine: {machine['cpu_model']}" in md and "model dtype bfloat16" in md

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from sgl_kvtier.cli import main
 from support import HostMemory, key, open_store
+
+from sgl_kvtier.cli import main
 
 
 def make_store(path, n=6):

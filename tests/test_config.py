@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kvtier.config import Durability, EvictionPolicyName, StoreConfig
+from sgl_kvtier.config import Durability, EvictionPolicyName, FaultSpec, StoreConfig, ThrottleSpec
 from sgl_kvtier.errors import ConfigError
 
 
@@ -54,3 +54,48 @@ def test_ignored_keys_belong_to_someone_else():
 def test_not_a_mapping():
     with pytest.raises(ConfigError, match="mapping"):
         StoreConfig.from_mapping(["/a"])
+
+
+@pytest.mark.parametrize("table, field", [
+    ("loud", "fault_injection"),
+    ({"read_eror_rate": 0.1}, "fault_injection.read_eror_rate"),
+    ({"read_error_rate": 1.5}, "fault_injection.read_error_rate"),
+    ({"torn_write_rate": -0.1}, "fault_injection.torn_write_rate"),
+    ({"stall_rate": "often"}, "fault_injection.stall_rate"),
+    ({"stall_s": 1e9}, "fault_injection.stall_s"),
+    ({"seed": 1.5}, "fault_injection.seed"),
+    ({"seed": True}, "fault_injection.seed"),
+    ({"control_file": ""}, "fault_injection.control_file"),
+    ({"down": 0}, "fault_injection.down"),
+    ({"down": [-1]}, "fault_injection.down"),
+])  # fmt: skip
+def test_fault_injection_errors_name_the_key(table, field):
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_mapping({"devices": ["/a"], "fault_injection": table})
+    assert info.value.field == field and str(info.value).startswith(field + ":")
+
+
+def test_fault_injection_table_round_trips_and_parses():
+    table = {"seed": 7, "control_file": "/tmp/f.json", "read_error_rate": 0.25, "down": [1, 2], "stall_s": 2}
+    cfg = StoreConfig.from_mapping({"devices": ["/a"], "fault_injection": table})
+    assert cfg.fault_injection == table and StoreConfig.from_mapping(cfg.to_mapping()) == cfg
+    assert cfg.fault_spec() == FaultSpec(seed=7, control_file="/tmp/f.json", read_error_rate=0.25, down=(1, 2),
+                                         stall_s=2.0)
+    assert StoreConfig.from_mapping({"devices": ["/a"]}).fault_spec() is None
+
+
+def test_control_file_knobs_replace_only_what_they_name():
+    base = FaultSpec(seed=3, control_file="/c", read_error_rate=0.5, stall_s=1.0)
+    live = base.with_knobs({"read_error_rate": 0.0, "down": [0]})
+    assert live == FaultSpec(seed=3, control_file="/c", read_error_rate=0.0, stall_s=1.0, down=(0,))
+    with pytest.raises(ConfigError) as info:  # the seed is the config's, not a live knob
+        base.with_knobs({"seed": 9})
+    assert info.value.field == "fault_injection.control_file.seed"
+
+
+def test_throttle_errors_name_the_key():
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_mapping({"devices": ["/a"], "throttle": {"latency_s": 120}})
+    assert info.value.field == "throttle.latency_s"
+    cfg = StoreConfig.from_mapping({"devices": ["/a"], "throttle": {"read_bytes_per_s": 1e9}})
+    assert cfg.throttle_spec() == ThrottleSpec(read_bytes_per_s=1e9)

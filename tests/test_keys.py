@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.keys import Namespace, parse_key
+from sgl_kvtier.keys import Namespace, parse_key, valid_runs
 
 
 def ns(**kw):
@@ -44,3 +44,11 @@ def test_namespace_validation():
         ns(model="")
     assert Namespace.from_mapping(ns(tp_rank=1, tp_size=4).to_mapping()) == ns(tp_rank=1, tp_size=4)
     assert ns(tp_size=8, pp_size=2).shard_count == 16
+
+
+def test_valid_runs_split_a_batch_at_its_invalid_keys():
+    a, b, c, d = (bytes([i]) * 32 for i in range(4))
+    assert valid_runs([a, None, b, c, None, None, d]) == [(0, [a]), (2, [b, c]), (6, [d])]
+    assert valid_runs([None, a, b]) == [(1, [a, b])]
+    assert valid_runs([a, b]) == [(0, [a, b])]
+    assert valid_runs([None, None]) == [] and valid_runs([]) == []

@@ -9,9 +9,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import HostMemory, open_store
 
 from sgl_kvtier.errors import StoreLockedError
-from support import HostMemory, open_store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_kvtier"
 

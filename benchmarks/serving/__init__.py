@@ -1,4 +1,6 @@
-"""Helpers of `benchmarks/bench_serving.py`: workloads, server configurations, the HTTP client, the report.
+"""Helpers of the real-server benchmarks (``bench_serving``, ``bench_policy``, ``soak``): workloads, server
+configurations, policies, the HTTP client, the run frame, machine-side probes, and the reports.
 
-Nothing here imports SGLang: servers run in their own processes (`sgl_kvtier.sglang.server.SGLangServer`).
+Nothing here imports SGLang at module level: servers run in their own processes
+(`sgl_kvtier.serving.server.SGLangServer`).
 """

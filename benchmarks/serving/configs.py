@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.launch import BACKEND
+from sgl_kvtier.serving.launch import BACKEND
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from serving import workloads
+from benchmarks.serving import workloads
 
 NEVER_PREFETCH = 1 << 30  # prefetch_threshold in tokens: above any prompt, so no L3 lookup is ever made
 # A throttled device is slow by design; the circuit breaker (2 s per IO by default) must not take it for a

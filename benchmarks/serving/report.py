@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.machine import machine_line
+
 BASELINES = ("radix", "recompute", "file-l3")
 TIERS = ("device", "host", "storage")
 
@@ -110,13 +112,18 @@ def targets(run: dict[str, Any]) -> list[str]:
     return out
 
 
+def machine_paragraph(run: dict[str, Any]) -> list[str]:
+    """The report header's machine line (and a blank line), or nothing for a run that recorded none."""
+    return [f"Machine: {machine_line(run['machine'])}.", ""] if run.get("machine", {}).get("cpu_model") else []
+
+
 def markdown(run: dict[str, Any]) -> str:
     s = run["sizing"]
     intro = (f"Model `{run['model']['name']}` ({run['model']['kv_bytes_per_token']} KV bytes/token), "
              f"{'GPU' if run['gpu'] else 'CPU'}, page {s['page_size']} tokens. Device pool "
              f"{s['device_tokens']} tokens, host pool {s['host_tokens']} tokens (HiCache configs); "
              f"page cache: {run['page_cache']['policy']}.")
-    parts = [f"# bench_serving: {run['started']}", "", intro, ""]
+    parts = [f"# bench_serving: {run['started']}", "", *machine_paragraph(run), intro, ""]
     for wl in run["workloads"]:
         spill = (f"Unique prefix tokens per concurrency level (cumulative after each phase): "
                  f"{run['workload_info'][wl]['unique_prefix_tokens_cumulative']}, vs device+host capacity "

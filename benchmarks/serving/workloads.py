@@ -8,7 +8,7 @@ in every tier, on the same server.
 
 Phase 0 of every workload is a warm-up that populates the caches and is not measured; the phases after
 it are measured. Between phases the harness waits for L3 write-back, drops the OS page cache and
-(optionally) flushes L1+L2: see `bench_serving.py`.
+(optionally) flushes L1+L2: see `benchmarks.bench_serving`.
 """
 
 from __future__ import annotations

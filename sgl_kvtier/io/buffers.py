@@ -14,7 +14,7 @@ import ctypes
 import mmap
 import queue
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 ALIGN = 4096
 

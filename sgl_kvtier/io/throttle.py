@@ -1,6 +1,7 @@
 """A bandwidth- and latency-capping IO engine wrapper that emulates a slower device (benchmarks only).
 
-Enabled with the store config key ``throttle`` (a table; ``validate`` checks it when the config is built):
+Enabled with the store config key ``throttle`` (a table, parsed into ``config.ThrottleSpec`` when the config
+is built; its errors name ``throttle.<key>``):
     read_bytes_per_s    read bandwidth of the emulated device, bytes/s (> 0); absent: reads uncapped
     write_bytes_per_s   write bandwidth, bytes/s (> 0); absent: writes uncapped
     latency_s           fixed latency added to every op, seconds (>= 0); default 0
@@ -30,57 +31,29 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, op_length
+from sgl_kvtier.config import ThrottleSpec
+from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, op_length
 
 log = logging.getLogger(__name__)
-KEYS = ("read_bytes_per_s", "write_bytes_per_s", "latency_s")
 DEFAULT_DEPTH = 32  # the store's default io_depth, for a wrapped engine that does not say its own
 
 
-@dataclass(frozen=True)
-class ThrottleSettings:
-    read_bytes_per_s: float = math.inf
-    write_bytes_per_s: float = math.inf
-    latency_s: float = 0.0
-
-    def transfer_s(self, kind: OpKind, nbytes: int) -> float:
-        rate = self.read_bytes_per_s if kind is OpKind.READ else self.write_bytes_per_s
-        return nbytes / rate  # 0.0 for an uncapped (infinite) rate
-
-
-def validate(settings: Mapping[str, Any]) -> ThrottleSettings:
-    """The settings of the ``throttle`` table, or ``ConfigError`` naming ``throttle.<key>``."""
-    if not isinstance(settings, Mapping):
-        raise ConfigError("throttle", f"expected a table of settings, got {settings!r}")
-    unknown = sorted(k for k in settings if k not in KEYS)
-    if unknown:
-        raise ConfigError(f"throttle.{unknown[0]}", f"unknown key (known keys: {', '.join(KEYS)})")
-    values: dict[str, float] = {}
-    for key, raw in settings.items():
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or math.isnan(raw):
-            raise ConfigError(f"throttle.{key}", f"expected a number, got {raw!r}")
-        value = float(raw)
-        if key == "latency_s" and not 0 <= value <= 60:
-            raise ConfigError(f"throttle.{key}", f"must be in [0, 60] seconds, got {raw!r}")
-        if key != "latency_s" and not 0 < value:
-            raise ConfigError(f"throttle.{key}", f"must be a positive byte rate, got {raw!r}")
-        values[key] = value
-    return ThrottleSettings(**values)
+def transfer_s(spec: ThrottleSpec, kind: OpKind, nbytes: int) -> float:
+    """Seconds the emulated device's bandwidth is busy with ``nbytes`` of ``kind`` (0.0 when uncapped)."""
+    rate = spec.read_bytes_per_s if kind is OpKind.READ else spec.write_bytes_per_s
+    return nbytes / rate
 
 
 class ThrottledEngine:
     """Wraps an ``IOEngine``; every op takes at least the time the emulated device would take."""
 
-    def __init__(self, inner: IOEngine, settings: Mapping[str, Any] | ThrottleSettings, *,
+    def __init__(self, inner: IOEngine, settings: ThrottleSpec, *,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
         self.inner = inner
         self.name = f"throttled({inner.name})"
-        self.settings = settings if isinstance(settings, ThrottleSettings) else validate(settings)
+        self.settings = settings
         self.depth = max(1, int(getattr(inner, "depth", DEFAULT_DEPTH)))
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
@@ -91,7 +64,7 @@ class ThrottledEngine:
 
     def schedule(self, ops: Sequence[IOOp], now: float) -> list[tuple[float, float]]:
         """(issue, completion) of each op arriving at ``now``, in order; advances the device state."""
-        out = []
+        out: list[tuple[float, float]] = []
         with self._lock:
             heap = self._inflight
             while heap and heap[0] <= now:
@@ -99,13 +72,14 @@ class ThrottledEngine:
             for op in ops:
                 issue = now if len(heap) < self.depth else max(now, heapq.heappop(heap))
                 start = max(issue, self._busy_until)
-                self._busy_until = start + self.settings.transfer_s(op.kind, op_length(op))
+                self._busy_until = start + transfer_s(self.settings, op.kind, op_length(op))
                 done = self._busy_until + self.settings.latency_s
                 heapq.heappush(heap, done)
                 out.append((issue, done))
         return out
 
     def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        """Run ``ops`` on the wrapped engine, returning no earlier than their emulated completion."""
         if not ops:
             return []
         plan = self.schedule(ops, self._clock())
@@ -120,7 +94,8 @@ class ThrottledEngine:
         return results
 
     def close(self) -> None:
+        """Close the wrapped engine."""
         self.inner.close()
 
 
-__all__ = ["KEYS", "ThrottleSettings", "ThrottledEngine", "validate"]
+__all__ = ["ThrottledEngine", "transfer_s"]

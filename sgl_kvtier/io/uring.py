@@ -1,6 +1,6 @@
 """``UringEngine``: batches of vectored reads/writes through io_uring (the PyPI ``liburing`` package).
 
-Invariants (the contract of ``ThreadPoolEngine``, see ``engine.py``):
+Invariants (the contract of every engine, see ``ops.py``):
 
 * ``run(ops)`` returns one ``IOResult`` per op, in op order, and never raises for a failed op: a negative
   completion becomes ``OSError(-res)`` (EINTR/EAGAIN are retried); a 0-byte transfer before the op is
@@ -16,38 +16,54 @@ Invariants (the contract of ``ThreadPoolEngine``, see ``engine.py``):
 * The binding holds the GIL inside ``io_uring_wait_cqe``, so we never block there but in ``poll()`` on
   the ring fd, which releases the GIL (SGLang's scheduler and the other IO threads keep running).
 
+Native code: importing this module does not import ``liburing``. Its wheel may not run on this CPU (the
+2026.3.30 wheel has AVX-512 instructions: SIGILL on an AVX2-only machine) or the kernel may refuse
+io_uring, so ``UringEngine()`` first asks ``probe.require("uring")``, which runs ``self_test`` in a child
+process (cached per machine); only after that says available is ``liburing`` imported here.
+
 Threads: SGLang calls ``run`` from up to three threads at once; each ``run`` checks a ring out of a pool
 (making one when all are busy) and puts it back after, so a ring is used by one thread at a time. One
 ring behind a lock would make a small prefetch wait behind a large write-back batch; a ring per
 ``threading.local`` would leak the rings of exited threads, out of reach of ``close()``.
 """
+
 from __future__ import annotations
 
 import errno
 import os
 import select
+import tempfile
 import threading
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, _short, digest, op_length, run_op_blocking
-
-try:
-    import liburing as _lu
-except Exception:  # not installed, or the native module cannot load here
-    _lu = None
+from sgl_kvtier.io import probe as probes
+from sgl_kvtier.io.ops import IOOp, IOResult, OpKind, digest, op_length, run_op_blocking, short_error
 
 _RETRY = (errno.EINTR, errno.EAGAIN)
 _MAX_TRIES = 16
+_NEEDED_OPS = ("IORING_OP_NOP", "IORING_OP_READV", "IORING_OP_WRITEV")
+_lu: Any = None  # the liburing module, imported by _liburing() once a probe said it runs here
+
+
+def _liburing() -> Any:
+    """Import ``liburing`` (only ever after its probe, or inside the probe's child)."""
+    global _lu
+    if _lu is None:
+        import liburing
+
+        _lu = liburing
+    return _lu
 
 
 class _Ring:
     """One io_uring instance, waited on without holding the GIL."""
 
     def __init__(self, depth: int):
-        self.ring = _lu.Ring()
+        self.ring: Any = _lu.Ring()
         _lu.io_uring_queue_init(depth, self.ring)  # an SQE failing at submit stops it: see submit()
-        self.cqe = _lu.Cqe()
+        self.cqe: Any = _lu.Cqe()
         self.dirty = False  # completions may still be owed: never reuse it, never free it
         self.poller = select.poll()
         self.poller.register(self.ring.ring_fd, select.POLLIN)
@@ -63,9 +79,9 @@ class _Ring:
         """Pop one ready completion: ``(user_data, res)``, ``res`` negative for an errno."""
         _lu.io_uring_peek_cqe(self.ring, self.cqe)
         entry = self.cqe[0]
-        user_data = entry.user_data
+        user_data = int(entry.user_data)
         try:
-            res = entry.res  # the binding raises OSError for a negative res
+            res = int(entry.res)  # the binding raises OSError for a negative res
         except OSError as exc:
             res = -(exc.errno or errno.EIO)
         _lu.io_uring_cqe_seen(self.ring, entry)
@@ -85,6 +101,7 @@ class _Ring:
         raise OSError(errno.EAGAIN, "io_uring: the kernel keeps refusing submissions")
 
     def close(self) -> None:
+        """Tear the ring down (only when no completion is owed)."""
         _lu.io_uring_queue_exit(self.ring)
 
 
@@ -95,9 +112,11 @@ class _Xfer:
 
     def __init__(self, op: IOOp, want: int, crc: int | None):
         self.op, self.bufs, self.offset = op, list(op.buffers), op.offset
-        self.done, self.want, self.crc, self.iov, self.tries = 0, want, crc, None, 0
+        self.done, self.want, self.crc, self.tries = 0, want, crc, 0
+        self.iov: Any = None
 
     def prep(self, ring: _Ring, user_data: int) -> None:
+        """Prepare this op's (next) SQE on ``ring``, tagged ``user_data``."""
         if self.iov is None:  # built before taking an SQE, so a failure cannot leave one half-made
             self.iov = _lu.Iovec(self.bufs)
         sqe = _lu.io_uring_get_sqe(ring.ring)
@@ -117,7 +136,7 @@ class _Xfer:
                 return None
             return IOResult(0, None, OSError(-res, os.strerror(-res)))
         if res == 0:  # EOF, or a device that moved nothing: a truncated or torn slot
-            return IOResult(self.done, None, _short(self.op, self.done), short=True)
+            return IOResult(self.done, None, short_error(self.op, self.done), short=True)
         self.done, self.offset, n = self.done + res, self.offset + res, res
         while self.bufs and n >= self.bufs[0].nbytes:  # drop what moved; resume inside a buffer
             n -= self.bufs.pop(0).nbytes
@@ -148,11 +167,22 @@ class UringEngine:
     """io_uring, ``depth`` ops in flight per concurrent caller; moves caller memory in place."""
 
     name = "uring"
-    _probed: bool | None = None
 
     def __init__(self, depth: int):
-        if _lu is None:
-            raise ImportError("the liburing package is not importable")
+        """Raises ``probe.ProbeUnavailableError`` (with the probe's reason) where io_uring cannot run, and
+        ``OSError`` when the first ring cannot be made."""
+        probes.require("uring")
+        self._setup(depth)
+
+    @classmethod
+    def _unprobed(cls, depth: int) -> UringEngine:
+        """For the probe's child only: the engine under test cannot wait for its own verdict."""
+        engine = cls.__new__(cls)
+        engine._setup(depth)
+        return engine
+
+    def _setup(self, depth: int) -> None:
+        _liburing()
         self.depth = max(1, int(depth))
         self._lock = threading.Lock()
         self._closed = False
@@ -160,12 +190,11 @@ class UringEngine:
 
     @classmethod
     def probe(cls) -> bool:
-        """True when a ring can be set up and a no-op round-trips here. Never raises; cached."""
-        if cls._probed is None:
-            cls._probed = _probe()
-        return cls._probed
+        """True when io_uring works here (``probe.check("uring")``: a child process, cached). Never raises."""
+        return probes.check("uring").available
 
     def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        """Execute all ops, ``depth`` in flight; results in the order of ``ops``."""
         if not ops:
             return []
         with self._lock:
@@ -195,11 +224,11 @@ class UringEngine:
             ring.close()
 
     def _run(self, ring: _Ring, ops: Sequence[IOOp]) -> list[IOResult]:
-        results: list = [None] * len(ops)
+        results: list[IOResult | None] = [None] * len(ops)
         todo = deque(range(len(ops)))
         inflight: dict[int, _Xfer] = {}  # user_data (= op index) -> transfer; holds buffers and iovecs
         prepped = 0  # SQEs prepared, not yet submitted; all of them are also in ``inflight``
-        unhashed: list[int] = []  # reads moved in full whose checksum is still to be taken
+        unhashed: list[tuple[IOOp, IOResult]] = []  # reads moved in full whose checksum is still to be taken
         try:
             while True:
                 while todo and len(inflight) < self.depth:
@@ -214,8 +243,8 @@ class UringEngine:
                 if prepped:
                     ring.submit()
                     prepped = 0
-                for i in unhashed:  # hash once the device has work again, not while it idles
-                    results[i].checksum = digest(ops[i].buffers)
+                for op, done in unhashed:  # hash once the device has work again, not while it idles
+                    done.checksum = digest(op.buffers)
                 unhashed.clear()
                 if not inflight:  # the fill above leaves nothing to do only at the end
                     break
@@ -230,11 +259,13 @@ class UringEngine:
                         op = inflight.pop(i).op
                         results[i] = result
                         if result.ok and op.kind is OpKind.READ and op.checksum:
-                            unhashed.append(i)
+                            unhashed.append((op, result))
         finally:
             if inflight:
                 _drain(ring, inflight)
-        return results
+        settled = [r for r in results if r is not None]
+        assert len(settled) == len(ops), "every op is settled before the loop ends"
+        return settled
 
 
 def _drain(ring: _Ring, inflight: dict[int, _Xfer]) -> None:
@@ -249,19 +280,69 @@ def _drain(ring: _Ring, inflight: dict[int, _Xfer]) -> None:
     ring.dirty = bool(inflight)
 
 
-def _probe() -> bool:
-    if _lu is None:
-        return False
+def self_test() -> None:
+    """The ``uring`` probe's target; runs only in the probe's child process (see ``probe.py``).
+
+    Imports ``liburing``, sets up a ring, round-trips a no-op, then writes and reads back a small file
+    through a ``UringEngine`` (vectored, checksummed). Raises ``ProbeFailure`` with a specific reason (or
+    the import error) when any step fails; a CPU the wheel does not suit kills the child instead.
+    """
+    lu = _liburing()
     try:
-        supported = _lu.probe()
-        if not (supported.get("IORING_OP_READV") and supported.get("IORING_OP_WRITEV")):
-            return False
         ring = _Ring(2)
-        try:
-            _lu.io_uring_prep_nop(_lu.io_uring_get_sqe(ring.ring))
-            _lu.io_uring_submit(ring.ring)
-            return ring.wait(2000) and ring.reap_one()[1] == 0
-        finally:
-            ring.close()
-    except Exception:  # seccomp (EPERM/ENOSYS), kernel.io_uring_disabled, memlock limits, old binding
-        return False
+    except OSError as exc:
+        raise probes.ProbeFailure(*_setup_failure(exc)) from exc
+    try:
+        supported = lu.probe() or {}
+        missing = [op for op in _NEEDED_OPS if not supported.get(op)]
+        if missing:
+            raise probes.ProbeFailure(probes.ProbeStatus.UNSUPPORTED, f"this kernel's io_uring lacks {', '.join(missing)}")
+        lu.io_uring_prep_nop(lu.io_uring_get_sqe(ring.ring))
+        ring.submit()
+        if not ring.wait(2000):
+            raise probes.ProbeFailure(probes.ProbeStatus.FAILED, "a no-op did not complete within 2 s")
+        res = ring.reap_one()[1]
+        if res != 0:
+            raise probes.ProbeFailure(probes.ProbeStatus.FAILED, f"a no-op completed with {res} instead of 0")
+    finally:
+        ring.close()
+    _round_trip()
+
+
+def _round_trip() -> None:
+    """Write 12 KiB as two buffers and read it back as three through the engine; compare bytes and checksums."""
+    engine = UringEngine._unprobed(4)
+    data = os.urandom(3 * 4096)
+    src = [memoryview(bytearray(data[:4096])), memoryview(bytearray(data[4096:]))]
+    dst = [memoryview(bytearray(n)) for n in (1000, 8000, 3288)]
+    try:
+        with tempfile.TemporaryFile() as f:
+            (w,) = engine.run([IOOp(OpKind.WRITE, f.fileno(), 0, src)])
+            (r,) = engine.run([IOOp(OpKind.READ, f.fileno(), 0, dst)])
+    finally:
+        engine.close()
+    if not (w.ok and r.ok):
+        raise probes.ProbeFailure(probes.ProbeStatus.FAILED, f"a file round trip failed: {w.error or r.error}")
+    if b"".join(dst) != data or w.checksum != r.checksum or w.nbytes != len(data):
+        raise probes.ProbeFailure(probes.ProbeStatus.FAILED, "a file round trip returned other bytes than written")
+
+
+def _setup_failure(exc: OSError) -> tuple[probes.ProbeStatus, str]:
+    """Why ``io_uring_setup`` failed here, as specifically as /proc tells."""
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    if exc.errno in (errno.EPERM, errno.EACCES):
+        disabled = probes.proc_text("/proc/sys/kernel/io_uring_disabled")
+        if disabled not in ("", "0"):
+            why = f"the sysctl kernel.io_uring_disabled = {disabled} forbids it"
+        elif probes.proc_text("/proc/self/status", "Seccomp:") not in ("", "0"):
+            why = "a seccomp filter (e.g. a container's default profile) blocks io_uring_setup"
+        else:
+            why = "the kernel refused io_uring_setup"
+        return probes.ProbeStatus.DENIED, f"{code}: {why}"
+    if exc.errno == errno.ENOSYS:
+        return probes.ProbeStatus.DENIED, f"{code}: io_uring_setup is missing (a kernel without io_uring, or seccomp)"
+    if exc.errno == errno.ENOMEM:
+        limit = probes.proc_text("/proc/self/limits", "Max locked memory")
+        return probes.ProbeStatus.MEMLOCK, (f"{code}: no locked memory for a ring (RLIMIT_MEMLOCK: {limit}); raise "
+                                            "`ulimit -l` (kernels before 5.12 charge rings to it)")
+    return probes.ProbeStatus.FAILED, f"io_uring_setup failed: {exc}"

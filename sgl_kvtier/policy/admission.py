@@ -12,6 +12,8 @@ from sgl_kvtier.keys import PageKey
 
 
 class AdmissionFilter:
+    """Admits a key on its ``threshold``-th offer; counts live in a bounded LRU map. Not thread-safe."""
+
     def __init__(self, threshold: int, max_tracked: int = 1 << 20):
         self.threshold = threshold
         self.max_tracked = max_tracked

@@ -1,6 +1,8 @@
-"""Load or recompute: a per-request TTFT model for L3 prefix pages, and the estimators that feed it.
+"""Load or recompute: a per-request TTFT model for L3 prefix pages, and the prefill estimator that feeds it.
 
-Pure Python: no clock, no sleep, no SGLang; callers pass measured figures and elapsed times in.
+Pure Python: no clock, no sleep, no SGLang; callers pass measured figures and elapsed times in. The read
+side (``DeviceModel``) is measured by the store (``store.read_rates``) and shared through
+``sgl_kvtier.estimation``, so this module imports nothing of the store.
 Modelled (SGLang 0.5.23, shared/reference/sglang-hicache.md section 5): a request whose storage prefetch
 is in flight is skipped at admission until the stop policy terminates the prefetch; only then can its own
 prefill start (loads of other requests overlap with it, its own prefill does not). Loading the first
@@ -31,15 +33,17 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
-STORAGE_BATCH_PAGES = 128
+from sgl_kvtier.estimation import STORAGE_BATCH_PAGES, DecayingLeastSquares, DeviceModel
 
 
 @dataclass(frozen=True)
 class CostConfig:
+    """Knobs of the decision: the storage batch (unit of a cut) and the margin a load must win by."""
+
     batch_pages: int = STORAGE_BATCH_PAGES  # pages per storage batch (one ack, the unit of a cut)
     margin_s: float = 0.0  # a load must beat recomputing by more than this to be waited for
 
@@ -51,30 +55,21 @@ class CostConfig:
 
 
 @dataclass(frozen=True)
-class DeviceModel:
-    """The read path as a prefetch sees it: bandwidth in bytes/s (may be inf) and a fixed cost per batch."""
-
-    bandwidth_Bps: float
-    batch_latency_s: float
-
-    def load_time(self, pages: int, page_bytes: int, batch_pages: int = STORAGE_BATCH_PAGES) -> float:
-        if pages <= 0:
-            return 0.0
-        return math.ceil(pages / batch_pages) * self.batch_latency_s + pages * page_bytes / self.bandwidth_Bps
-
-
-@dataclass(frozen=True)
 class PrefillModel:
+    """Prefill seconds for ``t`` new tokens over ``c`` cached ones: ``a*t + b*t*(c + t/2)/1000 + fixed``."""
+
     per_token_s: float  # a
     per_token_kctx_s: float  # b: seconds per new token per 1000 tokens of mean attention span
     fixed_s: float = 0.0
 
     def time(self, tokens: int, cached: int) -> float:
+        """Predicted seconds to prefill ``tokens`` new tokens (at least one) after ``cached`` cached ones."""
         t = max(int(tokens), 1)
         return self.per_token_s * t + self.per_token_kctx_s * t * (cached + t / 2) / 1000 + self.fixed_s
 
     @classmethod
-    def from_tokens_per_s(cls, tokens_per_s: float) -> "PrefillModel":
+    def from_tokens_per_s(cls, tokens_per_s: float) -> PrefillModel:
+        """A flat model: ``tokens_per_s`` regardless of context."""
         if not tokens_per_s > 0:
             raise ValueError(f"tokens_per_s must be > 0, got {tokens_per_s}")
         return cls(1.0 / tokens_per_s, 0.0, 0.0)
@@ -82,6 +77,8 @@ class PrefillModel:
 
 @dataclass(frozen=True)
 class RequestShape:
+    """One request's prompt as the cost model sees it: page geometry, the L3 hit, and what surrounds it."""
+
     page_tokens: int
     page_bytes: int
     hit_pages: int  # leading pages of the span that L3 holds
@@ -91,6 +88,8 @@ class RequestShape:
 
 @dataclass(frozen=True)
 class LoadProgress:
+    """Where a load in flight stands: pages landed, seconds since it was issued, pages queued ahead of it."""
+
     loaded_pages: int = 0  # leading hit pages already landed (acknowledged)
     elapsed_s: float = 0.0  # since the load was issued
     queued_pages: int = 0  # other requests' pages ahead of this load on the (FIFO) IO queue
@@ -98,6 +97,8 @@ class LoadProgress:
 
 @dataclass(frozen=True)
 class Decision:
+    """The outcome of ``plan`` / ``should_terminate``: how many hit pages to load, and the predicted TTFTs."""
+
     load_pages: int  # leading hit pages to end up with
     recompute_pages: int  # hit pages left to the prefill
     ttft_s: float  # predicted TTFT from now for that choice
@@ -175,122 +176,6 @@ def should_terminate(shape: RequestShape, progress: LoadProgress, device: Device
 
 
 # ---------------------------------------------------------------------------------------------- estimators
-def _solve(a: list[list[float]], r: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None for a (numerically) singular system."""
-    n = len(r)
-    m = [row[:] + [r[i]] for i, row in enumerate(a)]
-    scale = max((abs(m[i][i]) for i in range(n)), default=0.0)
-    if scale <= 0:
-        return None
-    for col in range(n):
-        piv = max(range(col, n), key=lambda i: abs(m[i][col]))
-        if abs(m[piv][col]) <= 1e-10 * scale:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for i in range(col + 1, n):
-            f = m[i][col] / m[col][col]
-            for j in range(col, n + 1):
-                m[i][j] -= f * m[col][j]
-    out = [0.0] * n
-    for i in reversed(range(n)):
-        out[i] = (m[i][n] - sum(m[i][j] * out[j] for j in range(i + 1, n))) / m[i][i]
-    return out
-
-
-class _DecayingLeastSquares:
-    """Non-negative least squares of y ~ theta . x over samples whose weights halve every ``half_life``."""
-
-    def __init__(self, n: int, half_life: float, subsets: Sequence[tuple[int, ...]]):
-        if not half_life > 0:
-            raise ValueError(f"half_life must be > 0, got {half_life}")
-        self.n, self.subsets = n, subsets  # subsets in order of preference among equally good fits
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.gram = [[0.0] * n for _ in range(n)]
-        self.rhs = [0.0] * n
-        self.yy = 0.0
-        self.count = 0
-
-    def add(self, x: Sequence[float], y: float) -> None:
-        d = self.decay
-        for i in range(self.n):
-            self.rhs[i] = self.rhs[i] * d + x[i] * y
-            for j in range(self.n):
-                self.gram[i][j] = self.gram[i][j] * d + x[i] * x[j]
-        self.yy = self.yy * d + y * y
-        self.count += 1
-
-    def solve(self) -> list[float] | None:
-        best, best_res = None, math.inf
-        tol = 1e-9 * self.yy
-        for subset in self.subsets:  # exact NNLS: the optimum is the best feasible subset solution
-            sol = _solve([[self.gram[i][j] for j in subset] for i in subset], [self.rhs[i] for i in subset])
-            if sol is None or any(v < 0 for v in sol):
-                continue
-            theta = [dict(zip(subset, sol)).get(i, 0.0) for i in range(self.n)]
-            res = self.yy - 2 * sum(t * r for t, r in zip(theta, self.rhs)) + sum(
-                theta[i] * self.gram[i][j] * theta[j] for i in range(self.n) for j in range(self.n))
-            if res < best_res - tol:
-                best, best_res = theta, res
-        return best
-
-
-class TransferEstimator:
-    """seconds ~= batch_latency + bytes / bandwidth, fitted over recent real transfers (moving average)."""
-
-    def __init__(self, half_life: float = 32.0):
-        self._ls = _DecayingLeastSquares(2, half_life, ((0, 1), (0,), (1,)))
-        self._lock = threading.Lock()
-        self._model: DeviceModel | None = None
-
-    def record(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or not 0 < seconds < math.inf:
-            return
-        with self._lock:
-            self._ls.add((nbytes / 1e6, 1.0), seconds)
-            theta = self._ls.solve()
-            if theta is not None:
-                self._model = DeviceModel(1e6 / theta[0] if theta[0] > 0 else math.inf, theta[1])
-
-    @property
-    def samples(self) -> int:
-        return self._ls.count
-
-    def model(self) -> DeviceModel | None:
-        return self._model
-
-    def snapshot(self) -> dict:
-        m = self._model
-        return {"bandwidth_Bps": None if m is None else m.bandwidth_Bps,
-                "batch_latency_s": None if m is None else m.batch_latency_s, "samples": self.samples}
-
-
-class ReadRates:
-    """Read figures of one page store: all its devices together (what a load sees) and each device alone.
-
-    ``total`` is fitted on each batch's wall clock: that is what a load waits for. A device's estimator is
-    fitted on the bytes it delivered and the seconds *it* was busy with them (its own ops' timings), so
-    a slow device reads slower than a fast one in the same batch; where its ops were not timed (an engine
-    that measures nothing), on the batch's wall clock instead.
-    """
-
-    def __init__(self, devices: int, half_life: float = 32.0):
-        self.total = TransferEstimator(half_life)
-        self.devices = [TransferEstimator(half_life) for _ in range(devices)]
-
-    def record(self, device_of_page: Sequence[int], page_bytes: int, seconds: float,
-               device_seconds: Sequence[float] | None = None) -> None:
-        """One read batch: the device of each page delivered, the batch's wall clock, and optionally each
-        device's busy seconds (indexed by device; 0 or missing: not measured)."""
-        self.total.record(len(device_of_page) * page_bytes, seconds)
-        for d, n in Counter(device_of_page).items():
-            if 0 <= d < len(self.devices):
-                own = device_seconds[d] if device_seconds is not None and d < len(device_seconds) else 0.0
-                self.devices[d].record(n * page_bytes, own if own > 0 else seconds)
-
-    def model(self) -> DeviceModel | None:
-        return self.total.model()
-
-
 class PrefillEstimator:
     """Least-squares fit of ``PrefillModel`` over observed prefill batches (weights halve every
     ``half_life`` batches). Until ``min_samples`` batches were seen, ``model()`` is ``seed`` (may be None)."""
@@ -298,7 +183,7 @@ class PrefillEstimator:
     _SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
 
     def __init__(self, half_life: float = 64.0, min_samples: int = 4, seed: PrefillModel | None = None):
-        self._ls = _DecayingLeastSquares(3, half_life, self._SUBSETS)
+        self._ls = DecayingLeastSquares(3, half_life, self._SUBSETS)
         self._lock = threading.Lock()
         self.min_samples = max(1, min_samples)
         self.seed = seed
@@ -317,16 +202,20 @@ class PrefillEstimator:
                 self._fit = PrefillModel(theta[0] / 1e3, theta[1] / 1e3, theta[2])
 
     def record(self, tokens: int, cached: int, seconds: float) -> None:
+        """One forward of a single request."""
         self.record_batch([(tokens, cached)], seconds)
 
     @property
     def samples(self) -> int:
+        """How many batches were recorded."""
         return self._ls.count
 
     def model(self) -> PrefillModel | None:
+        """The fit once ``min_samples`` batches were seen, else ``seed``."""
         return self._fit if self._fit is not None and self.samples >= self.min_samples else self.seed
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
+        """The model as JSON-ready figures, with its sample count and source (``fit``, ``seed`` or None)."""
         m = self.model()
         fields = ("per_token_s", "per_token_kctx_s", "fixed_s")
         return {**{f: None if m is None else getattr(m, f) for f in fields}, "samples": self.samples,
@@ -334,5 +223,4 @@ class PrefillEstimator:
 
 
 __all__ = ["CostConfig", "DeviceModel", "PrefillModel", "RequestShape", "LoadProgress", "Decision", "wait_time",
-           "ttft", "plan", "should_terminate", "TransferEstimator", "ReadRates", "PrefillEstimator",
-           "STORAGE_BATCH_PAGES"]
+           "ttft", "plan", "should_terminate", "PrefillEstimator", "STORAGE_BATCH_PAGES"]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -30,19 +31,31 @@ _SLOT_MASK = (1 << _SLOT_BITS) - 1
 
 
 class EvictionPolicy(Protocol):
-    def insert(self, slot: int, parent: int | None) -> None: ...
+    """What the index asks of an eviction policy; pages are named by slot. Not thread-safe."""
 
-    def touch(self, slots: Iterable[int]) -> None: ...
+    def insert(self, slot: int, parent: int | None) -> None:
+        """A page was stored in ``slot``, chaining on the page in ``parent`` (None: a chain head)."""
+        ...
 
-    def remove(self, slot: int) -> None: ...
+    def touch(self, slots: Iterable[int]) -> None:
+        """Pages were used now (a chain's slots in order, head first)."""
+        ...
+
+    def remove(self, slot: int) -> None:
+        """The page in ``slot`` is gone (unknown slots are ignored)."""
+        ...
 
     def victim(self) -> int | None:
         """The slot of the next page to drop (not removed until ``remove``), or None when empty."""
         ...
 
-    def coldest_first(self) -> list[int]: ...
+    def coldest_first(self) -> list[int]:
+        """Every stored slot, next victim first (a checkpoint's order)."""
+        ...
 
-    def parent_of(self, slot: int) -> int | None: ...
+    def parent_of(self, slot: int) -> int | None:
+        """The slot of the stored page ``slot`` chains on, or None."""
+        ...
 
     def parent_slots(self, slots: np.ndarray) -> np.ndarray:
         """``parent_of`` for many slots at once (-1 for none)."""
@@ -54,6 +67,8 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
+    """Drops the least recently used page."""
+
     def __init__(self, capacity: int = 0) -> None:
         self._order: OrderedDict[int, int | None] = OrderedDict()
 
@@ -88,6 +103,8 @@ class LRUPolicy:
 
 
 class ChainPolicy:
+    """Drops the least recently used *leaf* of the prefix chains (see the module docstring)."""
+
     def __init__(self, capacity: int = 0) -> None:
         self._tick = 0
         self._alloc(max(capacity, 16))
@@ -103,10 +120,13 @@ class ChainPolicy:
 
     def _fit(self, slot: int) -> None:
         if slot >= len(self._last):
-            old = (self._last, self._born, self._parent, self._parent_born, self._children)
+            old = self._arrays()
             self._alloc(max(slot + 1, 2 * len(self._last)))
-            for new, prev in zip((self._last, self._born, self._parent, self._parent_born, self._children), old):
+            for new, prev in zip(self._arrays(), old):
                 new[:len(prev)] = prev
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self._last, self._born, self._parent, self._parent_born, self._children
 
     def _stamp(self, slot: int) -> None:
         self._tick += 1
@@ -163,7 +183,8 @@ class ChainPolicy:
 
     def coldest_first(self) -> list[int]:
         live = np.flatnonzero(self._last)
-        return live[np.argsort(self._last[live], kind="stable")].tolist()
+        order: list[int] = live[np.argsort(self._last[live], kind="stable")].tolist()
+        return order
 
     def parent_of(self, slot: int) -> int | None:
         if slot >= len(self._last) or not self._last[slot]:
@@ -206,4 +227,5 @@ class ChainPolicy:
 
 
 def make_policy(name: EvictionPolicyName, capacity: int = 0) -> EvictionPolicy:
+    """The policy ``name`` names, sized for ``capacity`` slots (it grows past them if needed)."""
     return ChainPolicy(capacity) if name is EvictionPolicyName.CHAIN else LRUPolicy(capacity)

@@ -33,13 +33,13 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from sgl_kvtier.io.buffers import AlignedBuffer, Run, copy_to_runs, round_up
 from sgl_kvtier.keys import PageKey
-from sgl_kvtier.metrics import RateLimitedLog
+from sgl_kvtier.telemetry.counters import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,12 @@ class _Entry:
     buffer: AlignedBuffer | None = None  # set by the staging job before its read
     state: EntryState = EntryState.READING
     abandoned: bool = False  # left the table while READING: the job frees the buffer
+
+    def staged_buffer(self) -> AlignedBuffer:
+        """The buffer the staging job gave this entry (always set before its read starts)."""
+        if self.buffer is None:
+            raise RuntimeError("read-ahead entry has no staging buffer")
+        return self.buffer
 
 
 @dataclass
@@ -150,7 +156,7 @@ class ReadAhead:
     def _read_job(self, job: list[tuple[PageKey, _Entry]]) -> None:
         try:
             self._give_buffers([e for _, e in job])
-            oks = self._reader([k for k, _ in job], [[(e.buffer.address, self.page_bytes)] for _, e in job])
+            oks = self._reader([k for k, _ in job], [[(e.staged_buffer().address, self.page_bytes)] for _, e in job])
         except Exception as exc:  # thread boundary: a failed staging read is only a lost head start
             self._errlog.error("kvtier read-ahead of %d pages failed: %s: %s", len(job), type(exc).__name__, exc)
             oks = [False] * len(job)
@@ -208,7 +214,7 @@ class ReadAhead:
         for i, entry in taken.items():
             entry.done.wait()
             if entry.state is EntryState.READY:
-                copy_to_runs(entry.buffer.view, pages[i])
+                copy_to_runs(entry.staged_buffer().view, pages[i])
                 results[i] = True
             else:
                 direct.append(i)
@@ -232,7 +238,7 @@ class ReadAhead:
         with self._lock:
             return self._buffers.in_use
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {**self.counters.snapshot(), "staged_now": len(self._entries),
                     "buffers_in_use": self._buffers.in_use, "buffer_limit": self._buffers.limit}

@@ -1,9 +1,9 @@
-"""SGLang-facing parts of sgl-kvtier: the L3 backend ``KVTierStorage``, the CPU plugin, a server runner
-and a model factory for tests and benchmarks.
+"""The SGLang adapter: the L3 backend ``KVTierStorage`` (``storage``, with ``pool_tier``, ``host_pages``,
+``sidecars``, ``settings``, ``stats``) and SGLang's general plugins (``plugins``).
 
-Only this package imports sglang. Nothing is imported eagerly: SGLang imports
-``sgl_kvtier.sglang.cpu_plugin`` in every one of its processes through the ``sglang.srt.plugins`` entry
-point, so this package must stay cheap to import. ``KVTierStorage`` is resolved on first access, which is
+Only this package imports sglang or torch. Nothing is imported eagerly: SGLang imports
+``sgl_kvtier.sglang.plugins.cpu`` and ``.prefetch`` in every one of its processes through the
+``sglang.srt.plugins`` entry points, so this package must stay cheap to import. ``KVTierStorage`` is resolved on first access, which is
 how SGLang's ``dynamic`` backend factory reaches it (``getattr(module, "KVTierStorage")``).
 """
 

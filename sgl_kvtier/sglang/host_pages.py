@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -24,11 +25,14 @@ from sgl_kvtier.io.buffers import Run
 
 
 class Access(enum.Enum):
+    """How a pool's pages move: straight from/into its memory, or through its flat-page copy calls."""
+
     ZERO_COPY = "zero_copy"
     COPY = "copy"
 
 
 def tensor_run(t: torch.Tensor) -> Run:
+    """The one memory run of a contiguous tensor: ``(address, bytes)``."""
     if not t.is_contiguous():
         raise ValueError("a page buffer must be contiguous")
     return (t.data_ptr(), t.numel() * t.element_size())
@@ -45,7 +49,8 @@ class HostPages:
     mla: bool
 
     @classmethod
-    def of(cls, pool: Any) -> "HostPages":
+    def of(cls, pool: Any) -> HostPages:
+        """The geometry of ``pool`` and the access strategy its layout allows (checked on the padding page)."""
         page_tokens = int(pool.page_size)
         mla = hasattr(pool, "kv_lora_rank") or type(pool).__name__.startswith("MLA")
         flat = pool.get_dummy_flat_data_page()
@@ -61,10 +66,12 @@ class HostPages:
 
     @property
     def layout(self) -> str:
+        """The pool layout (``mla:`` prefixed for MLA pools), part of the namespace."""
         return ("mla:" if self.mla else "") + str(getattr(self.pool, "layout", "unknown"))
 
     @property
     def dtype(self) -> str:
+        """The KV dtype without ``torch.``, part of the namespace."""
         return str(getattr(self.pool, "dtype", "unknown")).replace("torch.", "")
 
     def _meta_runs(self, host_indices: torch.Tensor) -> list[list[Run]]:
@@ -98,6 +105,7 @@ class HostPages:
         return self._meta_runs(host_indices)
 
     def page_starts(self, host_indices: torch.Tensor) -> list[int]:
+        """The first host slot of each page of ``host_indices``."""
         return host_indices[::self.page_tokens].tolist()
 
 

@@ -8,38 +8,57 @@ reads of pages an exists query found, and every read of this tier goes through i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, KVTierError
-from sgl_kvtier.keys import Namespace, PageKey
-from sgl_kvtier.prefetch import ReadAhead
+from sgl_kvtier.io.buffers import Run
+from sgl_kvtier.keys import Namespace, PageKey, valid_runs
+from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
-from sgl_kvtier.store import PageStore
+from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.read_rates import TransferEstimator
+from sgl_kvtier.store.reader import PageReader
+from sgl_kvtier.store.shard import PageShard
+from sgl_kvtier.telemetry.snapshot import (
+    Breaker,
+    DeviceSnapshot,
+    PoolSnapshot,
+    RateSnapshot,
+    ReadAheadSnapshot,
+    StoreSnapshot,
+    frozen_counts,
+)
 
 log = logging.getLogger(__name__)
 READER_RETRY_S = 5.0
+_READAHEAD_FIELDS = tuple(f.name for f in dataclasses.fields(ReadAheadCounters))
 
 
 @dataclass
 class PoolTier:
+    """One registered host pool, its shard's store (None while a reader's shard is not open) and read-ahead."""
+
     name: str
     pages: HostPages
     namespace: Namespace
     config: StoreConfig
     writer: bool
-    store: PageStore | None = None
+    store: PageShard | None = None  # the writer's PageStore, or a reader rank's PageReader
     readahead: ReadAhead | None = None
     _next_open: float = field(default=0.0, repr=False)
 
     @classmethod
-    def open(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> "PoolTier":
+    def open(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> PoolTier:
+        """Bind ``pages`` to its shard: a writer opens it now (errors stop start-up), a reader when it exists."""
         tier = cls(name, pages, namespace_for(storage_config, pages, name), config, writer)
         if writer:
             tier._attach(PageStore.open(config, tier.namespace))  # errors here stop start-up, as they should
@@ -47,15 +66,15 @@ class PoolTier:
             tier._reader()
         return tier
 
-    def _reader(self) -> PageStore | None:
+    def _reader(self) -> PageShard | None:
         if self.store is None and time.monotonic() >= self._next_open:
             try:
-                self._attach(PageStore.open(self.config, self.namespace, readonly=True))
+                self._attach(PageReader.open(self.config, self.namespace))
             except DeviceError:  # not created by the writer rank yet
                 self._next_open = time.monotonic() + READER_RETRY_S
         return self.store
 
-    def _attach(self, store: PageStore) -> None:
+    def _attach(self, store: PageShard) -> None:
         self.store = store
         if self.config.readahead_bytes >= self.pages.page_bytes:
             # Chunks of io_depth pages: each staging job keeps the device queue full, and a span's first
@@ -63,7 +82,7 @@ class PoolTier:
             self.readahead = ReadAhead(store.get, self.pages.page_bytes, self.config.readahead_bytes,
                                        chunk_pages=self.config.io_depth)
 
-    def _store(self) -> PageStore:
+    def _store(self) -> PageShard:
         store = self.store if self.writer else self._reader()
         if store is None:
             raise KVTierError(f"shard {self.namespace.dirname()} does not exist yet")
@@ -71,11 +90,12 @@ class PoolTier:
 
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
+        """Leading keys stored (a reader rank re-reads the writer's journal before answering short)."""
         store = self.store if self.writer else self._reader()
         if store is None:
             return 0
         n = store.longest_prefix(keys)
-        if n < len(keys) and not self.writer and store.refresh():  # the writer rank may have added pages
+        if n < len(keys) and isinstance(store, PageReader) and store.refresh():  # the writer rank may have added pages
             n = store.longest_prefix(keys)
         return n
 
@@ -83,10 +103,11 @@ class PoolTier:
         """Start reading ``keys`` (an exists query's hit) into staging; how many reads started."""
         return 0 if self.readahead is None else self.readahead.stage(keys)
 
-    def _get(self, store: PageStore, keys: Sequence[PageKey], runs: Sequence[Sequence]) -> list[bool]:
+    def _get(self, store: PageShard, keys: Sequence[PageKey], runs: Sequence[Sequence[Run]]) -> list[bool]:
         return store.get(keys, runs) if self.readahead is None else self.readahead.read(keys, runs)
 
     def contains(self, key: PageKey) -> bool:
+        """Whether ``key`` is stored in this pool's open shard."""
         return self.store is not None and self.store.contains(key)
 
     # ------------------------------------------------------------------ host-index transfers
@@ -94,7 +115,7 @@ class PoolTier:
         """Read the leading readable run of ``keys`` into the pool; SGLang only uses that run."""
         _check(host_indices, len(keys), self.pages.page_tokens)
         store = self._store()
-        valid = []
+        valid: list[PageKey] = []
         for k in keys:
             if k is None:
                 break
@@ -114,6 +135,7 @@ class PoolTier:
         return oks + [False] * (len(keys) - n)
 
     def write(self, keys: Sequence[PageKey | None], host_indices: torch.Tensor, parent: PageKey | None) -> list[bool]:
+        """Store the pages at ``host_indices`` under ``keys`` (``None`` keys are skipped, reported False)."""
         _check(host_indices, len(keys), self.pages.page_tokens)
         if self.pages.access is Access.ZERO_COPY:
             runs = self.pages.page_runs(host_indices)
@@ -126,15 +148,17 @@ class PoolTier:
 
     # ------------------------------------------------------------------ flat tensors (legacy API)
     def read_flat(self, keys: Sequence[PageKey | None], tensors: list[torch.Tensor]) -> list[bool]:
+        """Read pages into flat page tensors (legacy API); False where a key or tensor does not fit."""
         store = self._store()
-        idx = [i for i, (k, t) in enumerate(zip(keys, tensors)) if k is not None and self._fits(t)]
-        oks = self._get(store, [keys[i] for i in idx], [[tensor_run(tensors[i])] for i in idx])
+        picked = [(i, k) for i, (k, t) in enumerate(zip(keys, tensors)) if k is not None and self._fits(t)]
+        oks = self._get(store, [k for _, k in picked], [[tensor_run(tensors[i])] for i, _ in picked])
         out = [False] * len(keys)
-        for i, ok in zip(idx, oks):
+        for (i, _), ok in zip(picked, oks):
             out[i] = ok
         return out
 
     def write_flat(self, keys: Sequence[PageKey | None], tensors: list[torch.Tensor]) -> list[bool]:
+        """Store flat page tensors (legacy API); False where a key or tensor does not fit."""
         ok_shape = [t is not None and self._fits(t) for t in tensors]
         runs = [[tensor_run(t.contiguous())] if fits else [] for t, fits in zip(tensors, ok_shape)]
         return [ok and fits for ok, fits in zip(self._put(keys, runs, None), ok_shape)]
@@ -142,27 +166,55 @@ class PoolTier:
     def _fits(self, t: torch.Tensor) -> bool:
         return t.is_contiguous() and t.numel() * t.element_size() == self.pages.page_bytes
 
-    def _put(self, keys: Sequence[PageKey | None], runs: list, parent: PageKey | None) -> list[bool]:
+    def _put(self, keys: Sequence[PageKey | None], runs: list[list[Run]], parent: PageKey | None) -> list[bool]:
         store = self._store()
-        idx = [i for i, k in enumerate(keys) if k is not None]
-        oks = store.put([keys[i] for i in idx], [runs[i] for i in idx],
-                        parent if idx and idx[0] == 0 else None)
+        if not isinstance(store, PageStore):
+            raise KVTierError(f"shard {self.namespace.dirname()} is open read-only here")
         out = [False] * len(keys)
-        for i, ok in zip(idx, oks):
-            out[i] = ok
+        # An invalid key (None) is a page not stored. It splits the batch: the page after it chains on
+        # nothing (its real predecessor has no key), never on the page before the gap.
+        for start, run in valid_runs(keys):
+            out[start:start + len(run)] = store.put(run, runs[start:start + len(run)], parent if start == 0 else None)
         return out
 
     def clear(self) -> None:
-        if self.store is not None and self.writer:
+        """Drop every page of the shard (writer only)."""
+        if isinstance(self.store, PageStore):
             self.store.clear()
 
+    def snapshot(self) -> PoolSnapshot:
+        """This pool's telemetry: the store's occupancy, counters, read rates and breakers, and read-ahead."""
+        store, readahead = self.store, self.readahead
+        staged = None
+        if readahead is not None:
+            snap = readahead.snapshot()  # one consistent copy, under the stage's lock
+            staged = ReadAheadSnapshot(int(snap["buffers_in_use"]),
+                                       frozen_counts({f: int(snap[f]) for f in _READAHEAD_FIELDS}))
+        return PoolSnapshot(self.name, self.pages.page_bytes, None if store is None else _store_snapshot(store),
+                            staged)
+
     def close(self) -> None:
+        """Stop read-ahead, then close the store."""
         if self.readahead is not None:
             self.readahead.close()  # before the store: its jobs read from it
             self.readahead = None
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _rate(estimator: TransferEstimator) -> RateSnapshot:
+    model = estimator.model()
+    return RateSnapshot(None if model is None else model.bandwidth_Bps, None if model is None else model.batch_latency_s,
+                        estimator.samples)
+
+
+def _store_snapshot(store: PageShard) -> StoreSnapshot:
+    stats, rates = store.stats(), store.read_rates
+    devices = tuple(DeviceSnapshot(h["device"], _rate(est), Breaker(h["state"]), int(h["trips"]))
+                    for h, est in zip(store.health.summary(), rates.devices))
+    return StoreSnapshot(stats.pages, stats.bytes_used, stats.capacity_bytes, _rate(rates.total), devices,
+                         frozen_counts(stats.counters))
 
 
 def _check(host_indices: Any, n_keys: int, page_tokens: int) -> None:

@@ -22,6 +22,7 @@ SGLANG_KEYS = frozenset({
 
 
 def store_config(extra: dict[str, Any] | None) -> StoreConfig:
+    """Our ``StoreConfig`` from the extra-config dict, SGLang's own keys ignored."""
     return StoreConfig.from_mapping(dict(extra or {}), ignore=SGLANG_KEYS)
 
 

@@ -10,22 +10,25 @@ The usable hit is the longest prefix restorable for every gating pool.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer, PoolTransferResult
 
 from sgl_kvtier.keys import PageKey
+from sgl_kvtier.sglang.pool_tier import PoolTier
 
 
-def exists_v2(storage: Any, keys: Sequence[PageKey], transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
-    kv_pages = storage.kv.longest_prefix(keys) if storage.kv is not None else 0
+def exists_v2(kv: PoolTier | None, tiers: Mapping[str, PoolTier], keys: Sequence[PageKey],
+              transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
+    """The usable hit of ``keys``: the stored KV prefix, cut to what every gating side pool can restore."""
+    kv_pages = kv.longest_prefix(keys) if kv is not None else 0
     hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
     restorable = list(range(1, kv_pages + 1))
     for transfer in transfers:
         if not restorable:
             break
         name = str(transfer.name)
-        tier = storage.tiers.get(name)
+        tier = tiers.get(name)
         has = [tier is not None and tier.contains(keys[i]) for i in range(kv_pages)]
         if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
             group = max(1, transfer.group_pages or 1)

@@ -8,10 +8,19 @@ Loaded by SGLang with::
 
 Lifecycle: ``cls(storage_config, {})`` validates our keys (a bad one raises ``ConfigError`` naming it,
 which stops start-up); ``register_mem_pool_host(pool)`` derives the namespace from the config and the
-pool and opens the store. Side pools (``register_mem_host_pool_v2``) get stores of their own.
+pool and opens the store (a writer's failed open raises too: SGLang then refuses to start with the
+error, rather than serving without its L3). Side pools (``register_mem_host_pool_v2``) get stores of
+their own.
 
-Boundary rule: SGLang calls exists / get / set from three threads; nothing raises into them. IO faults
-and bad arguments become a miss (``False`` / 0 / ``None``), are counted, and logged without flooding.
+Boundary rule: SGLang calls exists / get / set from three threads, and clear / get_stats / close from its
+scheduler; none of these raises. Every exception is caught in ``_guarded``, answered as a miss (``False``
+/ 0 / ``None`` / an empty result), counted by ``self.boundary`` (``telemetry().boundary``, and the
+``kvtier_boundary_errors`` gauge), and logged at a bounded rate: IO faults and bad arguments
+(``EXPECTED_ERRORS``) in one line, anything else (a bug) with its traceback.
+
+State: everything per backend lives on the instance (stores, transfer figures, the error counters, the
+cost policy with its prefill estimator, the metrics feed); the one per-process object is the Prometheus
+exporter (``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's registry is per process.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, List, Optional
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -29,38 +39,53 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import PageKey, parse_key
-from sgl_kvtier.metrics import RateLimitedLog
+from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
 from sgl_kvtier.sglang.host_pages import HostPages, check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
-from sgl_kvtier.sglang import prometheus, throughput
 from sgl_kvtier.sglang.stats import TransferStats
+from sgl_kvtier.telemetry.counters import ErrorBoundary
+from sgl_kvtier.telemetry.prometheus import PrometheusFeed
+from sgl_kvtier.telemetry.snapshot import RankLabels, TelemetrySnapshot
 
 log = logging.getLogger(__name__)
-_BOUNDARY_ERRORS = (KVTierError, OSError, ValueError, RuntimeError)
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (KVTierError, OSError, ValueError, RuntimeError)
+T = TypeVar("T")
 
 
-class KVTierStorage(HiCacheStorage):
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGLang ships no type information
+    """SGLang's L3 storage backend: one page-store shard per registered host pool, on NVMe.
+
+    KV moves zero-copy between the host pool and flash through the v1 calls (``interface_v1``); the
+    legacy flat-tensor calls and the v2 side-pool calls are served too. ``telemetry()`` is the one
+    typed view of its state; ``cost_inputs()`` the cost policy's measured inputs, JSON-ready.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
         self.storage_config = storage_config
         self.config = store_config(storage_config.extra_config)
         self.writer = bool(storage_config.is_storage_writer)
         self.tiers: dict[str, PoolTier] = {}
         self.stats = TransferStats(enabled=True)
-        self._errlog = RateLimitedLog(log)
+        self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
+        self.cost = CostPolicy(self._read_path, boundary=self.boundary)
+        self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
         self._lock = threading.Lock()
         self.kv: PoolTier | None = None
 
-    # ------------------------------------------------------------------ registration
+    # ------------------------------------------------------------------ registration (errors stop start-up)
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The KV host pool: opens (or, on a reader rank, looks for) its shard."""
         super().register_mem_pool_host(mem_pool_host)
         self.kv = self._tier("kv", mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Every pool of SGLang's ``HostPoolGroup``; side pools get shards of their own."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = str(host_pool_name)
         if name != "kv":
@@ -77,140 +102,177 @@ class KVTierStorage(HiCacheStorage):
             return tier
 
     # ------------------------------------------------------------------ v1: zero-copy KV
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Leading pages of ``keys`` stored (with the cost policy on: worth loading); their reads start now."""
+        return self._guarded("batch_exists", lambda: self._exists(keys, extra_info), lambda: 0)
+
+    def _exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None) -> int:
         parsed = _keys_until_invalid(keys)
-        hit = self._stored_prefix(parsed)
+        tier = self._kv()
+        hit = tier.longest_prefix(parsed)
         # With KVTIER_PREFETCH_POLICY=cost: only the leading pages predicted to load faster than recompute.
-        hit = throughput.shorten_hit(self, len(keys), hit, len(getattr(extra_info, "prefix_keys", None) or ()))
+        hit = self.cost.shorten_hit(len(keys), hit, len(_prefix_keys(extra_info)))
         try:
-            self._kv().stage(parsed[:hit])  # read-ahead: the reads start now, batch_get_v1 collects them
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_exists read-ahead", exc)
+            tier.stage(parsed[:hit])  # read-ahead: the reads start now, batch_get_v1 collects them
+        except Exception as exc:  # the hit stands: batch_get_v1 reads on demand
+            self.boundary.fail("batch_exists read-ahead", exc, outcome="read on demand")
         return hit
 
-    def _stored_prefix(self, keys: list[PageKey]) -> int:
-        try:
-            return self._kv().longest_prefix(keys)
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_exists", exc)
-            return 0
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Read the leading stored run of ``keys`` into the host pool slots ``host_indices``."""
+        def get() -> list[bool]:
+            start = time.perf_counter()
+            tier = self._kv()
+            result = tier.read(_keys_or_none(keys), host_indices)
+            self.stats.record_get(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
+            return result
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        start = time.perf_counter()
-        try:
-            result = self._kv().read(_keys_or_none(keys), host_indices)
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_get_v1", exc)
-            return [False] * len(keys)
-        self.stats.record_get(sum(result), self._kv().pages.page_bytes, time.perf_counter() - start)
-        return result
+        return self._guarded("batch_get_v1", get, lambda: [False] * len(keys))
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Write the pages at ``host_indices`` under ``keys`` (non-writer ranks: acknowledged, not written)."""
         if not self.writer:
             return [True] * len(keys)  # another rank writes this replicated shard
-        start = time.perf_counter()
-        try:
-            parent = _parent_of(extra_info)
-            result = self._kv().write(_keys_or_none(keys), host_indices, parent)
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_set_v1", exc)
-            return [False] * len(keys)
-        self.stats.record_set(sum(result), self._kv().pages.page_bytes, time.perf_counter() - start)
-        return result
+
+        def put() -> list[bool]:
+            start = time.perf_counter()
+            tier = self._kv()
+            result = tier.write(_keys_or_none(keys), host_indices, _parent_of(extra_info))
+            self.stats.record_set(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
+            return result
+
+        return self._guarded("batch_set_v1", put, lambda: [False] * len(keys))
 
     # ------------------------------------------------------------------ legacy: flat page tensors
     def exists(self, key: str) -> bool:
-        return self._stored_prefix(_keys_until_invalid([key])) == 1
+        """Whether ``key`` is stored (a presence check, not a load decision: the cost policy is not asked)."""
+        return self._guarded("exists", lambda: self._kv().longest_prefix(_keys_until_invalid([key])) == 1,
+                             lambda: False)
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        return self.batch_get([key], [target_location])[0]
+        """One flat page into ``target_location`` (or a fresh one); None on a miss."""
+        page: torch.Tensor | None = self.batch_get([key], [target_location])[0]
+        return page
 
-    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None):
-        try:
-            if target_locations is None:
-                target_locations = [self._kv().pages.pool.get_dummy_flat_data_page() for _ in keys]
-            oks = self._kv().read_flat(_keys_or_none(keys), list(target_locations))
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_get", exc)
-            return [None] * len(keys)
-        return [t if ok else None for t, ok in zip(target_locations, oks)]
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        """Flat pages into ``target_locations`` (or fresh ones); None for each miss."""
+        def get() -> list[Any]:
+            tier = self._kv()
+            given = [None] * len(keys) if target_locations is None else list(target_locations)
+            targets = [tier.pages.pool.get_dummy_flat_data_page() if t is None else t for t in given]
+            oks = tier.read_flat(_keys_or_none(keys), targets)
+            return [t if ok else None for t, ok in zip(targets, oks)]
+
+        return self._guarded("batch_get", get, lambda: [None] * len(keys))
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store one flat page."""
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
+        """Store flat pages; True only if every one was stored (non-writer ranks: True, nothing written)."""
         if not self.writer:
             return True
-        try:
-            return all(self._kv().write_flat(_keys_or_none(keys), list(values)))
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_set", exc)
-            return False
+        return self._guarded("batch_set", lambda: all(self._kv().write_flat(_keys_or_none(keys), list(values))),
+                             lambda: False)
 
     # ------------------------------------------------------------------ v2: side pools
-    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        try:
-            return exists_v2(self, _keys_until_invalid(keys), pool_transfers or [])
-        except _BOUNDARY_ERRORS as exc:
-            self._fail("batch_exists_v2", exc)
-            return PoolTransferResult.empty()
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The usable KV prefix given every side pool's hit policy (see ``sidecars``)."""
+        return self._guarded("batch_exists_v2",
+                             lambda: exists_v2(self.kv, self.tiers, _keys_until_invalid(keys), pool_transfers or []),
+                             PoolTransferResult.empty)
 
-    def batch_get_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Read each side pool's pages; per pool, one flag per key."""
         return {str(t.name): self._transfer(t, write=False, extra_info=extra_info) for t in transfers}
 
-    def batch_set_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Write each side pool's pages; per pool, one flag per key."""
         return {str(t.name): self._transfer(t, write=True, extra_info=extra_info) for t in transfers}
 
-    def _transfer(self, t: PoolTransfer, write: bool, extra_info: Any) -> List[bool]:
+    def _transfer(self, t: PoolTransfer, write: bool, extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         keys = list(t.keys or [])
-        try:
-            tier = self.tiers[str(t.name)]
-            if write:
-                return tier.write(_keys_or_none(keys), t.host_indices, _parent_of(extra_info)) if self.writer \
-                    else [True] * len(keys)
-            return tier.read(_keys_or_none(keys), t.host_indices)
-        except (KeyError, *_BOUNDARY_ERRORS) as exc:
-            self._fail(f"batch_{'set' if write else 'get'}_v2[{t.name}]", exc)
-            return [False] * len(keys)
+
+        def move() -> list[bool]:
+            tier = self.tiers.get(str(t.name))
+            if tier is None:
+                raise KVTierError(f"no host pool {t.name!r} registered")
+            if not write:
+                return tier.read(_keys_or_none(keys), t.host_indices)
+            if not self.writer:
+                return [True] * len(keys)
+            return tier.write(_keys_or_none(keys), t.host_indices, _parent_of(extra_info))
+
+        return self._guarded(f"batch_{'set' if write else 'get'}_v2[{t.name}]", move, lambda: [False] * len(keys))
 
     # ------------------------------------------------------------------ admin
     def clear(self) -> None:
-        for tier in self.tiers.values():
-            try:
-                tier.clear()
-            except _BOUNDARY_ERRORS as exc:
-                self._fail("clear", exc)
+        """Drop every page of every shard this rank writes."""
+        for tier in list(self.tiers.values()):
+            self._guarded("clear", tier.clear, lambda: None)
 
-    def get_stats(self):
-        prometheus.update(self)  # kvtier_ gauges: at most once per KVTIER_METRICS_INTERVAL_S, never raises
-        return self.stats.drain()
+    def get_stats(self) -> StorageMetrics | None:
+        """SGLang's per-op transfer figures since the last call (drained); refreshes the ``kvtier_`` gauges
+        at most once per ``KVTIER_METRICS_INTERVAL_S``."""
+        def drain() -> StorageMetrics | None:
+            self._metrics.refresh(self.telemetry)  # never raises: a failed refresh is counted and logged
+            return self.stats.drain()
 
-    def cost_inputs(self) -> dict:
+        return self._guarded("get_stats", drain, lambda: None)
+
+    def telemetry(self) -> TelemetrySnapshot:
+        """Everything this backend reports, typed and immutable: per pool the store and read-ahead figures,
+        the prefill model, the policy switch, the boundary's counters, and the rank labels."""
+        cfg = self.storage_config
+        with self._lock:
+            tiers = list(self.tiers.values())
+        return TelemetrySnapshot(
+            ranks=RankLabels(int(cfg.tp_rank or 0), int(cfg.pp_rank or 0), int(cfg.dp_rank or 0)),
+            pools=tuple(t.snapshot() for t in tiers), prefill=self.cost.prefill.snapshot(),
+            cost_policy_enabled=self.cost.enabled(), boundary=self.boundary.counts())
+
+    def cost_inputs(self) -> dict[str, Any]:
         """The cost policy's measured inputs: read bandwidth / batch latency per pool and device, prefill speed."""
-        return throughput.cost_inputs(self)
+        return self.telemetry().cost_inputs()
 
     def close(self) -> None:
-        for tier in self.tiers.values():
-            tier.close()
-        self.tiers.clear()
+        """Stop read-ahead and close every store (detach, shutdown, a failed attach)."""
+        with self._lock:
+            tiers, self.tiers, self.kv = list(self.tiers.values()), {}, None
+        for tier in tiers:
+            self._guarded("close", tier.close, lambda: None)
+
+    # ------------------------------------------------------------------ internals
+    def _read_path(self) -> ReadPath | None:
+        tier = self.kv
+        store = None if tier is None else tier.store
+        model = None if store is None else store.read_rates.model()
+        if tier is None or model is None:
+            return None
+        return ReadPath(tier.pages.page_tokens, tier.pages.page_bytes, model)
 
     def _kv(self) -> PoolTier:
         if self.kv is None:
             raise KVTierError("no host pool registered yet")
         return self.kv
 
-    def _fail(self, op: str, exc: BaseException) -> None:
-        self.stats.errors += 1
-        self._errlog.error("kvtier %s failed (served as a miss): %s: %s", op, type(exc).__name__, exc)
+    def _guarded(self, op: str, call: Callable[[], T], miss: Callable[[], T]) -> T:
+        """``call()``, or on any exception: count and log it, and answer ``miss()``."""
+        try:
+            return call()
+        except Exception as exc:  # the boundary: nothing raises into SGLang's threads
+            self.boundary.fail(op, exc)
+            return miss()
 
 
-def _keys_or_none(keys: List[str]) -> list[PageKey | None]:
+def _keys_or_none(keys: list[str]) -> list[PageKey | None]:
     out: list[PageKey | None] = []
     for k in keys:
         try:
@@ -220,7 +282,7 @@ def _keys_or_none(keys: List[str]) -> list[PageKey | None]:
     return out
 
 
-def _keys_until_invalid(keys: List[str]) -> list[PageKey]:
+def _keys_until_invalid(keys: list[str]) -> list[PageKey]:
     out = []
     for k in _keys_or_none(keys):
         if k is None:
@@ -229,8 +291,12 @@ def _keys_until_invalid(keys: List[str]) -> list[PageKey]:
     return out
 
 
-def _parent_of(extra_info: Any) -> PageKey | None:
-    prefix = getattr(extra_info, "prefix_keys", None)
+def _prefix_keys(extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
+    return list(extra_info.prefix_keys or ()) if extra_info is not None else []
+
+
+def _parent_of(extra_info: HiCacheStorageExtraInfo | None) -> PageKey | None:
+    prefix = _prefix_keys(extra_info)
     if not prefix:
         return None
     try:
@@ -239,4 +305,4 @@ def _parent_of(extra_info: Any) -> PageKey | None:
         return None
 
 
-__all__ = ["KVTierStorage", "check_indices"]
+__all__ = ["KVTierStorage", "EXPECTED_ERRORS", "check_indices"]

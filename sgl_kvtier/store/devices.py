@@ -12,6 +12,10 @@ zeros nor our table is refused, so a disk holding someone's data is never format
 
 Files and directories are created 0600/0700. O_DIRECT is probed per file: a filesystem that refuses it
 (tmpfs) gets buffered IO and the store fdatasyncs instead, with one warning.
+
+Descriptors: every one an arena opens is closed by its ``close`` (each whatever the others raise, then the
+first error; idempotent: each is detached before it is closed, so none is closed twice) or, when the
+arena's construction fails, before the error leaves the constructor (``store.lifecycle``).
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import fcntl
 import logging
 import os
 import stat
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from sgl_kvtier.errors import DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.lifecycle import abandon, release_all
 
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
@@ -37,7 +43,12 @@ def open_file(path: str, flags: int, direct: str) -> tuple[int, bool]:
     if direct != "off":
         try:
             fd = os.open(path, flags | os.O_DIRECT, 0o600)
-            if _direct_read_works(fd):
+            try:
+                works = _direct_read_works(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if works:
                 return fd, True
             os.close(fd)
         except OSError as exc:
@@ -68,6 +79,8 @@ def _direct_read_works(fd: int) -> bool:
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically: write ``<name>.tmp``, fsync, rename over, fsync the directory.
+    Every descriptor it opens is closed on every path; a failure leaves the old file (and maybe a stale tmp)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -105,13 +118,17 @@ class Arena:
         raise NotImplementedError
 
     def fds(self) -> list[int]:
+        """The open file descriptors behind the arena's slots."""
         raise NotImplementedError
 
     def close(self) -> None:
+        """Close every file of the arena."""
         raise NotImplementedError
 
 
 class DirectoryArena(Arena):
+    """An arena on a mounted filesystem: ``ns-<digest>/HEADER`` and preallocated ``seg-NNNNN.dat`` files."""
+
     def __init__(self, root: str, nsdir: str, header: dict[str, Any], slot_bytes: int, segment_bytes: int,
                  capacity_slots: int | None, shard_count: int, direct: str, create: bool):
         self.path = root
@@ -154,8 +171,12 @@ class DirectoryArena(Arena):
         if create and (capacity_slots < 1 or (sized and free + used < need)):
             raise DeviceError(f"{root}: too small: {free + used} bytes free, need at least {need} "
                               f"(one segment of {self.slots_per_segment} slots of {slot_bytes} bytes)")
-        for seg_path in existing:
-            self._open_segment(int(seg_path.stem.split("-")[1]), create=False)
+        try:
+            for seg_path in existing:
+                self._open_segment(int(seg_path.stem.split("-")[1]), create=False)
+        except BaseException as exc:
+            abandon(exc, root, [("segment files", self.close)])  # the segments opened before this one
+            raise
 
     def _segment_path(self, seg: int) -> Path:
         return self.dir / f"seg-{seg:05d}.dat"
@@ -186,12 +207,14 @@ class DirectoryArena(Arena):
         return list(self._fds.values())
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        """Close every segment file, each whatever the others raise (then the first error). Idempotent."""
+        fds, self._fds = list(self._fds.values()), {}  # detached first: a failed close is never retried
+        release_all((f"segment fd {fd}", partial(os.close, fd)) for fd in fds)
 
 
 class BlockArena(Arena):
+    """An arena in a raw block device's region (claimed in the device's region table, one per rank shard)."""
+
     def __init__(self, path: str, ns_digest: bytes, header: dict[str, Any], slot_bytes: int,
                  share_bytes: int | None, shard_count: int, direct: str, create: bool):
         self.path = path
@@ -256,8 +279,9 @@ class BlockArena(Arena):
         return [self.fd]
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._meta_fd)
+        """Close the data and the region-table descriptors, both whatever the other raises. Idempotent."""
+        fds, self.fd, self._meta_fd = [self.fd, self._meta_fd], -1, -1  # detached first: never closed twice
+        release_all((f"{self.path} fd {fd}", partial(os.close, fd)) for fd in fds if fd >= 0)
 
 
 def is_block_like(path: str) -> bool:

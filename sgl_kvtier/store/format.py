@@ -25,7 +25,8 @@ rounded up to 4 KiB. A page's checksum lives in its index record, so a torn or s
 from __future__ import annotations
 
 import struct
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import xxhash
@@ -49,7 +50,7 @@ BLOCK_HEADER_BYTES = 1 << 20  # reserved at the start of a raw block device for 
 
 
 def pack_header(magic: bytes, fields: dict[str, Any]) -> bytes:
-    payload = msgpack.packb({"format_version": FORMAT_VERSION, **fields})
+    payload: bytes = msgpack.packb({"format_version": FORMAT_VERSION, **fields})
     return _HEADER.pack(magic, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
@@ -62,7 +63,8 @@ def unpack_header(magic: bytes, data: bytes, what: str) -> dict[str, Any]:
     payload = data[_HEADER.size:_HEADER.size + length]
     if len(payload) != length or xxhash.xxh3_64_intdigest(payload) != crc:
         raise CorruptRecordError(f"{what}: header checksum mismatch")
-    return msgpack.unpackb(payload)
+    fields: dict[str, Any] = msgpack.unpackb(payload)
+    return fields
 
 
 def journal_file_header(generation: int) -> bytes:
@@ -80,11 +82,11 @@ def check_journal_file_header(data: bytes, what: str) -> int:
         raise CorruptRecordError(f"{what}: not an sgl-kvtier journal")
     if version != FORMAT_VERSION:
         raise CorruptRecordError(f"{what}: journal format {version}, this build reads {FORMAT_VERSION}")
-    return generation
+    return int(generation)
 
 
 def pack_record(fields: list[Any]) -> bytes:
-    payload = msgpack.packb(fields)
+    payload: bytes = msgpack.packb(fields)
     return _RECORD.pack(len(payload), xxhash.xxh32_intdigest(payload)) + payload
 
 
@@ -119,7 +121,7 @@ def valid_record(r: Any) -> bool:
 
 
 def pack_checkpoint(fields: dict[str, Any]) -> bytes:
-    payload = msgpack.packb({"version": FORMAT_VERSION, **fields})
+    payload: bytes = msgpack.packb({"version": FORMAT_VERSION, **fields})
     return _CHECKPOINT.pack(CHECKPOINT_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
@@ -130,7 +132,7 @@ def unpack_checkpoint(data: bytes, what: str) -> dict[str, Any]:
     payload = data[_CHECKPOINT.size:_CHECKPOINT.size + length]
     if magic != CHECKPOINT_MAGIC or len(payload) != length or xxhash.xxh3_64_intdigest(payload) != crc:
         raise CorruptRecordError(f"{what}: checkpoint fails its checksum")
-    fields = msgpack.unpackb(payload)
+    fields: dict[str, Any] = msgpack.unpackb(payload)
     if fields.get("version") != FORMAT_VERSION:
         raise CorruptRecordError(f"{what}: checkpoint format {fields.get('version')}, this build reads {FORMAT_VERSION}")
     return fields

@@ -13,28 +13,35 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sgl_kvtier.io.buffers import AlignedBuffer
-from sgl_kvtier.keys import Namespace
+from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import is_block_like
 from sgl_kvtier.store.layout import load_config
 from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.reader import PageReader
 
 VERIFY_BATCH = 32
 
 
 @dataclass
 class Shard:
+    """A namespace shard found on disk: its meta directory, namespace and meta header."""
+
     meta: Path
     namespace: Namespace
-    header: dict
+    header: dict[str, Any]
 
 
 @dataclass
 class FsckReport:
+    """What ``fsck`` found in one shard (and whether it repaired it)."""
+
     namespace: str
     meta: str
     pages_checked: int = 0
@@ -44,10 +51,12 @@ class FsckReport:
 
     @property
     def clean(self) -> bool:
+        """No bad page and no journal or checkpoint damage."""
         return not self.bad_pages and not self.problems
 
 
 def find_shards(path: str) -> list[Shard]:
+    """The namespace shards reachable from ``path`` (see the module docstring); [] for none."""
     p = Path(path)
     metas: list[Path] = []
     if p.is_dir():
@@ -65,13 +74,21 @@ def find_shards(path: str) -> list[Shard]:
     return shards
 
 
-def open_shard(shard: Shard, *, writable: bool = False) -> PageStore:
-    return PageStore.open(load_config(shard.meta), shard.namespace, readonly=not writable)
+def open_shard(shard: Shard) -> PageReader:
+    """A read-only view of ``shard``, with the config its writer recorded (changes nothing on disk)."""
+    return PageReader.open(load_config(shard.meta), shard.namespace)
 
 
-def fsck(shard: Shard, repair: bool = False, progress=None) -> FsckReport:
+def open_writer(shard: Shard) -> PageStore:
+    """``shard``'s writer (takes its lock; recovery folds the journal into a new checkpoint)."""
+    return PageStore.open(load_config(shard.meta), shard.namespace)
+
+
+def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] | None = None) -> FsckReport:
+    """Verify every page and the journal of ``shard``; with ``repair``, drop what is bad (as its writer).
+    ``progress`` is called with the number of pages checked after each batch."""
     report = FsckReport(shard.namespace.describe(), str(shard.meta))
-    store = open_shard(shard, writable=False)
+    store = open_shard(shard)
     try:
         report.problems = list(store.recovery.problems)
         keys = store.keys()
@@ -91,16 +108,17 @@ def fsck(shard: Shard, repair: bool = False, progress=None) -> FsckReport:
     finally:
         store.close()
     if repair and not report.clean:
-        writer = open_shard(shard, writable=True)  # recovery folds the journal and drops torn tails
+        writer = open_writer(shard)  # recovery folds the journal and drops torn tails
         try:
-            writer.delete([bytes.fromhex(k) for k in report.bad_pages])
+            writer.delete([PageKey(bytes.fromhex(k)) for k in report.bad_pages])
         finally:
             writer.close()
         report.repaired = True
     return report
 
 
-def shard_summary(shard: Shard) -> dict:
+def shard_summary(shard: Shard) -> dict[str, Any]:
+    """What ``sgl-kvtier inspect`` shows of ``shard`` (JSON-ready), read without changing anything."""
     store = open_shard(shard)
     try:
         stats = store.stats()

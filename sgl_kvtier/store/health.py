@@ -13,13 +13,16 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
 class BreakerState(enum.Enum):
+    """A device's circuit breaker state (see the module docstring)."""
+
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -36,6 +39,8 @@ class _Breaker:
 
 
 class DeviceHealth:
+    """The circuit breakers of one shard's devices, indexed like its arenas. Thread-safe."""
+
     def __init__(self, paths: list[str], failures: int = 3, cooldown_s: float = 5.0, slow_op_s: float = 2.0,
                  max_cooldown_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
         self.paths = paths
@@ -48,6 +53,7 @@ class DeviceHealth:
         self._b = [_Breaker(cooldown=cooldown_s) for _ in paths]
 
     def state(self, device: int) -> BreakerState:
+        """The device's breaker state now (an OPEN breaker past its cool-down reads HALF_OPEN)."""
         with self._lock:
             return self._advance(device)
 
@@ -87,7 +93,8 @@ class DeviceHealth:
         del b.events[:-20]
         log.warning("device %s: circuit %s", self.paths[device], what)
 
-    def summary(self) -> list[dict]:
+    def summary(self) -> list[dict[str, Any]]:
+        """Per device: its path, breaker state and trip count (JSON-ready)."""
         with self._lock:
             return [{"device": p, "state": self._advance(i).value, "trips": b.trips}
                     for i, (p, b) in enumerate(zip(self.paths, self._b))]

@@ -6,7 +6,7 @@ under a second). Not thread-safe: the page store's lock guards every call.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -17,6 +17,8 @@ from sgl_kvtier.store.journal import Recovered
 
 
 class PageIndex:
+    """key <-> slot, each slot's checksum, and the eviction policy over the slots (see the module docstring)."""
+
     def __init__(self, recovered: Recovered, eviction: EvictionPolicyName, capacity: int):
         self._eviction = eviction
         self._capacity = capacity
@@ -49,19 +51,23 @@ class PageIndex:
         return len(self.slot_of)
 
     def slots(self) -> list[int]:
+        """Every slot in use."""
         return list(self.slot_of.values())
 
     def lookup(self, key: PageKey) -> tuple[int, int] | None:
+        """``(slot, checksum)`` of a stored page, or None."""
         slot = self.slot_of.get(key)
         return None if slot is None else (slot, self.checksum[slot])
 
     def add(self, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> None:
+        """Index a page written to ``slot``; ``parent`` (if stored) is the page it chains on."""
         self.slot_of[key] = slot
         self.key_of[slot] = key
         self.checksum[slot] = checksum
         self.policy.insert(slot, self.slot_of.get(parent) if parent is not None else None)
 
     def remove(self, key: PageKey) -> int:
+        """Unindex a stored page; its slot (the caller frees it)."""
         slot = self.slot_of.pop(key)
         del self.key_of[slot]
         del self.checksum[slot]
@@ -69,13 +75,16 @@ class PageIndex:
         return slot
 
     def touch(self, keys: Iterable[PageKey]) -> None:
+        """Mark pages used now (a chain's keys in order); unknown keys are ignored."""
         self.policy.touch([self.slot_of[k] for k in keys if k in self.slot_of])
 
     def victim(self) -> PageKey | None:
+        """The page the policy would evict next, or None when empty."""
         slot = self.policy.victim()
         return None if slot is None else self.key_of[slot]
 
     def parent_of(self, key: PageKey) -> PageKey | None:
+        """The stored page ``key`` chains on, or None."""
         parent = self.policy.parent_of(self.slot_of[key])
         return None if parent is None else self.key_of[parent]
 

@@ -10,13 +10,19 @@ Crash rules:
     checkpoint covers. A crash anywhere leaves either the old checkpoint with all its journals, or the new.
   * Replay order is checkpoint, then journals by generation; a PUT of a slot takes it from whichever key
     held it before (that key's bytes are gone).
+  * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
+    old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
+    still there (journals are deleted only after the new checkpoint is durable). A ``Journal`` whose
+    header cannot be written closes its descriptor and removes its file before the error leaves it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +32,19 @@ from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.keys import KEY_BYTES, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import write_file_atomic
+from sgl_kvtier.store.lifecycle import abandon
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.bin"
 
 
 def journal_path(meta: Path, generation: int) -> Path:
+    """The journal file of ``generation`` in the shard's meta directory."""
     return meta / f"journal-{generation:08d}.log"
 
 
 def journal_generations(meta: Path) -> list[int]:
+    """The generations of the journal files present, ascending."""
     gens = []
     for p in meta.glob("journal-*.log"):
         try:
@@ -66,6 +75,8 @@ class Recovered:
 
 
 def recover(meta: Path) -> Recovered:
+    """Rebuild the index of the shard in ``meta``: its checkpoint (if readable), then its journals in
+    generation order, each up to its first torn or corrupt record (damage goes to ``problems``)."""
     state = Recovered()
     ckpt = meta / CHECKPOINT
     if ckpt.exists():
@@ -90,7 +101,7 @@ def _load_checkpoint(fields: dict[str, Any], state: Recovered) -> None:
     parents = np.frombuffer(fields["parents"], dtype=np.int64, count=n)
     if n and (parents.max() >= n or slots.min() < 0):
         raise ValueError("checkpoint columns are inconsistent")
-    keys = [keys_blob[i:i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)]
+    keys = [PageKey(keys_blob[i:i + KEY_BYTES]) for i in range(0, n * KEY_BYTES, KEY_BYTES)]
     slot_list = slots.tolist()
     state.slot_of = dict(zip(keys, slot_list))
     state.key_of = dict(zip(slot_list, keys))
@@ -114,7 +125,7 @@ def _forget(state: Recovered, key: PageKey) -> None:
 def _apply(state: Recovered, rec: list[Any]) -> None:
     state.replayed_records += 1
     state.seq = max(state.seq, rec[1])
-    key = rec[2]
+    key = PageKey(rec[2])
     _forget(state, key)
     if rec[0] != fmt.PUT:
         return
@@ -157,8 +168,9 @@ def _replay(path: Path, state: Recovered, start: int = 0) -> int:
             return 0
         start = fmt.JOURNAL_FILE_HEADER_BYTES
     end = start
-    for end, rec in fmt.iter_records(data, start):
+    for after, rec in fmt.iter_records(data, start):
         _apply(state, rec)
+        end = after
     if end != len(data):
         state.torn_journals.append(path.name)
         state.problems.append(f"{path.name}: torn or corrupt after byte {end} of {len(data)}; the rest is ignored")
@@ -203,29 +215,48 @@ class Journal:
         self.generation = generation
         self.path = journal_path(meta, generation)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        if os.fstat(self._fd).st_size == 0:
-            os.write(self._fd, fmt.journal_file_header(generation))
-            os.fsync(self._fd)
-            _fsync_dir(meta)
         self.records = 0
+        fresh = False
+        try:
+            fresh = os.fstat(self._fd).st_size == 0
+            if fresh:
+                os.write(self._fd, fmt.journal_file_header(generation))
+                os.fsync(self._fd)
+                _fsync_dir(meta)
+        except BaseException as exc:
+            # Crash rule: a journal whose header did not make it (ENOSPC, EIO) holds no record; it is removed
+            # here, and if a crash comes first, replay treats its torn header as an empty, torn journal.
+            steps: list[tuple[str, Callable[[], object]]] = [("journal fd", self.close)]
+            if fresh:
+                steps.append(("half-made journal", partial(self.path.unlink, missing_ok=True)))
+            abandon(exc, str(self.path), steps)
+            raise
 
     def append(self, records: list[bytes]) -> None:
+        """Append packed records (one write; durable only after ``sync``)."""
         if records:
             os.write(self._fd, b"".join(records))
             self.records += len(records)
 
     def sync(self) -> None:
+        """fsync the journal file."""
         os.fsync(self._fd)
 
     def close(self) -> None:
-        os.close(self._fd)
+        """Close the journal file (not synced here). Idempotent: the descriptor is detached first, so a close
+        that reports an error (Linux frees the descriptor all the same) is never retried."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def put_record(seq: int, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> bytes:
+    """A packed PUT record: ``key``'s page is in ``slot`` with ``checksum``, chained on ``parent``."""
     return fmt.pack_record([fmt.PUT, seq, key, slot, checksum, parent])
 
 
 def del_record(seq: int, key: PageKey) -> bytes:
+    """A packed DEL record: ``key``'s page is gone."""
     return fmt.pack_record([fmt.DEL, seq, key])
 
 

@@ -4,6 +4,10 @@ The *meta directory* ``<meta_dir or first device>/ns-<digest>/`` holds ``HEADER`
 order, under which store id), ``LOCK`` (``flock``: one writer process per shard), the journals and the
 checkpoint. Every device carries a header of its own naming the same store id and its index, so a device
 list that was reordered, shortened or mixed with another store's devices is refused at open.
+
+The writer lock is a ``flock`` on ``LOCK``, held through one descriptor from ``acquire_writer_lock`` until
+``release_writer_lock`` (the last step of a writer's close); a failed ``acquire_writer_lock`` or
+``open_layout`` closes whatever it opened before its error leaves it.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import fcntl
 import os
 import uuid
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import msgpack
-from dataclasses import dataclass
-from pathlib import Path
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, StoreLockedError
@@ -22,10 +28,13 @@ from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import Arena, BlockArena, DirectoryArena, check_header, is_block_like, write_file_atomic
+from sgl_kvtier.store.lifecycle import abandon, release_all
 
 
 @dataclass
 class Layout:
+    """One namespace shard on disk: its meta directory, one arena per device, and the slot size."""
+
     meta: Path
     arenas: list[Arena]
     slot_bytes: int
@@ -42,11 +51,12 @@ class Layout:
         return all(a.direct for a in self.arenas)
 
     def close(self) -> None:
-        for arena in self.arenas:
-            arena.close()
+        """Close every arena's files, each arena whatever the others raise (then the first error)."""
+        release_all((f"device {a.path}", a.close) for a in self.arenas)
 
 
 def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
+    """The shard's meta directory, ``<meta_dir or first device>/ns-<digest>`` (not created here)."""
     root = config.meta_dir or config.devices[0]
     field = "meta_dir" if config.meta_dir else "devices"
     if not os.path.exists(root):
@@ -64,15 +74,28 @@ def acquire_writer_lock(meta: Path) -> int:
     except OSError as exc:
         raise DeviceError(f"{meta.parent}: not writable ({exc.strerror})") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreLockedError(f"{meta}: already open for writing by pid {holder}; "
-                               "one writer process per namespace shard") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            raise StoreLockedError(f"{meta}: already open for writing by pid {holder}; "
+                                   "one writer process per namespace shard") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException as exc:
+        abandon(exc, str(meta), [("writer lock", partial(release_writer_lock, fd))])
+        raise
     return fd
+
+
+def release_writer_lock(fd: int) -> None:
+    """Give the writer lock up and close its descriptor, both attempted whatever the other raises.
+
+    The explicit unlock frees the lock even where a forked child still shares the descriptor (a flock
+    belongs to the open file, not the process). Called last by a writer's close: crash rule, the next
+    writer may start only once every file of this one is closed.
+    """
+    release_all([("unlock", partial(fcntl.flock, fd, fcntl.LOCK_UN)), ("close", partial(os.close, fd))])
 
 
 def save_config(meta: Path, config: StoreConfig) -> None:
@@ -81,10 +104,11 @@ def save_config(meta: Path, config: StoreConfig) -> None:
 
 
 def load_config(meta: Path) -> StoreConfig:
+    """The config the shard's last writer recorded (``save_config``)."""
     return StoreConfig.from_mapping(msgpack.unpackb((meta / "CONFIG").read_bytes()))
 
 
-def _open_arena(config: StoreConfig, namespace: Namespace, path: str, header: dict, slot_bytes: int,
+def _open_arena(config: StoreConfig, namespace: Namespace, path: str, header: dict[str, Any], slot_bytes: int,
                 share: int | None, create: bool) -> Arena:
     if is_block_like(path):
         return BlockArena(path, namespace.digest(), header, slot_bytes, share, namespace.shard_count,
@@ -95,6 +119,11 @@ def _open_arena(config: StoreConfig, namespace: Namespace, path: str, header: di
 
 
 def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: bool) -> Layout:
+    """Open (with ``create``: make) the shard's arenas, checking every device header against the config.
+
+    Raises DeviceError (no store here without ``create``, a device that is not this store's) or
+    StoreFormatError (headers that disagree).
+    """
     slot_bytes = round_up(namespace.page_bytes)
     header_path = meta / "HEADER"
     ndev = len(config.devices)
@@ -124,8 +153,7 @@ def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: b
                     "device_count": ndev, "store_id": store_id, "devices": list(config.devices)}))
         elif meta_header.get("device_count") != ndev:
             raise DeviceError(f"devices: this store was made on {meta_header.get('devices')}, not {list(config.devices)}")
-    except BaseException:
-        for arena in arenas:
-            arena.close()
+    except BaseException as exc:
+        abandon(exc, str(meta), [(f"device {a.path}", a.close) for a in arenas])
         raise
     return Layout(meta, arenas, slot_bytes, store_id)

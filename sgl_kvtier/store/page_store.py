@@ -1,213 +1,152 @@
-"""PageStore: fixed-size KV pages of one namespace shard on one or more flash devices.
+"""PageStore: the one writer of a namespace shard (fixed-size KV pages on one or more flash devices).
 
-API (used by the SGLang adapter; pages are lists of ``(address, length)`` runs in caller memory):
+It is a ``PageShard`` (``store.shard``: get / longest_prefix / stats, the pinned verified read path) that
+also holds the shard's writer lock and journal. Read-only views are ``store.reader.PageReader``.
+
+API (used by the SGLang adapter; pages are lists of ``(address, length)`` runs in caller memory; keys are
+valid ``PageKey``s):
     put(keys, pages, parent=None) -> [bool]   True: stored, already stored, or declined by admission
-    get(keys, pages) -> [bool]                True: the page's bytes, verified, are in the caller's runs
-    longest_prefix(keys) -> int               how many leading keys are readable now
-    delete(keys), clear(), stats(), close()
+    delete(keys) -> int, clear() -> int, checkpoint(), close()        (and everything a PageShard serves)
 
-Write order for a put batch: reserve slots (evicting as needed) -> write page data -> fdatasync the data
-files (durability ``batch``/``always``) -> append the journal records and publish the pages to readers ->
-fsync the journal. A page is visible only once its bytes are fully written; a reader pins its slots so an
-eviction cannot hand a slot to a writer mid-read. Every read is checked against the xxh3-64 taken at
-write time: a mismatch or short read drops the page and counts it; its bytes are never reported good.
+Write order for a put batch, one named phase each (the crash rule each step relies on is at its code):
+    1. reserve   under the lock: admit each page, take a free slot (evicting as needed; the victims'
+                 DEL records are appended to the journal before their slots are overwritten)
+    2. write     no lock: write the page data; fdatasync the data files (durability ``batch``/``always``)
+    3. publish   under the lock: append the PUT records and make the pages visible, in the same section
+    4. persist   fsync the journal (unless durability is ``none``): only then is the batch acknowledged;
+                 checkpoint when enough records piled up
+A page is visible only once its bytes are fully written; a record never points at bytes not written.
+Under ``always`` each page is its own batch. Open order: writer lock -> layout (created if needed) ->
+CONFIG -> engine -> recover -> a new journal generation (never appending to an old one) -> fold what was
+replayed; an open failing at any step releases what it took, the lock last.
 
-Thread safety: one lock guards the index, slots, policy and journal appends; IO runs outside it, so
-SGLang's exists / get / set threads proceed in parallel.
+Close order: checkpoint -> journal -> engine (its threads end) -> devices -> writer lock, each step
+attempted whatever an earlier one raised; the first failure is raised after as ``StoreCloseError``
+(``store.lifecycle``). A failed checkpoint never loses an acknowledged page: the next open replays the
+journals that the last good checkpoint does not cover.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import logging
-import os
 import threading
-import time
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
 
 from sgl_kvtier.config import Durability, StoreConfig
-from sgl_kvtier.errors import StoreClosedError
 from sgl_kvtier.io.buffers import Run
-from sgl_kvtier.io.engine import IOEngine, make_engine
-from sgl_kvtier.io.faulty import FaultyEngine
-from sgl_kvtier.io.throttle import ThrottledEngine
-from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
-from sgl_kvtier.metrics import RateLimitedLog, StoreCounters, StoreStats
+from sgl_kvtier.io.engine import IOEngine
+from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.policy.admission import AdmissionFilter
-from sgl_kvtier.policy.cost_model import ReadRates
 from sgl_kvtier.store import journal as jr
-from sgl_kvtier.store.health import DeviceHealth
-from sgl_kvtier.store.index import PageIndex
-from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, save_config
-from sgl_kvtier.store.slots import SlotTable
-from sgl_kvtier.store.transfer import PageIO
-
-log = logging.getLogger(__name__)
+from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, release_writer_lock, save_config
+from sgl_kvtier.store.lifecycle import Acquired, Step
+from sgl_kvtier.store.shard import PageShard, collector_paused, open_shard_engine, own_engine
 
 
-@contextlib.contextmanager
-def gc_paused():
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+@dataclass
+class _PutBatch:
+    """One put batch between its phases."""
+
+    results: list[bool]
+    reserved: list[tuple[int, int]] = field(default_factory=list)  # (page index, slot) of pages to write
 
 
-class PageStore:
-    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, lock_fd: int | None,
-                 recovered: jr.Recovered, engine: IOEngine | None = None):
-        self.config = config
-        self.namespace = namespace
-        self.layout = layout
-        self.page_bytes = namespace.page_bytes
-        self.slot_bytes = layout.slot_bytes
-        self.readonly = lock_fd is None
-        self._lock_fd = lock_fd
-        self._lock = threading.Lock()
+class PageStore(PageShard):
+    """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
+
+    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, lock_fd: int,
+                 recovered: jr.Recovered, engine: IOEngine, journal: jr.Journal):
+        super().__init__(config, namespace, layout, recovered, layout.capacity_slots, engine)
+        self._lock_fd: int | None = lock_fd  # None once released
         self._checkpoint_lock = threading.Lock()
-        self._closed = False
-        self.counters = StoreCounters()
-        self._errlog = RateLimitedLog(log)
-        self._engine = engine or make_engine(config.io_engine.value, config.io_depth)
-        if config.fault_injection:
-            self._engine = FaultyEngine(self._engine, config.fault_injection)
-        if config.throttle:  # benchmarks: a slower device; outermost, so real IO and faults run inside its time
-            self._engine = ThrottledEngine(self._engine, config.throttle)
-        self.health = DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
-                                   config.breaker_cooldown_s, config.slow_io_s)
-        self._ndev = len(layout.arenas)
-        self.read_rates = ReadRates(self._ndev)  # moving-average read bandwidth / batch latency (cost model)
-        self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
-                          config.durability is not Durability.NONE, self._device_full)
         self._admission = AdmissionFilter(config.admission_threshold)
-        self._inflight: set[PageKey] = set()
-        capacity = layout.capacity_slots
-        if self.readonly:  # an offline reader shows everything that is there, whatever the limit now
-            capacity = max([capacity, *(s + 1 for s in recovered.key_of)])
-        self._index = PageIndex(recovered, config.eviction, capacity)
-        self._slots = SlotTable(capacity, self._index.slots())
+        self._inflight: set[PageKey] = set()  # reserved, not yet published: a second put of one is "present"
         self._seq = recovered.seq
-        self.recovery = recovered
-        self._journal = None if self.readonly else jr.Journal(layout.meta, recovered.generation)
-        if self._journal is not None and (recovered.replayed_records or recovered.problems):
-            self.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
+        self._journal = journal
 
     # ------------------------------------------------------------------ open / close
     @classmethod
-    def open(cls, config: StoreConfig, namespace: Namespace, *, readonly: bool = False,
-             engine: IOEngine | None = None) -> "PageStore":
-        """Open (creating if needed) the shard of ``namespace`` on ``config.devices``.
+    def open(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> PageStore:
+        """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as its writer.
+        ``engine`` (tests): the base engine to run IO on, the store's from this call on (closed by
+        ``close``, or here if this fails).
 
-        Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError.
+        Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError, OSError (the fold below). A
+        failed open has released everything it took, the writer lock last (``store.lifecycle``).
         """
-        meta = meta_dir(config, namespace)
-        lock_fd = None
-        if not readonly:
-            lock_fd = acquire_writer_lock(meta)
-        try:
-            layout = open_layout(config, namespace, meta, create=not readonly)
-            if not readonly:
-                save_config(meta, config)
-            try:
-                with gc_paused():  # a million fresh index objects: the collector would rescan them all
-                    return cls(config, namespace, layout, lock_fd, jr.recover(meta), engine)
-            except BaseException:
-                layout.close()
-                raise
-        except BaseException:
-            if lock_fd is not None:
-                os.close(lock_fd)
-            raise
+        with Acquired(f"the writer of {namespace.dirname()}") as held:
+            place = own_engine(held, engine)
+            meta = meta_dir(config, namespace)
+            lock_fd = acquire_writer_lock(meta)  # first file: nothing of the shard is touched without the lock
+            held.push("writer lock", partial(release_writer_lock, lock_fd))
+            layout = open_layout(config, namespace, meta, create=True)
+            held.push("devices", layout.close)
+            save_config(meta, config)
+            io_engine = open_shard_engine(config, engine, held, place)
+            with collector_paused():
+                recovered = jr.recover(meta)
+                # A new generation: a torn tail of an earlier run stays where that file's replay stops.
+                journal = jr.Journal(meta, recovered.generation)
+                held.push("journal", journal.close)
+                store = cls(config, namespace, layout, lock_fd, recovered, io_engine, journal)
+            held.hand_over(store._release_steps())  # the store's own release steps, from here on
+            if recovered.replayed_records or recovered.problems:
+                store.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
+            return store
 
     def close(self) -> None:
-        if self._closed:
-            return
-        if self._journal is not None:
-            self.checkpoint()
-        self._closed = True
-        if self._journal is not None:
-            self._journal.close()
-        self._io.close()
-        self.layout.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
+        """Checkpoint, close the journal, the engine and the devices, then release the writer lock: every
+        step whatever the earlier ones raised (``PageShard.close``). Idempotent.
 
-    def __enter__(self) -> "PageStore":
-        return self
+        Raises ``StoreCloseError`` from the first failure, after all of it is released. A failed checkpoint
+        loses nothing acknowledged: it leaves the old checkpoint and every journal it does not cover, and
+        the next open replays them.
+        """
+        super().close()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _close_steps(self) -> list[Step]:
+        # The checkpoint is attempted first, so the next open replays nothing; when it fails, the journal
+        # (synced by every acknowledged put) still holds everything, and the release steps run regardless.
+        return [("checkpoint", self.checkpoint), *self._release_steps()]
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("page store is closed")
+    def _release_steps(self) -> list[Step]:
+        # Crash rule: the writer lock goes last, once every file of the shard is closed, so the next writer
+        # never overlaps a descriptor of this one; the journal goes first (nothing is appended after).
+        return [("journal", self._close_journal), *super()._release_steps(), ("writer lock", self._release_lock)]
 
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self.readonly:
-            raise StoreClosedError("page store is open read-only")
+    def _close_journal(self) -> None:
+        self._journal.close()  # late-bound: ``checkpoint`` replaces the journal
 
-    # ------------------------------------------------------------------ queries
-    def longest_prefix(self, keys: Sequence[PageKey]) -> int:
-        self._check_open()
-        with self._lock:
-            slot_of, usable = self._index.slot_of, self.health.usable
-            for i, key in enumerate(keys):
-                slot = slot_of.get(key)
-                if slot is None or not usable(slot % self._ndev):
-                    return i
-        return len(keys)
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None  # detached first: released once, even if that fails
+        if fd is not None:
+            release_writer_lock(fd)
 
-    def refresh(self) -> bool:
-        """Read-only stores: pick up pages a live writer (another process) added or dropped since."""
-        if not self.readonly:
-            return False
-        with self._lock:
-            changed = jr.follow(self.layout.meta, self.recovery)
-            # Replayed records land in place in the dicts the index shares with ``self.recovery``; only a
-            # restart from a new checkpoint replaces them, and only then is the index rebuilt (a reader
-            # never evicts, so its policy need not see the writer's new pages).
-            if changed and self.recovery.slot_of is not self._index.slot_of:
-                capacity = max([self._slots.capacity, *(s + 1 for s in self.recovery.key_of)])
-                self._index = PageIndex(self.recovery, self.config.eviction, capacity)
-                self._slots = SlotTable(capacity, self._index.slots())
-            return changed
-
-    def contains(self, key: PageKey) -> bool:
-        return key in self._index
-
-    def slot_of(self, key: PageKey) -> int | None:
-        return self._index.slot_of.get(key)
-
-    def parent_of(self, key: PageKey) -> PageKey | None:
-        return self._index.parent_of(key)
-
-    def keys(self) -> list[PageKey]:
-        with self._lock:
-            return list(self._index.slot_of)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    # ------------------------------------------------------------------ writes
+    # ------------------------------------------------------------------ put
     def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
-        """Store pages; ``parent`` is the key that ``keys[0]`` chains on (for chain-aware eviction)."""
-        self._check_writable()
+        """Store pages; ``parent`` is the key that ``keys[0]`` chains on (for chain-aware eviction), and
+        each later page chains on the key before it."""
+        self._check_open()
         if self.config.durability is Durability.ALWAYS and len(keys) > 1:
             return [ok for i in range(len(keys))
                     for ok in self.put(keys[i:i + 1], pages[i:i + 1], keys[i - 1] if i else parent)]
-        results = [True] * len(keys)
-        todo: list[tuple[int, int]] = []  # (page index, slot)
+        batch = self._reserve(keys, pages)
+        if batch.reserved:
+            checksums = self._write(pages, batch)
+            due = self._publish(keys, parent, batch, checksums)
+            self._persist(due)
+        return batch.results
+
+    def _reserve(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> _PutBatch:
+        """Phase 1 (under the lock): admit each page and give it a slot, evicting as needed."""
+        batch = _PutBatch([True] * len(keys))
         evicted: list[bytes] = []
         with self._lock:
             seen: set[PageKey] = set()
             for i, (key, runs) in enumerate(zip(keys, pages)):
                 if not self._valid_page(key, runs, "put"):
-                    results[i] = False
+                    batch.results[i] = False
                 elif key in self._index or key in self._inflight or key in seen:
                     self.counters.put_present += 1
                 elif not self._admission.offer(key):
@@ -215,23 +154,35 @@ class PageStore:
                 else:
                     slot = self._reserve_slot(evicted)
                     if slot is None:
-                        results[i] = False
+                        batch.results[i] = False
                         self.counters.put_no_space += 1
                         continue
                     seen.add(key)
                     self._inflight.add(key)
-                    todo.append((i, slot))
+                    batch.reserved.append((i, slot))
+            # Crash rule: a victim's DEL goes to the journal before phase 2 overwrites its slot. It is not
+            # synced yet; if a crash loses it, replay maps the victim to bytes of another page, which fail
+            # the victim's checksum: a miss, never wrong KV.
             self._journal.append(evicted)
-        if not todo:
-            return results
-        written = self._io.write([(keys[i], pages[i], slot) for i, slot in todo])
-        records = []
+        return batch
+
+    def _write(self, pages: Sequence[Sequence[Run]], batch: _PutBatch) -> list[int | None]:
+        """Phase 2 (no lock): write the reserved pages; per page its checksum, or None where it failed."""
+        # Crash rule: the data is written and (durability batch/always) fdatasync'd here, before phase 3
+        # appends any record naming it, so a replayed record never points at unwritten bytes.
+        return self._io.write([(pages[i], slot) for i, slot in batch.reserved])
+
+    def _publish(self, keys: Sequence[PageKey], parent: PageKey | None, batch: _PutBatch,
+                 checksums: list[int | None]) -> bool:
+        """Phase 3 (under the lock): journal and publish the written pages, free the slots of failed ones.
+        True when a checkpoint is due."""
+        records: list[bytes] = []
         with self._lock:
-            for (i, slot), checksum in zip(todo, written):
+            for (i, slot), checksum in zip(batch.reserved, checksums):
                 key = keys[i]
                 self._inflight.discard(key)
                 if checksum is None:
-                    results[i] = False
+                    batch.results[i] = False
                     self._slots.release(slot)
                     continue
                 chain_parent = keys[i - 1] if i > 0 else parent
@@ -240,13 +191,17 @@ class PageStore:
                 self._index.add(key, slot, checksum, chain_parent)
                 self.counters.put_pages += 1
                 self.counters.bytes_written += self.page_bytes
+            # Crash rule: records are appended in the section that publishes their pages, so the journal's
+            # order is the order readers saw (a later DEL of a page can never precede its PUT).
             self._journal.append(records)
-            due = self._journal.records >= self.config.checkpoint_interval
+            return self._journal.records >= self.config.checkpoint_interval
+
+    def _persist(self, checkpoint_due: bool) -> None:
+        """Phase 4 (no lock): make the batch's records durable, then checkpoint if one is due."""
         if self.config.durability is not Durability.NONE:
-            self._journal.sync()
-        if due:
+            self._journal.sync()  # crash rule: the batch is acknowledged (put returns) only after this
+        if checkpoint_due:
             self.checkpoint()
-        return results
 
     def _reserve_slot(self, evicted: list[bytes]) -> int | None:
         slot = self._slots.allocate()
@@ -259,65 +214,22 @@ class PageStore:
             slot = self._slots.allocate()
         return slot
 
+    # ------------------------------------------------------------------ delete / maintenance
     def _drop(self, key: PageKey, records: list[bytes]) -> None:
-        """Forget a page (under the lock); its slot is reused once no reader holds it."""
-        self._slots.release(self._index.remove(key))
+        """Forget a page (under the lock) and add its DEL record to ``records``."""
+        self._remove(key)
+        records.append(self._del_record(key))
+
+    def _dropped(self, keys: list[PageKey]) -> None:
+        self._journal.append([self._del_record(key) for key in keys])
+
+    def _del_record(self, key: PageKey) -> bytes:
         self._seq += 1
-        records.append(jr.del_record(self._seq, key))
+        return jr.del_record(self._seq, key)
 
-    def _device_full(self, slot: int) -> None:
-        with self._lock:
-            self._slots.shrink(slot)
-
-    # ------------------------------------------------------------------ reads
-    def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
-        """Read pages into the caller's runs; False for a miss or for any page that fails verification."""
-        self._check_open()
-        results = [False] * len(keys)
-        todo: list[tuple[int, tuple[int, int]]] = []  # (page index, (slot, checksum))
-        with self._lock:
-            for i, (key, runs) in enumerate(zip(keys, pages)):
-                if not self._valid_page(key, runs, "get"):
-                    continue
-                entry = self._index.lookup(key)
-                if entry is None:
-                    self.counters.get_misses += 1
-                    continue
-                self._slots.pin(entry[0])
-                todo.append((i, entry))
-            self._index.touch([keys[i] for i, _ in todo])
-        if not todo:
-            return results
-        start = time.perf_counter()
-        try:
-            verdicts, busy = self._io.read_timed([(pages[i], e) for i, e in todo])
-        finally:
-            with self._lock:
-                for _, (slot, _) in todo:
-                    self._slots.unpin(slot)
-        # The total on the batch's wall clock (what a load waits for); each device on its own ops' time.
-        self.read_rates.record([e[0] % self._ndev for (_, e), v in zip(todo, verdicts) if v is True],
-                               self.page_bytes, time.perf_counter() - start, busy)
-        bad: list[bytes] = []
-        with self._lock:
-            for (i, entry), verdict in zip(todo, verdicts):
-                if verdict is True:
-                    results[i] = True
-                    self.counters.get_hits += 1
-                    self.counters.bytes_read += self.page_bytes
-                    continue
-                self.counters.get_misses += 1
-                if verdict == "corrupt" and self._index.lookup(keys[i]) == entry:
-                    self.counters.corrupt_pages += 1
-                    self._errlog.error("page %s failed its checksum or was short; dropped (a miss)", keys[i].hex()[:16])
-                    self._drop(keys[i], bad)
-            if bad and self._journal is not None:
-                self._journal.append(bad)
-        return results
-
-    # ------------------------------------------------------------------ maintenance
     def delete(self, keys: Sequence[PageKey]) -> int:
-        self._check_writable()
+        """Drop the stored pages among ``keys``; how many were dropped (durable unless durability is none)."""
+        self._check_open()
         records: list[bytes] = []
         with self._lock:
             for key in keys:
@@ -329,12 +241,18 @@ class PageStore:
         return len(records)
 
     def clear(self) -> int:
+        """Drop every page; how many were dropped."""
         with self._lock:
             keys = list(self._index.slot_of)
         return self.delete(keys)
 
     def checkpoint(self) -> None:
-        """Snapshot the index into ``checkpoint.bin`` and start a new journal generation."""
+        """Snapshot the index into ``checkpoint.bin`` and start a new journal generation.
+
+        Crash rule: the snapshot and the rotation happen in one lock section, so the checkpoint covers
+        exactly the journals below the new generation; ``write_checkpoint`` replaces the file atomically
+        and only then deletes those journals (a crash leaves the old checkpoint with all its journals).
+        """
         with self._checkpoint_lock:
             with self._lock:
                 snapshot = self._index.snapshot()
@@ -344,25 +262,3 @@ class PageStore:
                 self._journal = jr.Journal(self.layout.meta, old.generation + 1)
                 old.close()
             jr.write_checkpoint(self.layout.meta, *snapshot, seq, self._journal.generation)
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            pages = len(self._index)
-            return StoreStats(
-                namespace=self.namespace.describe(), devices=[a.path for a in self.layout.arenas],
-                direct_io=self.layout.direct, engine=self._engine.name, pages=pages, slot_bytes=self.slot_bytes,
-                bytes_used=pages * self.slot_bytes, capacity_bytes=self._slots.capacity * self.slot_bytes,
-                counters=self.counters.snapshot())
-
-    def _valid_page(self, key: PageKey, runs: Sequence[Run], op: str) -> bool:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            self.counters.bad_requests += 1
-            self._errlog.error("%s: key must be %d bytes, got %r", op, KEY_BYTES, key)
-            return False
-        total = sum(n for _, n in runs)
-        if total != self.page_bytes:
-            self.counters.bad_requests += 1
-            self._errlog.error("%s: page runs add up to %d bytes, this store's pages are %d", op, total, self.page_bytes)
-            return False
-        return True
-

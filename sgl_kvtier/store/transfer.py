@@ -5,27 +5,48 @@ aligned, else through a bounce buffer: one memcpy), skips devices whose circuit 
 breakers, checksums every page (xxh3-64 taken before a write, checked after a read) and fdatasyncs the
 data files of a write batch unless durability is ``none``. It knows slots, not keys or the index.
 
+Each page read gets a ``ReadVerdict``: ``HIT`` (verified bytes are in the caller's runs), ``CORRUPT``
+(short or failing its checksum: the caller drops the page), ``IO_ERROR`` (the IO failed; the page may
+be fine and is kept) or ``SKIPPED`` (its device's circuit is open: no IO was sent). Only ``HIT`` puts
+bytes in the caller's runs that it may use.
+
 ``read_timed`` also reports each device's busy time in the batch, estimated from that device's own ops
 (``busy_seconds``), so a slow device shows up as slow even when a fast one shares the batch and its clock.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from sgl_kvtier.io.buffers import ALIGN, BouncePool, Run, copy_runs_to, copy_to_runs, runs_aligned, view
+from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer, BouncePool, Run, copy_runs_to, copy_to_runs, runs_aligned, view
 from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest
-from sgl_kvtier.keys import PageKey
-from sgl_kvtier.metrics import RateLimitedLog, StoreCounters
+from sgl_kvtier.store.devices import Arena
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout
+from sgl_kvtier.store.lifecycle import release_all
+from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters
 
 log = logging.getLogger(__name__)
 
+WriteItem = tuple[Sequence[Run], int]  # (caller's runs, slot)
+ReadItem = tuple[Sequence[Run], tuple[int, int]]  # (caller's runs, (slot, checksum recorded at write))
+
+
+class ReadVerdict(enum.Enum):
+    """What reading one page found (only ``HIT`` leaves usable bytes in the caller's runs)."""
+
+    HIT = "hit"  # the page's bytes, verified against its checksum, are in the caller's runs
+    CORRUPT = "corrupt"  # short or failing its checksum: torn, stale or damaged; the caller drops the page
+    IO_ERROR = "io_error"  # the read failed; the page may be fine and is kept (a miss this time)
+    SKIPPED = "skipped"  # the device's circuit breaker is open: no IO was sent (a miss)
+
 
 class PageIO:
+    """Vectored, verified page IO between caller runs and device slots (see the module docstring)."""
+
     def __init__(self, layout: Layout, engine: IOEngine, health: DeviceHealth, counters: StoreCounters,
                  page_bytes: int, io_depth: int, sync_writes: bool, on_device_full: Callable[[int], None]):
         self.layout = layout
@@ -42,17 +63,19 @@ class PageIO:
         self._errlog = RateLimitedLog(log)
 
     def close(self) -> None:
-        self.engine.close()
-        self._bounce.close()
+        """Close the engine (its threads or rings end here) and free the bounce buffers, the buffers whatever
+        the engine's close raised (then its error)."""
+        release_all([("io engine", self.engine.close), ("bounce buffers", self._bounce.close)])
 
-    def write(self, items: list[tuple[PageKey, Sequence[Run], int]]) -> list[int | None]:
+    def write(self, items: list[WriteItem]) -> list[int | None]:
         """Write pages to their slots; the checksum of each written page, or None where it failed."""
         sums: list[int | None] = [None] * len(items)
-        step = len(items) if not self._needs_bounce_any([r for _, r, _ in items]) else self._bounce.count
+        step = len(items) if not self._needs_bounce_any([r for r, _ in items]) else self._bounce.count
         for start in range(0, len(items), step):
-            ops, placed = [], []
+            ops: list[IOOp] = []
+            placed: list[tuple[int, AlignedBuffer | None]] = []  # (item index, bounce)
             for j in range(start, min(start + step, len(items))):
-                _, runs, slot = items[j]
+                runs, slot = items[j]
                 if not self.health.usable(slot % self._ndev):
                     continue  # the device's circuit is open: fail fast, no IO
                 try:
@@ -69,7 +92,7 @@ class PageIO:
                     sums[j] = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
                 else:
                     self.counters.io_errors += 1
-                    self._errlog.error("write to %s failed: %s", self._arena(items[j][2]).path, res.error)
+                    self._errlog.error("write to %s failed: %s", self._arena(items[j][1]).path, res.error)
                 if bounce is not None:
                     self._bounce.release(bounce)
             if self._sync_writes:
@@ -82,7 +105,7 @@ class PageIO:
                            exc.strerror, slot)
         self._on_device_full(slot)
 
-    def _arena(self, slot: int):
+    def _arena(self, slot: int) -> Arena:
         return self.layout.arenas[slot % self._ndev]
 
     def _needs_bounce_any(self, pages: Sequence[Sequence[Run]]) -> bool:
@@ -91,7 +114,7 @@ class PageIO:
     def _needs_bounce(self, runs: Sequence[Run]) -> bool:
         return self.layout.direct and (self.slot_bytes != self.page_bytes or not runs_aligned(runs, ALIGN))
 
-    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run]):
+    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run]) -> tuple[IOOp, AlignedBuffer | None]:
         fd, offset = self._arena(slot).locate(slot // self._ndev)
         if not self._needs_bounce(runs):
             return IOOp(kind, fd, offset, [view(a, n) for a, n in runs], device=slot % self._ndev), None
@@ -111,18 +134,18 @@ class PageIO:
                 self.counters.io_errors += 1
                 self._errlog.error("fdatasync failed: %s", exc)
 
-    def read(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> list[bool | str]:
-        """Per page: True (verified bytes are in the runs), "corrupt" (drop it), or False (a plain miss)."""
+    def read(self, items: list[ReadItem]) -> list[ReadVerdict]:
+        """Read pages into their runs; a ``ReadVerdict`` per page."""
         return self.read_timed(items)[0]
 
-    def read_timed(self, items: list[tuple[Sequence[Run], tuple[int, int]]]) -> tuple[list[bool | str], list[float]]:
+    def read_timed(self, items: list[ReadItem]) -> tuple[list[ReadVerdict], list[float]]:
         """``read``'s verdicts, and per device the seconds it was busy with this batch (0.0: no measured op)."""
-        verdicts: list[bool | str] = [False] * len(items)
+        verdicts = [ReadVerdict.SKIPPED] * len(items)
         busy = [0.0] * self._ndev
         direct = not self._needs_bounce_any([runs for runs, _ in items])
         step = len(items) if direct else max(1, self._bounce.count)
         for start in range(0, len(items), step):
-            placed = []  # (item index, op, bounce)
+            placed: list[tuple[int, IOOp, AlignedBuffer | None]] = []  # (item index, op, bounce)
             for j in range(start, min(start + step, len(items))):
                 runs, (slot, _) = items[j]
                 if not self.health.usable(slot % self._ndev):
@@ -132,6 +155,7 @@ class PageIO:
                 except OSError as exc:
                     self.counters.io_errors += 1
                     self._errlog.error("read of slot %d: %s", slot, exc)
+                    verdicts[j] = ReadVerdict.IO_ERROR
                     continue
                 placed.append((j, op, bounce))
             results = self._run([op for _, op, _ in placed])
@@ -146,20 +170,20 @@ class PageIO:
             busy = [a + b for a, b in zip(busy, step_busy)]
         return verdicts, busy
 
-    def _verdict(self, res: IOResult, bounce, item: tuple[Sequence[Run], tuple[int, int]]) -> bool | str:
+    def _verdict(self, res: IOResult, bounce: AlignedBuffer | None, item: ReadItem) -> ReadVerdict:
         runs, (_, checksum) = item
         if res.short:
-            return "corrupt"
+            return ReadVerdict.CORRUPT
         if not res.ok:
             self.counters.io_errors += 1
             self._errlog.error("read failed: %s", res.error)
-            return False
+            return ReadVerdict.IO_ERROR
         got = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
         if got != checksum:
-            return "corrupt"
+            return ReadVerdict.CORRUPT
         if bounce is not None:
             copy_to_runs(bounce.view, runs)
-        return True
+        return ReadVerdict.HIT
 
 
 def busy_seconds(op_seconds: Sequence[tuple[int, float]], ndev: int, depth: int) -> list[float]:

@@ -13,10 +13,11 @@ import time
 import pytest
 from support import HostMemory, key, open_store
 
-from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.config import StoreConfig, ThrottleSpec
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, ThreadPoolEngine, op_length
-from sgl_kvtier.io.throttle import ThrottledEngine, ThrottleSettings, validate
+from sgl_kvtier.io.engine import ThreadPoolEngine
+from sgl_kvtier.io.ops import IOOp, IOResult, OpKind, op_length
+from sgl_kvtier.io.throttle import ThrottledEngine, transfer_s
 
 
 class FakeClock:
@@ -55,7 +56,7 @@ def ops(n: int, nbytes: int, kind: OpKind = OpKind.READ) -> list[IOOp]:
 
 def engine(depth: int = 32, **settings) -> tuple[ThrottledEngine, FakeClock]:
     clock = FakeClock()
-    return ThrottledEngine(NullEngine(depth), settings, clock=clock, sleep=clock.sleep), clock
+    return ThrottledEngine(NullEngine(depth), ThrottleSpec.from_mapping(settings), clock=clock, sleep=clock.sleep), clock
 
 
 def test_bytes_take_bytes_over_rate() -> None:
@@ -109,7 +110,7 @@ def test_concurrent_callers_share_the_cap() -> None:
 
 def test_real_threads_share_the_cap_on_the_real_clock() -> None:
     """Behaviour of the emulator on the wall clock: 4 threads x 4 x 64 KiB at 4 MiB/s take >= 0.25 s."""
-    eng = ThrottledEngine(NullEngine(), {"read_bytes_per_s": 4 << 20})
+    eng = ThrottledEngine(NullEngine(), ThrottleSpec(read_bytes_per_s=4 << 20))
     t0 = time.monotonic()
     threads = [threading.Thread(target=eng.run, args=(ops(4, 64 << 10),)) for _ in range(4)]
     for t in threads:
@@ -133,7 +134,7 @@ def test_real_threads_share_the_cap_on_the_real_clock() -> None:
 ])  # fmt: skip
 def test_validation_names_the_field(settings, field) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(settings)
+        ThrottleSpec.from_mapping(settings)
     assert err.value.field == field and str(err.value).startswith(field)
     if isinstance(settings, dict):
         with pytest.raises(ConfigError) as err:
@@ -142,15 +143,35 @@ def test_validation_names_the_field(settings, field) -> None:
 
 
 def test_valid_settings() -> None:
-    assert validate({}) == ThrottleSettings()
-    s = validate({"read_bytes_per_s": 50e6, "write_bytes_per_s": 200_000_000, "latency_s": 0})
-    assert s == ThrottleSettings(50e6, 200e6, 0.0)
-    assert StoreConfig.from_mapping({"devices": ["/a"], "throttle": {"latency_s": 0.002}}).throttle == {"latency_s": 0.002}
+    assert ThrottleSpec.from_mapping({}) == ThrottleSpec()
+    s = ThrottleSpec.from_mapping({"read_bytes_per_s": 50e6, "write_bytes_per_s": 200_000_000, "latency_s": 0})
+    assert s == ThrottleSpec(50e6, 200e6, 0.0)
+    cfg = StoreConfig.from_mapping({"devices": ["/a"], "throttle": {"latency_s": 0.002}})
+    assert cfg.throttle == {"latency_s": 0.002}
+    assert cfg.throttle_spec() == ThrottleSpec(latency_s=0.002)
+    assert StoreConfig.from_mapping({"devices": ["/a"]}).throttle_spec() is None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"read_bytes_per_s": 0.0}, "throttle.read_bytes_per_s"),
+    ({"write_bytes_per_s": -1.0}, "throttle.write_bytes_per_s"),
+    ({"latency_s": 61.0}, "throttle.latency_s"),
+])  # fmt: skip
+def test_a_spec_built_directly_is_validated_too(kwargs, field) -> None:
+    with pytest.raises(ConfigError) as err:
+        ThrottleSpec(**kwargs)
+    assert err.value.field == field
+
+
+def test_transfer_time_by_kind() -> None:
+    spec = ThrottleSpec(read_bytes_per_s=1e6)
+    assert transfer_s(spec, OpKind.READ, 250_000) == pytest.approx(0.25)
+    assert transfer_s(spec, OpKind.WRITE, 250_000) == 0.0  # uncapped writes
 
 
 def test_wrapped_engine_results_pass_through() -> None:
     inner = ThreadPoolEngine(4)
-    eng = ThrottledEngine(inner, {"latency_s": 0.0})
+    eng = ThrottledEngine(inner, ThrottleSpec(latency_s=0.0))
     res = eng.run([IOOp(OpKind.READ, 999_999, 0, [memoryview(bytearray(4096))])])
     assert not res[0].ok and res[0].error is not None  # a bad fd fails as it does unthrottled
     eng.close()
@@ -158,15 +179,19 @@ def test_wrapped_engine_results_pass_through() -> None:
 
 def test_page_store_with_throttle_moves_correct_bytes(tmp_path) -> None:
     mem = HostMemory(8)
+    latency_s = 0.02
     store = open_store(tmp_path, throttle={"read_bytes_per_s": 64 << 20, "write_bytes_per_s": 64 << 20,
-                                           "latency_s": 0.001})
+                                           "latency_s": latency_s})
     try:
         assert store._engine.name.startswith("throttled(")
         data = [mem.fill(i, seed=i) for i in range(4)]
         assert store.put([key(i) for i in range(4)], [mem.runs(i) for i in range(4)]) == [True] * 4
         mem.clear()
+        t0 = time.monotonic()
         assert store.get([key(i) for i in range(4)], [mem.runs(4 + i) for i in range(4)]) == [True] * 4
+        # The throttle was in the store's path: no read returns before its emulated latency. (Whether run()
+        # also had to sleep depends on how long the real IO took, so waited_s is no evidence either way.)
+        assert time.monotonic() - t0 >= latency_s
         assert [mem.page(4 + i).tobytes() for i in range(4)] == data
-        assert store._engine.waited_s > 0
     finally:
         store.close()

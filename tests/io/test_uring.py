@@ -1,4 +1,9 @@
-"""UringEngine: byte-exact vectored IO, checksums, EOF, errors, threads, and parity with ThreadPoolEngine."""
+"""UringEngine: byte-exact vectored IO, checksums, EOF, errors, threads, and parity with ThreadPoolEngine.
+
+Nothing here touches liburing in this process before the ``uring`` probe (a child process) said it runs
+on this machine: tests that need io_uring take the ``uring_ok`` fixture, which skips with the probe's
+reason otherwise; the rest (pure Python) always run.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,27 @@ import threading
 
 import pytest
 
+from sgl_kvtier.io import probe as probes
+from sgl_kvtier.io import uring as uring_mod
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
-from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, ThreadPoolEngine, digest
-from sgl_kvtier.io.uring import UringEngine, _Xfer
-
-pytestmark = pytest.mark.skipif(
-    not UringEngine.probe(), reason="io_uring unusable here (liburing missing, seccomp, or io_uring_disabled)"
-)
+from sgl_kvtier.io.engine import ThreadPoolEngine
+from sgl_kvtier.io.ops import IOOp, IOResult, OpKind, digest
+from sgl_kvtier.io.probe import ProbeStatus
+from sgl_kvtier.io.uring import UringEngine, _setup_failure, _Xfer
 
 BAD_FD = 999_999  # never an open descriptor here: the tests open a handful of files
 
 
+@pytest.fixture(scope="module")
+def uring_ok() -> None:
+    """Skip, with the probe's reason, unless the child-process probe says io_uring runs here."""
+    verdict = probes.check("uring")
+    if not verdict.available:
+        pytest.skip(verdict.reason)
+
+
 @pytest.fixture
-def engine():
+def engine(uring_ok):
     eng = UringEngine(8)
     yield eng
     eng.close()
@@ -112,7 +125,7 @@ def test_checksum_off_and_empty_batch(engine, fd):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 32])
-def test_any_depth(tmp_path, depth):
+def test_any_depth(uring_ok, tmp_path, depth):
     fd = _open(tmp_path / "d", True)
     eng = UringEngine(depth)
     try:
@@ -241,7 +254,7 @@ def test_partial_completion_resumes_inside_a_buffer():
     assert _Xfer(op, 12288, None).complete(-errno.EIO).error.errno == errno.EIO
 
 
-def test_close(tmp_path):
+def test_close(uring_ok):
     eng = UringEngine(4)
     eng.close()
     eng.close()
@@ -249,12 +262,10 @@ def test_close(tmp_path):
         eng.run([IOOp(OpKind.READ, 0, 0, [memoryview(bytearray(1))])])
 
 
-def test_no_ring_to_spare_falls_back_to_blocking_io(monkeypatch, tmp_path):
+def test_no_ring_to_spare_falls_back_to_blocking_io(uring_ok, monkeypatch, tmp_path):
     fd = _open(tmp_path / "fb", False)
     eng = UringEngine(4)
     try:
-        import sgl_kvtier.io.uring as uring_mod
-
         def no_ring(depth):
             raise OSError(errno.ENOMEM, "no memory for another ring")
 
@@ -267,3 +278,22 @@ def test_no_ring_to_spare_falls_back_to_blocking_io(monkeypatch, tmp_path):
     finally:
         eng.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("code, proc, status, words", [
+    (errno.EPERM, {"/proc/sys/kernel/io_uring_disabled": "2"}, ProbeStatus.DENIED,
+     "EPERM: the sysctl kernel.io_uring_disabled = 2 forbids it"),
+    (errno.EPERM, {"/proc/sys/kernel/io_uring_disabled": "0", "Seccomp:": "2"}, ProbeStatus.DENIED,
+     "EPERM: a seccomp filter"),
+    (errno.EACCES, {}, ProbeStatus.DENIED, "EACCES: the kernel refused io_uring_setup"),
+    (errno.ENOSYS, {}, ProbeStatus.DENIED, "ENOSYS: io_uring_setup is missing"),
+    (errno.ENOMEM, {"Max locked memory": "65536 65536 bytes"}, ProbeStatus.MEMLOCK,
+     "ENOMEM: no locked memory for a ring (RLIMIT_MEMLOCK: 65536 65536 bytes)"),
+    (errno.EINVAL, {}, ProbeStatus.FAILED, "io_uring_setup failed: [Errno 22]"),
+])  # fmt: skip
+def test_ring_setup_failures_get_specific_reasons(monkeypatch, code, proc, status, words):
+    """What the probe's child reports when io_uring_setup fails (pure Python: runs everywhere)."""
+    monkeypatch.setattr(probes, "proc_text", lambda path, field=None: proc.get(field or path, ""))
+    got_status, reason = _setup_failure(OSError(code, os.strerror(code)))
+    assert got_status is status and reason.startswith(words)
+

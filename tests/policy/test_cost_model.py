@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -10,8 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kvtier.policy.cost_model import (
-    CostConfig, DeviceModel, LoadProgress, PrefillEstimator, PrefillModel, ReadRates, RequestShape,
-    TransferEstimator, plan, should_terminate, ttft, wait_time,
+    CostConfig,
+    DeviceModel,
+    LoadProgress,
+    PrefillEstimator,
+    PrefillModel,
+    RequestShape,
+    plan,
+    should_terminate,
+    ttft,
+    wait_time,
 )
 
 MB = 1 << 20
@@ -26,15 +33,6 @@ def shape(hit=256, cached=0, tail=100, page_tokens=P, page_bytes=PB) -> RequestS
 
 
 # ---------------------------------------------------------------------------------------------- models
-def test_load_time_counts_batches_and_bytes():
-    d = DeviceModel(bandwidth_Bps=1e9, batch_latency_s=0.01)
-    assert d.load_time(0, PB) == 0
-    assert d.load_time(1, PB) == pytest.approx(0.01 + PB / 1e9)
-    assert d.load_time(128, PB) == pytest.approx(0.01 + 128 * PB / 1e9)
-    assert d.load_time(129, PB) == pytest.approx(0.02 + 129 * PB / 1e9)
-    assert DeviceModel(math.inf, 0.01).load_time(300, PB) == pytest.approx(0.03)
-
-
 def test_prefill_time_grows_with_context_and_computes_at_least_one_token():
     m = PrefillModel(1e-4, 1e-5, 0.01)
     assert m.time(1000, 8000) > m.time(1000, 0) > m.time(500, 0)
@@ -170,60 +168,6 @@ def test_never_waits_for_a_load_predicted_slower_than_recomputing(s, dev, pre, c
 
 
 # ---------------------------------------------------------------------------------------------- estimators
-def test_transfer_estimator_converges_on_noisy_samples_and_tracks_a_change():
-    rng = random.Random(7)
-    est = TransferEstimator(half_life=32)
-    assert est.model() is None
-    for _ in range(400):
-        pages = rng.randint(1, 128)
-        est.record(pages * PB, (0.004 + pages * PB / 3e9) * rng.uniform(0.97, 1.03))
-    m = est.model()
-    assert m.bandwidth_Bps == pytest.approx(3e9, rel=0.05)
-    assert m.batch_latency_s == pytest.approx(0.004, abs=0.002)
-    for _ in range(400):  # the device degrades: a moving average follows
-        pages = rng.randint(1, 128)
-        est.record(pages * PB, 0.02 + pages * PB / 0.5e9)
-    m = est.model()
-    assert m.bandwidth_Bps == pytest.approx(0.5e9, rel=0.02)
-    assert m.batch_latency_s == pytest.approx(0.02, rel=0.05)
-    assert est.samples == 800
-
-
-def test_transfer_estimator_with_one_transfer_size_puts_the_time_in_bandwidth():
-    est = TransferEstimator()
-    for _ in range(10):
-        est.record(128 * PB, 0.25)
-    est.record(0, 1.0)  # ignored: nothing moved
-    est.record(PB, 0.0)  # ignored: no time
-    m = est.model()
-    assert m.batch_latency_s == 0 and m.bandwidth_Bps == pytest.approx(128 * PB / 0.25)
-    assert est.samples == 10 and est.snapshot()["samples"] == 10
-
-
-def test_read_rates_split_a_batch_over_devices():
-    rates = ReadRates(devices=2)
-    for _ in range(5):
-        rates.record([0, 1, 0, 1, 0, 1], PB, 0.01)
-        rates.record([0, 1, 0, 1], PB, 0.008)
-    assert rates.model() is rates.total.model()
-    assert rates.total.model().bandwidth_Bps == pytest.approx(PB / 0.001, rel=1e-6)  # 1 ms a page...
-    assert rates.total.model().batch_latency_s == pytest.approx(0.004, rel=1e-6)  # ...after 4 ms a batch
-    assert rates.devices[0].samples == rates.devices[1].samples == 10
-
-
-def test_read_rates_per_device_on_their_own_busy_time():
-    rates = ReadRates(devices=2)
-    for _ in range(3):  # device 1 was busy 10x longer with its half of the batch; the batch took 10 ms
-        rates.record([0, 1] * 8, PB, 0.01, device_seconds=[0.002, 0.02])
-    assert rates.total.model().bandwidth_Bps == pytest.approx(16 * PB / 0.01)
-    assert rates.devices[0].model().bandwidth_Bps == pytest.approx(8 * PB / 0.002)
-    assert rates.devices[1].model().bandwidth_Bps == pytest.approx(8 * PB / 0.02)
-    rates = ReadRates(devices=2)
-    rates.record([0, 1], PB, 0.01, device_seconds=[0.0, 0.004])  # device 0 not timed: the batch's clock
-    assert rates.devices[0].model().bandwidth_Bps == pytest.approx(PB / 0.01)
-    assert rates.devices[1].model().bandwidth_Bps == pytest.approx(PB / 0.004)
-
-
 def test_prefill_estimator_recovers_an_attention_aware_model():
     rng = random.Random(11)
     truth = PrefillModel(40e-6, 8e-6, 0.015)

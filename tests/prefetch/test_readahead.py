@@ -9,7 +9,7 @@ from support import PAGE_BYTES, HostMemory, key, namespace, store_config
 
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, ThreadPoolEngine
 from sgl_kvtier.prefetch import ReadAhead
-from sgl_kvtier.store import PageStore
+from sgl_kvtier.store.page_store import PageStore
 
 
 class GatedEngine:

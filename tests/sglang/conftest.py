@@ -10,7 +10,7 @@ def cpu_shims():
     """Install the CPU shims the way SGLang's plugin loader does, once per test process."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sgl_kvtier.sglang import cpu_plugin
+    from sgl_kvtier.sglang.plugins import cpu as cpu_plugin
 
     mp = pytest.MonkeyPatch()
     mp.setenv(cpu_plugin.ENV_FLAG, "1")
@@ -22,3 +22,12 @@ def cpu_shims():
     import sglang.srt.mem_cache.pool_host.mha as mha
 
     assert hasattr(mha, "transfer_kv_direct"), "transfer_kv_direct stand-in missing"
+
+
+@pytest.fixture
+def single_rank(cpu_shims):
+    """One rank (TP = PP = 1), forced the way SGLang's own kits do, with the CPU shims installed."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        yield

@@ -25,7 +25,7 @@ Both wait only on the controllers' own acks and queues (blocking gets or polls u
 
 What the CPU needs (shared/reference/sglang-on-cpu.md): ``io_backend="direct"`` with ``layer_first``
 host layout, and the sgl_kvtier CPU shims. They are installed in-process exactly as SGLang's plugin
-loader would (``cpu_plugin.load()`` + ``HookRegistry.apply_hooks()``), which adds the torch
+loader would (``plugins.cpu.load()`` + ``HookRegistry.apply_hooks()``), which adds the torch
 ``transfer_kv_direct`` stand-in (``sgl_kernel`` is absent) and forces ``pin_memory=False`` on
 ``HostKVCache`` (the hybrid pool assembler hard-codes pinned memory). The kit's ``build_fixture``
 asks ``get_device()``, which raises on a machine with neither an accelerator nor SGLang's CPU engine,
@@ -62,7 +62,6 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
@@ -78,12 +77,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # ---------------------------------------------------------------------------------------------- setup
-@pytest.fixture
-def single_rank(cpu_shims):
-    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
-        yield
-
-
 def backend_extra(store_dir, **more) -> dict:
     return {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
             "interface_v1": 1, "devices": [str(store_dir)], "capacity_bytes": 64 << 20, **more}
@@ -161,14 +154,8 @@ def assert_store_holds(store_dir, pages: int) -> dict:
     return summary
 
 
-# ------------------------------------------------------------------------ 1: HiCacheController directly
-def test_hicache_controller_round_trip(tmp_path, single_rank):
-    n_pages = STORAGE_BATCH_SIZE + 22  # two storage batches each way: 128 + 22 pages
-    n_tokens = n_pages * PS
-    g = torch.Generator().manual_seed(1234)
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PS))
-
-    dev_tokens = 3 * n_pages * PS
+def controller(store_dir, dev_tokens: int, model: str, **extra):
+    """A CPU device pool, its allocator and host pool, and SGLang's HiCacheController with our backend."""
     device = MHATokenToKVPool(dev_tokens, PS, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0,
                               end_layer=LAYERS - 1)
     allocator = PagedTokenToKVPoolAllocator(dev_tokens, PS, DTYPE, "cpu", device, need_sort=False)
@@ -176,9 +163,19 @@ def test_hicache_controller_round_trip(tmp_path, single_rank):
                                 pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
                                 end_layer=LAYERS - 1)
     ctl = HiCacheController(allocator, host, PS, None, threading.Event(), write_policy="write_through",
-                            io_backend="direct", storage_backend="dynamic", prefetch_threshold=PS,
-                            model_name="tiny-controller-test", storage_backend_extra_config=backend_extra(tmp_path),
-                            enable_storage_metrics=True)
+                            io_backend="direct", storage_backend="dynamic", prefetch_threshold=PS, model_name=model,
+                            storage_backend_extra_config=backend_extra(store_dir, **extra), enable_storage_metrics=True)
+    return device, allocator, host, ctl
+
+
+# ------------------------------------------------------------------------ 1: HiCacheController directly
+def test_hicache_controller_round_trip(tmp_path, single_rank):
+    n_pages = STORAGE_BATCH_SIZE + 22  # two storage batches each way: 128 + 22 pages
+    n_tokens = n_pages * PS
+    g = torch.Generator().manual_seed(1234)
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PS))
+
+    device, allocator, host, ctl = controller(tmp_path, 3 * n_pages * PS, "tiny-controller-test")
     try:
         backend = ctl.storage_backend
         assert isinstance(backend, KVTierStorage)

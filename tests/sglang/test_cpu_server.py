@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sgl_kvtier.sglang.model_factory import make_model, make_prompt  # noqa: E402
-from sgl_kvtier.sglang.server import SGLangServer  # noqa: E402
+from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
+from sgl_kvtier.serving.server import SGLangServer  # noqa: E402
 
 PAGE = 16
 BACKED_UP = "sglang:backuped_tokens_total"

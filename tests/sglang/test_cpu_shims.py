@@ -9,9 +9,20 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
-from sgl_kvtier.sglang.cpu_shims import extend_attention_new_queries_only  # noqa: E402
+from sgl_kvtier.sglang.plugins import cpu_shims  # noqa: E402
+from sgl_kvtier.sglang.plugins.cpu_shims import extend_attention_new_queries_only  # noqa: E402
 
-ORIGINAL = TorchNativeAttnBackend.__dict__["_run_sdpa_forward_extend"]
+
+def sglang_own():
+    """SGLang's own extend attention, unwrapped: once the CPU plugin's hook is applied (the session fixture
+    of other tests in this process), the class holds the wrapper, and HookRegistry also rebinds every module
+    global that held the original, so it is never kept in one here."""
+    fn = TorchNativeAttnBackend.__dict__["_run_sdpa_forward_extend"]
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
 HEADS, KV_HEADS, DIM = 4, 2, 32
 
 
@@ -44,8 +55,8 @@ def run(fn, q, k, v, req_to_token, lens, **kw):
 @pytest.mark.parametrize("prefixes,news", [([0], [7]), ([48], [16]), ([0, 33, 160], [5, 1, 40]), ([100], [1])])
 def test_same_rows_as_sglangs_extend_attention(prefixes, news):
     q, k, v, req_to_token, lens = batch(prefixes, news)
-    want = run(lambda *a, **kw: ORIGINAL(None, *a, **kw), q, k, v, req_to_token, lens)
-    got = run(lambda *a, **kw: extend_attention_new_queries_only(ORIGINAL, None, *a, **kw), q, k, v, req_to_token, lens)
+    want = run(lambda *a, **kw: sglang_own()(None, *a, **kw), q, k, v, req_to_token, lens)
+    got = run(lambda *a, **kw: extend_attention_new_queries_only(sglang_own(), None, *a, **kw), q, k, v, req_to_token, lens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -54,12 +65,38 @@ def test_sliding_windows_go_to_sglangs_own():
 
     def original(backend, *args, **kwargs):
         calls.append(kwargs["sliding_window_size"])
-        return ORIGINAL(backend, *args, **kwargs)
+        return sglang_own()(backend, *args, **kwargs)
 
     backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)  # only its mask helper is used
     q, k, v, req_to_token, lens = batch([20], [4])
-    want = run(lambda *a, **kw: ORIGINAL(backend, *a, **kw), q, k, v, req_to_token, lens, sliding_window_size=8)
+    want = run(lambda *a, **kw: sglang_own()(backend, *a, **kw), q, k, v, req_to_token, lens, sliding_window_size=8)
     got = run(lambda *a, **kw: extend_attention_new_queries_only(original, backend, *a, **kw), q, k, v,
               req_to_token, lens, sliding_window_size=8)
     assert calls == [8]
     torch.testing.assert_close(got, want)
+
+
+def test_a_failing_shim_falls_back_to_sglangs_own_counted_and_logged_with_its_traceback(monkeypatch, caplog):
+    def bug(*args, **kwargs):
+        raise IndexError("injected bug in the shim")
+
+    monkeypatch.setattr(cpu_shims, "_new_queries_only", bug)
+    before = cpu_shims.BOUNDARY.counts()
+    q, k, v, req_to_token, lens = batch([48], [16])
+    want = run(lambda *a, **kw: sglang_own()(None, *a, **kw), q, k, v, req_to_token, lens)
+    got = run(lambda *a, **kw: extend_attention_new_queries_only(sglang_own(), None, *a, **kw), q, k, v, req_to_token, lens)
+    torch.testing.assert_close(got, want)  # SGLang's own rows: the forward never saw the exception
+    after = cpu_shims.BOUNDARY.counts()
+    assert (after.unexpected, after.expected) == (before.unexpected + 1, before.expected)
+    [record] = [r for r in caplog.records if "injected bug in the shim" in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[0] is IndexError
+
+
+def test_the_cpu_plugin_is_an_sglang_entry_point():
+    from importlib.metadata import entry_points
+
+    from sgl_kvtier.sglang.plugins import cpu
+
+    eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps["kvtier_cpu_shims"].value == "sgl_kvtier.sglang.plugins.cpu:load"
+    assert eps["kvtier_cpu_shims"].load() is cpu.load

@@ -15,6 +15,7 @@ so no verdict depends on how fast this machine is.
 from __future__ import annotations
 
 import json
+import logging
 from array import array
 from collections import defaultdict
 from importlib.metadata import entry_points
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 if torch.cuda.is_available():  # pragma: no cover - the CPU harness builds CPU pools
     pytest.skip("CPU harness: builds CPU KV pools and uses the CPU shims", allow_module_level=True)
 
+from pools import mha_host_pool, storage_config  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation  # noqa: E402
@@ -38,10 +40,12 @@ from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
-from pools import mha_host_pool, storage_config  # noqa: E402
-from sgl_kvtier.policy.cost_model import (  # noqa: E402
-    LoadProgress, PrefillEstimator, PrefillModel, ReadRates, RequestShape, should_terminate)
-from sgl_kvtier.sglang import KVTierStorage, prefetch_plugin, throughput  # noqa: E402
+from sgl_kvtier.policy import cost_inputs  # noqa: E402
+from sgl_kvtier.policy.cost_model import LoadProgress, PrefillModel, RequestShape, should_terminate  # noqa: E402
+from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
+from sgl_kvtier.sglang.plugins import prefetch as prefetch_plugin  # noqa: E402
+from sgl_kvtier.store.read_rates import ReadRates  # noqa: E402
+from sgl_kvtier.telemetry.counters import BoundaryCounts  # noqa: E402
 
 PS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
 PAGE_BYTES = PS * LAYERS * 2 * HEADS * HEAD_DIM * 2  # bf16 K and V of every layer
@@ -57,21 +61,19 @@ pytestmark = pytest.mark.timeout(300)
 # ---------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture
 def pristine(monkeypatch, cpu_shims):
-    """Hook registry, SGLang's classes and the plugin's globals come back as they were after the test."""
+    """Hook registry, SGLang's classes and the plugin's load flag and clock come back as they were after the test."""
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
     monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
     for cls, name in TARGETS:
         monkeypatch.setattr(cls, name, cls.__dict__[name])
     monkeypatch.setattr(prefetch_plugin, "_loaded", False)
     monkeypatch.setattr(prefetch_plugin, "_clock", lambda: T0)
-    monkeypatch.setattr(throughput, "PREFILL", PrefillEstimator())
-    monkeypatch.setattr(throughput, "_batches_seen", 0)
     return {name: cls.__dict__[name] for cls, name in TARGETS}
 
 
 @pytest.fixture
 def policy_on(pristine, monkeypatch):
-    monkeypatch.setenv(throughput.ENV_POLICY, "cost")
+    monkeypatch.setenv(cost_inputs.ENV_POLICY, "cost")
     prefetch_plugin.load()
     HookRegistry.apply_hooks()
     return pristine
@@ -112,7 +114,7 @@ def set_device(backend: KVTierStorage, bandwidth_Bps: float, batch_latency_s: fl
     backend.kv.store.read_rates = ReadRates(1)  # forget what was measured so far
     for pages in (16, 128, 16, 128):
         backend.kv.store.read_rates.record([0] * pages, PAGE_BYTES, batch_latency_s + pages * PAGE_BYTES / bandwidth_Bps)
-    m = throughput.device_model(backend)
+    m = backend.kv.store.read_rates.model()
     assert m.bandwidth_Bps == pytest.approx(bandwidth_Bps) and m.batch_latency_s == pytest.approx(batch_latency_s)
 
 
@@ -131,23 +133,23 @@ def operation(hit_pages: int, loaded_pages: int, elapsed_s: float) -> PrefetchOp
 
 def expected(backend, hit_pages, loaded_pages, elapsed_s) -> bool:
     shape = RequestShape(PS, PAGE_BYTES, hit_pages, cached_tokens=3 * PS, tail_tokens=PS)
-    return should_terminate(shape, LoadProgress(loaded_pages, elapsed_s), throughput.device_model(backend),
-                            throughput.prefill_model()).terminate
+    return should_terminate(shape, LoadProgress(loaded_pages, elapsed_s), backend.kv.store.read_rates.model(),
+                            backend.cost.prefill.model()).terminate
 
 
 # ---------------------------------------------------------------------------------------------- registration
 def test_entry_point_is_registered():
     eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps["kvtier_prefetch"].value == "sgl_kvtier.sglang.prefetch_plugin:load"
+    assert eps["kvtier_prefetch"].value == "sgl_kvtier.sglang.plugins.prefetch:load"
     assert eps["kvtier_prefetch"].load() is prefetch_plugin.load
 
 
 @pytest.mark.parametrize("value", [None, "", "off", "timeout"])
 def test_off_touches_nothing(pristine, monkeypatch, value):
     if value is None:
-        monkeypatch.delenv(throughput.ENV_POLICY, raising=False)
+        monkeypatch.delenv(cost_inputs.ENV_POLICY, raising=False)
     else:
-        monkeypatch.setenv(throughput.ENV_POLICY, value)
+        monkeypatch.setenv(cost_inputs.ENV_POLICY, value)
     hooks_before = {k: list(v) for k, v in HookRegistry._hooks.items()}
     prefetch_plugin.load()
     HookRegistry.apply_hooks()
@@ -170,7 +172,7 @@ def test_on_wraps_the_real_methods(policy_on):
 # ---------------------------------------------------------------------------------------------- stop decision
 def test_stop_decision_follows_the_cost_model(cache):
     backend = cache.cache_controller.storage_backend
-    throughput.PREFILL.seed = SLOW_PREFILL
+    backend.cost.prefill.estimator.seed = SLOW_PREFILL
     set_device(backend, bandwidth_Bps=2e9, batch_latency_s=1e-3)  # loading 140 pages: ~2 ms
     for loaded, elapsed in [(0, 0.0), (0, 0.01), (128, 0.01)]:
         assert cache._can_terminate_prefetch(operation(N_PAGES, loaded, elapsed)) is False
@@ -181,7 +183,7 @@ def test_stop_decision_follows_the_cost_model(cache):
     assert cache._can_terminate_prefetch(operation(N_PAGES, N_PAGES, 99.0)) is False  # landed: never cut
 
     set_device(backend, bandwidth_Bps=1e6, batch_latency_s=0.5)  # now ~3.3 s for 140 pages
-    throughput.PREFILL.seed = FAST_PREFILL
+    backend.cost.prefill.estimator.seed = FAST_PREFILL
     assert cache._can_terminate_prefetch(operation(N_PAGES, 0, 0.0)) is True
     assert expected(backend, N_PAGES, 0, 0.0) is True
 
@@ -189,9 +191,9 @@ def test_stop_decision_follows_the_cost_model(cache):
 def test_unmeasured_inputs_defer_to_sglang_and_other_policies_run_unchanged(cache):
     backend = cache.cache_controller.storage_backend
     set_device(backend, bandwidth_Bps=1e6, batch_latency_s=0.5)
-    assert throughput.prefill_model() is None  # no prefill samples, no seed: SGLang's own timeout decides
+    assert backend.cost.prefill.model() is None  # no prefill samples, no seed: SGLang's own timeout decides
     assert cache._can_terminate_prefetch(operation(N_PAGES, 0, 50.0)) is False  # no wait started: not expired
-    throughput.PREFILL.seed = FAST_PREFILL
+    backend.cost.prefill.estimator.seed = FAST_PREFILL
     assert cache._can_terminate_prefetch(operation(N_PAGES, 0, 0.0)) is True
     cache.prefetch_stop_policy = "wait_complete"  # an explicit operator choice: SGLang's method, untouched
     assert cache._can_terminate_prefetch(operation(N_PAGES, 0, 0.0)) is False
@@ -224,7 +226,7 @@ def test_check_prefetch_progress_cuts_a_slow_load_at_once(cache, monkeypatch):
     backend = cache.cache_controller.storage_backend
     tokens = _stored_prompt(backend)
     set_device(backend, bandwidth_Bps=1e6, batch_latency_s=0.5)
-    throughput.PREFILL.seed = FAST_PREFILL
+    backend.cost.prefill.estimator.seed = FAST_PREFILL
     request = CacheRequestHandle("req-slow", 0)
     cache.prefetch_from_storage(request, cache.root_node_handle(), array("q", tokens), None, None)
     _freeze_clock(cache, request, monkeypatch)
@@ -240,7 +242,7 @@ def test_check_prefetch_progress_waits_for_a_fast_load(cache, monkeypatch):
     backend = cache.cache_controller.storage_backend
     tokens = _stored_prompt(backend)
     set_device(backend, bandwidth_Bps=2e9, batch_latency_s=1e-3)
-    throughput.PREFILL.seed = SLOW_PREFILL
+    backend.cost.prefill.estimator.seed = SLOW_PREFILL
     request = CacheRequestHandle("req-fast", 0)
     cache.prefetch_from_storage(request, cache.root_node_handle(), array("q", tokens), None, None)
     _freeze_clock(cache, request, monkeypatch)
@@ -261,20 +263,52 @@ def test_check_prefetch_progress_waits_for_a_fast_load(cache, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- prefill timing
-def test_prefill_timing_hook_records_extend_batches_after_warmup(pristine):
+def scheduler_over(cache) -> Scheduler:
+    """A Scheduler whose tree is ``cache`` (the one attribute the timing hook reads), built without start-up."""
+    scheduler = object.__new__(Scheduler)
+    scheduler.tree_cache = cache
+    return scheduler
+
+
+def extend_batch(mode_name: str, extend, prefix, launched):
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    def batch(mode, extend, prefix, launched):
-        return ScheduleBatch(reqs=[], forward_mode=mode, extend_lens=extend, prefix_lens=prefix, launch_ts=launched)
+    return ScheduleBatch(reqs=[], forward_mode=ForwardMode[mode_name], extend_lens=extend, prefix_lens=prefix,
+                         launch_ts=launched)
 
-    for i in range(throughput.WARMUP_BATCHES + 5):
-        prefetch_plugin.record_prefill_timing(None, None, batch(ForwardMode.EXTEND, [100 * (i + 1)], [0], T0 - 0.1 * (i + 1)))
-    prefetch_plugin.record_prefill_timing(None, None, batch(ForwardMode.DECODE, [1], [50], T0 - 5))
-    prefetch_plugin.record_prefill_timing(None, None, object())  # malformed: skipped, never raised
-    assert throughput.PREFILL.samples == 5
-    m = throughput.prefill_model()
+
+def test_prefill_timing_hook_records_extend_batches_after_warmup(cache):
+    backend, scheduler = cache.cache_controller.storage_backend, scheduler_over(cache)
+    for i in range(cost_inputs.WARMUP_BATCHES + 5):
+        prefetch_plugin.record_prefill_timing(None, scheduler, extend_batch("EXTEND", [100 * (i + 1)], [0],
+                                                                            T0 - 0.1 * (i + 1)))
+    prefetch_plugin.record_prefill_timing(None, scheduler, extend_batch("DECODE", [1], [50], T0 - 5))
+    prefetch_plugin.record_prefill_timing(None, scheduler, object())  # malformed: skipped, never raised
+    prefetch_plugin.record_prefill_timing(None, None, extend_batch("EXTEND", [100], [0], T0 - 0.1))  # no backend
+    assert backend.cost.prefill.estimator.samples == 5
+    m = backend.cost.prefill.model()
     assert m.time(1000, 0) == pytest.approx(1.0, rel=1e-6)  # 0.1 s per 100 tokens
+    assert backend.telemetry().boundary == BoundaryCounts()
+
+
+def test_a_bug_in_the_policy_falls_back_to_sglang_counted_with_its_traceback(cache, monkeypatch, caplog):
+    backend = cache.cache_controller.storage_backend
+    message = "injected bug in the cost policy"
+
+    def bug(*args, **kwargs):
+        raise TypeError(message)
+
+    monkeypatch.setattr(backend.cost, "inputs", bug)
+    monkeypatch.setattr(backend.cost.prefill, "record_batch", bug)
+    with caplog.at_level(logging.ERROR, logger="sgl_kvtier"):
+        # The stop hook answers SGLang's own timeout verdict (no wait started: not expired); the collective ran.
+        assert cache._can_terminate_prefetch(operation(N_PAGES, 0, 50.0)) is False
+        prefetch_plugin.record_prefill_timing(None, scheduler_over(cache), extend_batch("EXTEND", [64], [0], T0 - 1))
+    assert backend.telemetry().boundary == BoundaryCounts(expected=0, unexpected=2)
+    records = [r for r in caplog.records if message in r.getMessage()]
+    assert [r.exc_info[0] for r in records] == [TypeError, TypeError]
+    assert "stop decision" in records[0].getMessage() and "prefill timing" in records[1].getMessage()
 
 
 # ---------------------------------------------------------------------------------------------- backend side
@@ -287,16 +321,16 @@ def test_batch_exists_shortens_only_with_the_policy_on_and_a_slow_device(tmp_pat
     try:
         keys = [f"{i:064x}" for i in range(40)]
         assert backend.batch_set_v1(keys, torch.arange(40 * PS)) == [True] * 40
-        throughput.PREFILL.seed = FAST_PREFILL
+        backend.cost.prefill.estimator.seed = FAST_PREFILL
         set_device(backend, bandwidth_Bps=1e6, batch_latency_s=0.5)
-        monkeypatch.delenv(throughput.ENV_POLICY, raising=False)
+        monkeypatch.delenv(cost_inputs.ENV_POLICY, raising=False)
         assert backend.batch_exists(keys) == 40  # off: the store's answer
-        monkeypatch.setenv(throughput.ENV_POLICY, "cost")
+        monkeypatch.setenv(cost_inputs.ENV_POLICY, "cost")
         assert backend.batch_exists(keys) == 0  # loading is slower than recomputing: no hit
         assert backend.exists(keys[0])  # the legacy presence check is not a load decision
         set_device(backend, bandwidth_Bps=2e9, batch_latency_s=1e-3)
         assert backend.batch_exists(keys + ["f" * 64]) == 0  # a fast device, but recomputing is faster still
-        throughput.PREFILL.seed = SLOW_PREFILL
+        backend.cost.prefill.estimator.seed = SLOW_PREFILL
         assert backend.batch_exists(keys + ["f" * 64]) == 40
         inputs = backend.cost_inputs()
         assert inputs["policy"] == "cost" and inputs["prefill"]["source"] == "seed"

@@ -1,145 +1,133 @@
-"""``kvtier_`` Prometheus gauges: values from a real store, inert without metrics, never raising, and in a
-real SGLang server's own ``/metrics`` (CPU, ``--enable-metrics``).
+"""``kvtier_`` Prometheus gauges from a real backend over a real SGLang host pool, and in a real SGLang
+server's own ``/metrics`` (CPU, ``--enable-metrics``).
 
-The unit tests read an ``Exporter`` over a private registry; the server test reads ``/metrics`` as a
-scraper would: SGLang's scheduler calls ``KVTierStorage.get_stats`` (which refreshes the gauges) on every
-loop with ``--enable-metrics``; the cost policy is on so that the prefill gauges have samples.
+The in-process tests read ``KVTierStorage.telemetry()`` through an ``Exporter`` over a private registry
+(directly, and as ``get_stats`` feeds it); the server test reads ``/metrics`` as a scraper would: SGLang's
+scheduler calls ``KVTierStorage.get_stats`` (which refreshes the gauges) on every loop with
+``--enable-metrics``; the cost policy is on so that the prefill gauges have samples.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry
-from support import PAGE_BYTES, HostMemory, key, open_store
 
-from sgl_kvtier.policy.cost_model import DeviceModel, PrefillEstimator
-from sgl_kvtier.sglang import prometheus, throughput
+pytest.importorskip("sglang")
 
-RANKS = {"tp_rank": "2", "pp_rank": "0", "dp_rank": "1"}
+import torch  # noqa: E402
+from pools import fill_random, mha_host_pool, storage_config  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from sgl_kvtier.policy.cost_inputs import ENV_POLICY, PrefillSampler  # noqa: E402
+from sgl_kvtier.policy.cost_model import DeviceModel, PrefillEstimator  # noqa: E402
+from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
+from sgl_kvtier.telemetry import prometheus  # noqa: E402
+
+PS = 16
+RANKS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
 KV = {"pool": "kv", **RANKS}
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """The module's process-wide state back to new (and restored after the test)."""
-    for name, value in (("_exporter", None), ("_broken", False), ("_interval_s", None), ("_next", -math.inf)):
-        monkeypatch.setattr(prometheus, name, value)
-    monkeypatch.setattr(throughput, "PREFILL", PrefillEstimator(min_samples=2))
-    monkeypatch.delenv(throughput.ENV_POLICY, raising=False)
-    monkeypatch.delenv(prometheus.ENV_INTERVAL, raising=False)
-
-
-@pytest.fixture
-def store(tmp_path):
-    devs = [tmp_path / "d0", tmp_path / "d1"]
-    for d in devs:
+def backend(tmp_path, monkeypatch):
+    """Our backend on a real host pool, its shard striped over two directories, the cost policy off."""
+    monkeypatch.delenv(ENV_POLICY, raising=False)
+    devices = [tmp_path / "d0", tmp_path / "d1"]
+    for d in devices:
         d.mkdir()
-    with open_store(tmp_path, capacity_pages=32, devices=devs) as s:
-        yield s
+    pool = mha_host_pool("page_first")
+    fill_random(pool, seed=21)
+    page_bytes = pool.get_dummy_flat_data_page().numel() * 2
+    cfg = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
+           "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes}
+    b = KVTierStorage(storage_config(cfg), {})
+    b.register_mem_pool_host(pool)
+    b.cost.prefill = PrefillSampler(estimator=PrefillEstimator(min_samples=2))
+    yield b
+    b.close()
 
 
-def backend_of(store, metrics: bool = True):
-    cfg = SimpleNamespace(tp_rank=2, pp_rank=0, dp_rank=1, enable_storage_metrics=metrics)
-    return SimpleNamespace(storage_config=cfg, tiers={"kv": SimpleNamespace(store=store)})
+def keys(n: int) -> list[str]:
+    return [f"{i + 1:064x}" for i in range(n)]
 
 
-def fill(store, pages: int = 8) -> None:
-    mem = HostMemory(pages)
-    for i in range(pages):
-        mem.fill(i, i)
-    assert store.put([key(i) for i in range(pages)], [mem.runs(i) for i in range(pages)]) == [True] * pages
-    assert store.get([key(i) for i in range(pages)], [mem.runs(i) for i in range(pages)]) == [True] * pages
+def slots(pages) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PS, (p + 1) * PS, dtype=torch.int64) for p in pages])
 
 
-def test_gauges_show_the_store_and_the_measured_inputs(fresh, store):
+def fill(backend: KVTierStorage, pages: int = 8) -> None:
+    """``pages`` written, found (read-ahead starts their reads) and read back, as SGLang would."""
+    assert backend.batch_set_v1(keys(pages), slots(range(pages))) == [True] * pages
+    assert backend.batch_exists(keys(pages)) == pages
+    assert backend.batch_get_v1(keys(pages), slots(range(20, 20 + pages))) == [True] * pages
+
+
+def test_gauges_show_the_store_and_the_measured_inputs(backend):
     registry = CollectorRegistry()
     exporter = prometheus.Exporter(registry)
     value = registry.get_sample_value
-    fill(store)
-    exporter.update(backend_of(store))
+    store = backend.kv.store
+    fill(backend)
+    exporter.update(backend.telemetry())
     assert value("kvtier_store_pages", KV) == 8
     assert value("kvtier_store_bytes_used", KV) == 8 * store.slot_bytes
-    assert value("kvtier_store_capacity_bytes", KV) == 32 * store.slot_bytes
+    assert value("kvtier_store_capacity_bytes", KV) == store.stats().capacity_bytes > 0
     assert value("kvtier_store_put_pages", KV) == value("kvtier_store_get_hits", KV) == 8
-    assert value("kvtier_store_bytes_read", KV) == 8 * PAGE_BYTES
-    assert value("kvtier_read_samples", KV) == 1
+    assert value("kvtier_store_bytes_read", KV) == 8 * backend.kv.pages.page_bytes
+    assert value("kvtier_read_samples", KV) == 1  # read-ahead read the 8 pages in one batch
     assert value("kvtier_read_bandwidth_bytes_per_second", KV) == store.read_rates.total.model().bandwidth_Bps > 0
     for i, path in enumerate(store.stats().devices):
         device = {**KV, "device": str(i), "path": path}
         assert value("kvtier_device_read_bandwidth_bytes_per_second", device) == \
             store.read_rates.devices[i].model().bandwidth_Bps > 0
         assert value("kvtier_device_breaker_state", device) == 0
+    assert value("kvtier_readahead_staged", KV) == value("kvtier_readahead_served", KV) == 8
+    assert value("kvtier_readahead_buffers_in_use", KV) == 0
     # Not measured yet: no series at all (never a made-up 0); the sample count is there.
     assert value("kvtier_prefill_per_token_seconds", RANKS) is None
     assert value("kvtier_prefill_samples", RANKS) == 0
     assert value("kvtier_cost_policy_enabled", RANKS) == 0
+    assert value("kvtier_boundary_errors", {**RANKS, "kind": "unexpected"}) == 0
 
     for _ in range(3):  # device 1 fails three times in a row: its breaker opens
         store.health.record(1, ok=False)
     for tokens in (1000, 2000):
-        throughput.PREFILL.record(tokens, 0, tokens * 1e-4)
-    exporter.update(backend_of(store))
+        backend.cost.prefill.estimator.record(tokens, 0, tokens * 1e-4)
+    assert backend.batch_get_v1(keys(2), torch.arange(3, 3 + 2 * PS)) == [False] * 2  # not page aligned
+    exporter.update(backend.telemetry())
     device1 = {**KV, "device": "1", "path": store.stats().devices[1]}
     assert value("kvtier_device_breaker_state", device1) == 1
     assert value("kvtier_device_breaker_trips", device1) == 1
     assert value("kvtier_prefill_samples", RANKS) == 2
     assert value("kvtier_prefill_per_token_seconds", RANKS) == pytest.approx(1e-4)
+    assert value("kvtier_boundary_errors", {**RANKS, "kind": "expected"}) == 1
 
 
-def test_inert_without_multiprocess_dir_or_with_metrics_off(fresh, store, monkeypatch, tmp_path):
-    monkeypatch.delenv(prometheus.ENV_MULTIPROC_DIR, raising=False)
-    assert prometheus.update(backend_of(store), now=10.0) is False
+def test_get_stats_refreshes_the_gauges_once_per_interval(backend, monkeypatch, tmp_path):
     monkeypatch.setenv(prometheus.ENV_MULTIPROC_DIR, str(tmp_path))
-    assert prometheus.update(backend_of(store, metrics=False), now=20.0) is False
-    assert prometheus.update(None, now=30.0) is False
-    assert prometheus._exporter is None and list(tmp_path.glob("*.db")) == []  # nothing created, nothing written
-
-
-def test_refreshes_at_most_once_per_interval_and_never_raises(fresh, store, monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv(prometheus.ENV_MULTIPROC_DIR, str(tmp_path))
+    monkeypatch.delenv(prometheus.ENV_INTERVAL, raising=False)
     registry = CollectorRegistry()
-    monkeypatch.setattr(prometheus, "_exporter", prometheus.Exporter(registry))
-    backend = backend_of(store)
-    fill(store, 2)
-    assert prometheus.update(backend, now=100.0) is True
-    fill(store, 4)
-    assert prometheus.update(backend, now=100.5) is False  # within the default 1 s
+    backend._metrics = prometheus.PrometheusFeed(True, backend.boundary,
+                                                 prometheus.ProcessGauges(lambda: prometheus.Exporter(registry)))
+    fill(backend, 2)
+    backend.get_stats()
     assert registry.get_sample_value("kvtier_store_pages", KV) == 2
-    assert prometheus.update(backend, now=101.0) is True
-    assert registry.get_sample_value("kvtier_store_pages", KV) == 4
-
-    def broken():
-        raise OSError("disk gone")
-
-    monkeypatch.setattr(store, "stats", broken)
-    assert prometheus.update(backend, now=102.0) is False  # logged, not raised
-    assert "disk gone" in caplog.text
+    assert backend.batch_set_v1(keys(4), slots(range(4))) == [True] * 4
+    backend.get_stats()  # the same scheduler second: not refreshed
+    assert registry.get_sample_value("kvtier_store_pages", KV) == 2
 
 
-def test_gauges_stay_off_when_they_cannot_be_created(fresh, store, monkeypatch, tmp_path):
-    monkeypatch.setenv(prometheus.ENV_MULTIPROC_DIR, str(tmp_path))
-    calls = []
-
-    def refuse(registry=None):
-        calls.append(registry)
-        raise ValueError("Duplicated timeseries in CollectorRegistry")
-
-    monkeypatch.setattr(prometheus, "Exporter", refuse)
-    assert prometheus.update(backend_of(store), now=1.0) is False
-    assert prometheus.update(backend_of(store), now=5.0) is False
-    assert len(calls) == 1  # not retried on every scheduler step
-
-
-def test_interval_from_the_environment(fresh, monkeypatch):
-    monkeypatch.setenv(prometheus.ENV_INTERVAL, "0")
-    assert prometheus._interval() == 0.0
-    for bad in ("-1", "soon", "nan"):
-        monkeypatch.setenv(prometheus.ENV_INTERVAL, bad)
-        assert prometheus._interval() == prometheus.DEFAULT_INTERVAL_S
+def test_cost_inputs_are_the_snapshots_json_view(backend):
+    fill(backend)
+    inputs = backend.cost_inputs()
+    snap = backend.telemetry()
+    assert inputs == snap.cost_inputs()
+    assert inputs["policy"] == "off" and inputs["prefill"]["samples"] == 0 and inputs["prefill"]["source"] is None
+    kv = inputs["pools"]["kv"]
+    assert kv["page_bytes"] == backend.kv.pages.page_bytes and kv["read"]["samples"] == 1
+    paths = [d.path for d in snap.pool("kv").store.devices]
+    assert [d["path"] for d in kv["devices"]] == paths == backend.kv.store.stats().devices
 
 
 # ---------------------------------------------------------------------------------------------- real server
@@ -169,14 +157,14 @@ def test_a_real_server_shows_kvtier_gauges_on_its_metrics(tmp_path: Path) -> Non
     pytest.importorskip("sglang")
     from test_kvtier_server import BACKED_UP, HIT, PAGE, PROMPT, server_args
 
-    from sgl_kvtier.sglang.model_factory import make_model, make_prompt
-    from sgl_kvtier.sglang.server import SGLangServer, tracebacks_through
+    from sgl_kvtier.serving.model_factory import make_model, make_prompt
+    from sgl_kvtier.serving.server import SGLangServer, tracebacks_through
 
     model = make_model(tmp_path / "model", "tiny")
     store = tmp_path / "flash"
     store.mkdir()
     prompt = make_prompt(PROMPT, seed=5, model_dir=model)
-    env = {throughput.ENV_POLICY: "cost", prometheus.ENV_INTERVAL: "0"}  # every get_stats refreshes
+    env = {ENV_POLICY: "cost", prometheus.ENV_INTERVAL: "0"}  # every get_stats refreshes
     with SGLangServer(model, extra_args=server_args(store), env=env, log_path=tmp_path / "s.log") as srv:
         srv.generate(prompt, max_new_tokens=4)
         srv.wait_metric(BACKED_UP, HIT, timeout_s=180)

@@ -4,19 +4,21 @@ drives it: 64-hex keys, scattered page-aligned host slots, <=128-page batches, t
 from __future__ import annotations
 
 import hashlib
+
 import pytest
 
 pytest.importorskip("sglang")
 
 import torch  # noqa: E402
+from pools import MHA_LAYOUTS, fill_random, mha_host_pool, mla_host_pool, page_bytes, storage_config, zero  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics  # noqa: E402
-
-from pools import MHA_LAYOUTS, fill_random, mha_host_pool, mla_host_pool, page_bytes, storage_config, zero  # noqa: E402
-from sgl_kvtier.errors import ConfigError  # noqa: E402
 from support import run_concurrently  # noqa: E402
+
+from sgl_kvtier.errors import ConfigError  # noqa: E402
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
+from sgl_kvtier.telemetry.counters import BoundaryCounts  # noqa: E402
 
 PS = 16
 
@@ -129,7 +131,7 @@ def test_prefix_semantics_partial_batches_and_misses(tmp_path):
     assert backend.batch_set_v1(keys[:2], slots([0])) == [False, False]  # indices for 1 page, 2 keys
     assert backend.batch_get_v1(keys[:1], torch.arange(3, 3 + PS)) == [False]  # not page aligned
     assert backend.batch_set_v1(["zz"] + keys[8:9], slots([8, 9])) == [False, True]
-    assert backend.stats.errors == 2
+    assert backend.telemetry().boundary == BoundaryCounts(expected=2, unexpected=0)  # two bad-argument misses
     backend.close()
 
 
@@ -239,6 +241,20 @@ def test_prefix_keys_link_chains_across_batches(tmp_path):
     backend.close()
 
 
+def test_an_invalid_key_is_a_page_not_stored_and_does_not_shift_the_chain(tmp_path):
+    pool = mha_host_pool("page_first")
+    fill_random(pool, seed=9)
+    backend = make_backend(tmp_path, pool)
+    keys = chain_keys(4)
+    assert backend.batch_set_v1([keys[0], "not-a-page-hash", keys[2], keys[3]], slots([0, 1, 2, 3])) == \
+        [True, False, True, True]
+    store, k = backend.kv.store, [bytes.fromhex(x) for x in keys]
+    assert [store.contains(x) for x in k] == [True, False, True, True]
+    assert store.parent_of(k[2]) is None  # what precedes it has no key: it chains on nothing, not on keys[0]
+    assert store.parent_of(k[3]) == k[2]
+    backend.close()
+
+
 def test_mla_ranks_share_one_shard_written_by_rank_zero(tmp_path):
     extra = {"devices": [str(tmp_path)], "capacity_bytes": 64 << 20, "interface_v1": 1}
     pool0, pool1 = mla_host_pool("page_first"), mla_host_pool("page_first")
@@ -297,3 +313,4 @@ def test_v2_side_pools_and_hit_policies(tmp_path):
     bad = backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=slots([9]), keys=keys[:2])])
     assert bad == {"draft": [False, False]}  # indices for one page, two keys: refused, not truncated
     backend.close()
+

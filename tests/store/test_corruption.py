@@ -6,10 +6,10 @@ import random
 
 import numpy as np
 import pytest
+from support import HostMemory, key, open_store
 
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.store.fsck import find_shards, fsck
-from support import HostMemory, key, open_store
 
 PAGE = 16384
 N = 24

@@ -7,66 +7,17 @@ checkpoints and evictions alike. Each round reopens the store the previous round
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from crash_writer import page_bytes_for
-from support import HostMemory, key, open_store
-
-PAGE = 8192
-CAPACITY = 96
-HERE = Path(__file__).parent
+from benchmarks.store.crash import CAPACITY, check_store, key, open_small, run_and_kill
 
 
-def run_and_kill(path: Path, seed: int, durability: str, kill_after_acks: int) -> tuple[set[int], set[int]]:
-    """Start a writer, SIGKILL it after ``kill_after_acks`` acks (+ a random extra delay in lines)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(HERE / "crash_writer.py"), str(path), str(seed), str(PAGE),
-                             str(CAPACITY), durability], stdout=subprocess.PIPE, text=True, env=env)
-    acked, deleted, acks = set(), set(), 0
-
-    def take(line: str) -> None:
-        parts = line.split()
-        if parts and parts[0] == "ack":
-            first, count, oks = int(parts[1]), int(parts[2]), parts[3]
-            acked.update(first + j for j in range(count) if oks[j] == "1")
-        elif parts and parts[0] == "del":
-            deleted.add(int(parts[1]))
-
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        for line in proc.stdout:
-            take(line)
-            acks += line.startswith("ack")
-            if acks >= kill_after_acks:
-                break
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        for line in proc.stdout:  # what it printed before the kill landed
-            take(line)
-        proc.wait()
-    return acked - deleted, deleted
-
-
-def verify(path: Path, must_have: set[int], durable: bool) -> tuple[int, int]:
+def verify(path, must_have: set[int], durable: bool) -> tuple[int, int]:
     """Return (pages checked, pages lost); asserts no served page has wrong bytes."""
-    mem = HostMemory(1, page_bytes=PAGE)
-    checked = lost = 0
-    with open_store(path, capacity_pages=CAPACITY, page_bytes=PAGE, eviction="lru") as store:
-        for k in store.keys():
-            n = int.from_bytes(k[:4], "little")
-            if store.get([k], [mem.runs(0)]) == [True]:
-                assert mem.page(0).tobytes() == page_bytes_for(n, PAGE), f"wrong bytes served for page {n}"
-                checked += 1
-        for n in must_have:
-            if not store.contains(key(n)):
-                lost += 1
+    checked, wrong, lost = check_store(path, sorted(must_have))
+    assert wrong == 0, f"{wrong} pages served with wrong bytes"
     return checked, lost
 
 
@@ -82,7 +33,7 @@ def test_sigkill_at_random_points(tmp_path, durability):
         # Pages acknowledged in this round and not evicted since must all be there: the writer put at
         # most CAPACITY pages after the oldest ones, so only the newest CAPACITY // 2 acks are safe from eviction.
         newest = sorted(acked)[-(CAPACITY // 2):]
-        with open_store(tmp_path, capacity_pages=CAPACITY, page_bytes=PAGE, eviction="lru") as store:
+        with open_small(tmp_path, eviction="lru") as store:
             missing = [n for n in newest if not store.contains(key(n))]
         assert missing == [], f"round {round_no}: acknowledged pages lost after SIGKILL: {missing[:5]}"
     assert total_checked > 0

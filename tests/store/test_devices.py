@@ -11,9 +11,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support import HostMemory, key, namespace, open_store
 
 from sgl_kvtier.errors import DeviceError
-from support import HostMemory, key, namespace, open_store
 
 PAGE = 16384
 

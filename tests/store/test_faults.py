@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 import pytest
+from support import HostMemory, key, open_store
 
 from sgl_kvtier.store.health import BreakerState, DeviceHealth
-from support import HostMemory, key, open_store
 
 
 class FakeClock:

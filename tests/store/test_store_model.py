@@ -8,7 +8,6 @@ import tempfile
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from support import HostMemory, key, open_store
 
 PAGE = 8192

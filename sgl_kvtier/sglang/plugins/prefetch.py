@@ -3,8 +3,12 @@
 Declared in pyproject.toml as the ``sglang.srt.plugins`` entry point ``kvtier_prefetch``. SGLang 0.5.23's
 ``load_plugins()`` runs ``load()`` early in each of its processes and then ``HookRegistry.apply_hooks()``.
 
-Enabled only by ``KVTIER_PREFETCH_POLICY=cost`` (see ``throughput``). Off, ``load()`` returns before it
-imports anything from SGLang: no hook is registered, no SGLang class is touched.
+Enabled only by ``KVTIER_PREFETCH_POLICY=cost`` (see ``sgl_kvtier.policy.cost_inputs``). Off, ``load()``
+returns before it imports anything from SGLang: no hook is registered, no SGLang class is touched.
+
+The hooks hold no policy state: each finds our backend behind the object it hooks (the cache's
+``cache_controller.storage_backend``; the scheduler's ``tree_cache``; SGLang's failure injector unwrapped)
+and uses that backend's ``CostPolicy`` (read path, prefill sampler, log gate).
 
 On, two hooks through SGLang's ``HookRegistry``:
 - AROUND ``UnifiedRadixCache._can_terminate_prefetch`` (``unified_radix_cache.py:2294-2313``), called by
@@ -17,12 +21,14 @@ On, two hooks through SGLang's ``HookRegistry``:
   deadline, no retries, salvaging the landed batches) is SGLang's. Under ``best_effort`` and
   ``wait_complete`` (explicit operator choices) SGLang's method runs unchanged.
 - AFTER ``Scheduler.process_batch_result``: each EXTEND / MIXED batch's ``launch_ts`` to the end of its
-  result processing is a prefill sample (new and cached tokens per request) for ``throughput.PREFILL``.
+  result processing is a prefill sample (new and cached tokens per request) for the backend's
+  ``cost.prefill``.
 
 Invariants: a loaded prefix (every hit page acknowledged) is never cut; until both the read path and
 the prefill speed are measured, the local verdict is SGLang's own ``_prefetch_deadline_expired``; an
-exception in the model falls back to that verdict too and the collective always runs (ranks never
-diverge); nothing raises into the scheduler from the timing hook.
+exception in our code falls back to that verdict too (counted by the backend's ``ErrorBoundary`` and
+logged with its traceback) and the collective always runs (ranks never diverge); nothing raises into
+the scheduler from the timing hook.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from sgl_kvtier.policy.cost_inputs import PolicyMode
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
-from sgl_kvtier.sglang import throughput
+from sgl_kvtier.telemetry.counters import ErrorBoundary
+
+if TYPE_CHECKING:
+    from sgl_kvtier.sglang.storage import KVTierStorage
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +53,13 @@ PREFILL_MODES = frozenset({"EXTEND", "MIXED"})
 
 _loaded = False
 _clock = time.monotonic  # replaceable in tests
+_orphans = ErrorBoundary(logger)  # hook failures with no backend of ours to count them
 
 
 def load() -> None:
     """Entry point for ``sglang.srt.plugins``; idempotent within a process."""
     global _loaded
-    if _loaded or not throughput.policy_enabled():
+    if _loaded or PolicyMode.from_environ() is not PolicyMode.COST:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -59,41 +70,58 @@ def load() -> None:
                 TERMINATE_TARGET, BATCH_RESULT_TARGET)
 
 
+def backend_of(cache: Any) -> KVTierStorage | None:
+    """Our backend behind a HiCache tree (None: no HiCache, no L3 attached, or another backend)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    from sgl_kvtier.sglang.storage import KVTierStorage
+
+    controller = getattr(cache, "cache_controller", None)  # absent or None: not a HiCache tree
+    backend = getattr(controller, "storage_backend", None)  # None: no L3 attached (or detached)
+    if isinstance(backend, HiCacheStorageFailureInjector):  # SGLANG_TEST_HICACHE_BACKEND_RANDOM_*
+        backend = backend._backend
+    return backend if isinstance(backend, KVTierStorage) else None
+
+
+def _boundary(backend: KVTierStorage | None) -> ErrorBoundary:
+    return _orphans if backend is None else backend.boundary
+
+
 # ---------------------------------------------------------------------------------------------- stop decision
 def can_terminate_prefetch(original: Any, cache: Any, operation: Any) -> bool:
     """AROUND hook: SGLang's ``timeout`` branch with the cost model as the local verdict."""
     if cache.prefetch_stop_policy != "timeout":
-        return original(cache, operation)
+        return bool(original(cache, operation))
     import torch
 
     verdict = False
     if cache.pp_rank == 0:
+        backend = backend_of(cache)
         try:
-            verdict = local_verdict(cache, operation)
-        except Exception:  # the collective below must run on every rank regardless
-            logger.exception("kvtier cost policy failed; SGLang's timeout decides")
-            verdict = cache._prefetch_deadline_expired(operation)
+            verdict = local_verdict(cache, operation, backend)
+        except Exception as exc:  # the collective below must run on every rank regardless
+            _boundary(backend).fail("cost policy stop decision", exc, outcome="SGLang's timeout decides")
+            verdict = bool(cache._prefetch_deadline_expired(operation))
     flag = torch.tensor(int(verdict), dtype=torch.int, device="cpu")
     cache._all_reduce(flag, torch.distributed.ReduceOp.MAX)
-    return flag.item() == 1
+    return bool(flag.item() == 1)
 
 
-def local_verdict(cache: Any, operation: Any) -> bool:
+def local_verdict(cache: Any, operation: Any, backend: KVTierStorage | None) -> bool:
     """This rank's answer: stop waiting for ``operation`` now?"""
     page = cache.page_size
     landed = operation.host_indices is not None and (
         operation.completed_tokens >= len(operation.hash_value) * page)
     if landed:
         return False  # the KV is in host memory: cutting would salvage nothing
-    backend = getattr(cache.cache_controller, "storage_backend", None)
-    device, prefill = throughput.device_model(backend), throughput.prefill_model()
-    geometry = throughput.page_geometry(backend)
-    if device is None or prefill is None or geometry is None:
-        return cache._prefetch_deadline_expired(operation)  # not measured yet: SGLang's static budget
+    inputs = None if backend is None else backend.cost.inputs()
+    if backend is None or inputs is None:
+        return bool(cache._prefetch_deadline_expired(operation))  # not measured yet: SGLang's static budget
     now = _clock()
-    shape, progress = request_state(operation, page, geometry[1], now)
-    decision = should_terminate(shape, progress, device, prefill)
-    throughput.maybe_log_inputs(backend, now)
+    shape, progress = request_state(operation, page, inputs.read.page_bytes, now)
+    decision = should_terminate(shape, progress, inputs.read.device, inputs.prefill)
+    if backend.cost.log_due(now):
+        logger.info("kvtier cost inputs: %s", backend.cost_inputs())
     if decision.terminate:
         logger.info("kvtier cost policy: stop prefetch req=%s after %d of %d pages (%.2fs in): recompute now "
                     "%.3fs, best wait+compute %.3fs", getattr(operation, "request_id", "?"), progress.loaded_pages,
@@ -118,12 +146,18 @@ def request_state(operation: Any, page_tokens: int, page_bytes: int, now: float)
 
 # ---------------------------------------------------------------------------------------------- prefill timing
 def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on ``Scheduler.process_batch_result``: one prefill sample per extend batch."""
+    """AFTER hook on ``Scheduler.process_batch_result``: one prefill sample per extend batch, into the
+    prefill sampler of the backend behind ``scheduler.tree_cache``."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    if not isinstance(batch, ScheduleBatch) or batch.forward_mode is None or batch.launch_ts is None:
+        return
+    if batch.forward_mode.name not in PREFILL_MODES or not batch.extend_lens:
+        return
+    backend = backend_of(getattr(scheduler, "tree_cache", None))
+    if backend is None:
+        return
     try:
-        mode = getattr(getattr(batch, "forward_mode", None), "name", None)
-        launched = getattr(batch, "launch_ts", None)
-        if mode in PREFILL_MODES and launched is not None and batch.extend_lens:
-            throughput.record_prefill_batch(list(batch.extend_lens), list(batch.prefix_lens),
-                                            _clock() - launched)
+        backend.cost.prefill.record_batch(list(batch.extend_lens), list(batch.prefix_lens), _clock() - batch.launch_ts)
     except Exception as exc:  # a timing sample must never break the scheduler loop
-        logger.debug("kvtier: prefill sample skipped: %s: %s", type(exc).__name__, exc)
+        backend.boundary.fail("prefill timing", exc, outcome="sample skipped")

@@ -10,10 +10,11 @@ import pytest
 from sgl_kvtier.cli import main
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.launch import build_command, load
-from sgl_kvtier.sglang.throughput import ENV_POLICY
+from sgl_kvtier.policy.cost_inputs import ENV_POLICY
+from sgl_kvtier.serving.launch import build_command, load
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
 
 def extra_of(cmd):
@@ -98,8 +99,8 @@ def test_print_shows_the_command(tmp_path, capsys):
 
 
 def test_demo_default_matches_the_shipped_cpu_config():
-    from sgl_kvtier.sglang.demo import DEMO_CONFIG
+    from sgl_kvtier.serving.demo import DEMO_CONFIG
 
-    shipped = load(Path(__file__).parent.parent / "configs" / "cpu-demo.toml")
+    shipped = load(ROOT / "configs" / "cpu-demo.toml")
     assert shipped["kvtier"] == DEMO_CONFIG["kvtier"]
     assert shipped["sglang"] == DEMO_CONFIG["sglang"]

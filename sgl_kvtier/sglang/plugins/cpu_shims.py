@@ -21,7 +21,7 @@ A fourth shim is not about running at all but about measuring honestly on CPU:
    whole cached + new key range with a bottom-right causal mask: the same rows, without the discarded
    work. Sliding windows, cross attention, encoder lengths and non-causal calls go to SGLang's own.
 
-This module only defines the shims; `cpu_plugin.load()` decides whether to install them.
+This module only defines the shims; `plugins.cpu.load()` decides whether to install them.
 Importing it pulls in torch but nothing from SGLang.
 """
 
@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 
+from sgl_kvtier.telemetry.counters import ErrorBoundary
+
 logger = logging.getLogger(__name__)
+BOUNDARY = ErrorBoundary(logger)  # the shims' caught exceptions in this process (no backend to count them)
 
 VLLM_STUB_MARKER = "__sgl_kvtier_stub__"
 MHA_HOST_MODULE = "sglang.srt.mem_cache.pool_host.mha"
@@ -72,9 +75,9 @@ def install_vllm_custom_ops_stub() -> bool:
     pkg.__path__ = []  # a package with nothing on disk, so unknown submodules fail to import
     setattr(pkg, VLLM_STUB_MARKER, True)
     ops = types.ModuleType("vllm._custom_ops", "sgl_kvtier stand-in for vLLM's custom ops")
-    setattr(ops, "rotary_embedding", _stub_rotary_embedding)
+    setattr(ops, "rotary_embedding", _stub_rotary_embedding)  # noqa: B010 - a new module: mypy knows no attributes
     setattr(ops, VLLM_STUB_MARKER, True)
-    setattr(pkg, "_custom_ops", ops)
+    setattr(pkg, "_custom_ops", ops)  # noqa: B010
     sys.modules["vllm"] = pkg
     sys.modules["vllm._custom_ops"] = ops
     return True
@@ -143,7 +146,7 @@ def install_transfer_kv_direct() -> bool:
     module = importlib.import_module(MHA_HOST_MODULE)
     if hasattr(module, "transfer_kv_direct"):
         return False
-    setattr(module, "transfer_kv_direct", transfer_kv_direct)
+    setattr(module, "transfer_kv_direct", transfer_kv_direct)  # noqa: B010
     return True
 
 
@@ -154,12 +157,30 @@ def extend_attention_new_queries_only(
     scaling: float | None = None, enable_gqa: bool = False, causal: bool = False, is_cross_attn: bool = False,
     sliding_window_size: int | None = None,
 ) -> torch.Tensor:
-    """AROUND hook: SGLang's extend attention, computing only the new tokens' query rows (shim 4)."""
+    """AROUND hook: SGLang's extend attention, computing only the new tokens' query rows (shim 4).
+
+    Calls SGLang's own for what the shim does not cover, and whenever the shim itself fails (counted and
+    logged with its traceback by ``BOUNDARY``): the forward never sees our exception.
+    """
     windowed = sliding_window_size is not None and sliding_window_size > -1
-    if encoder_lens is not None or is_cross_attn or not causal or windowed:
-        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                        extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
-                        causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    if encoder_lens is None and not is_cross_attn and causal and not windowed:
+        try:
+            return _new_queries_only(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                     extend_prefix_lens, extend_seq_lens, scaling, enable_gqa)
+        except Exception as exc:  # SGLang's own attention recomputes every row of ``output``
+            BOUNDARY.fail("CPU extend-attention shim", exc, outcome="SGLang's own attention used")
+    rows: torch.Tensor = original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                  extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
+                                  enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                                  sliding_window_size=sliding_window_size)
+    return rows
+
+
+def _new_queries_only(
+    query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, scaling: float | None, enable_gqa: bool,
+) -> torch.Tensor:
     heads_first = query.dim() - 2
     queries = query.movedim(0, heads_first)  # [heads, tokens, head_dim]
     start = 0

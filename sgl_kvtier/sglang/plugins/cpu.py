@@ -54,7 +54,7 @@ def load() -> None:
     # Deferred so that a disabled plugin costs SGLang nothing beyond this module's import.
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_kvtier.sglang import cpu_shims
+    from sgl_kvtier.sglang.plugins import cpu_shims
 
     stubbed = cpu_shims.install_vllm_custom_ops_stub()
     HookRegistry.register(cpu_shims.HOST_KV_CACHE_INIT, cpu_shims.force_unpinned_host_pool, HookType.BEFORE)

@@ -22,9 +22,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sgl_kvtier.launch import build_command, model_cache_dir
-from sgl_kvtier.sglang.model_factory import make_model, make_prompt
-from sgl_kvtier.sglang.server import SGLangServer
+from sgl_kvtier.serving.launch import build_command, model_cache_dir
+from sgl_kvtier.serving.model_factory import make_model, make_prompt
+from sgl_kvtier.serving.server import SGLangServer
 
 # The embedded default; configs/cpu-demo.toml says the same (a test keeps them equal).
 DEMO_CONFIG: dict[str, Any] = {
@@ -40,8 +40,10 @@ DEMO_CONFIG: dict[str, Any] = {
 SYSTEM_TOKENS, TURN_TOKENS = 640, 160
 
 
-@dataclass
+@dataclass(frozen=True)
 class Row:
+    """One request of the demo: its phase and turn, cached tokens per tier, TTFT and output."""
+
     phase: str
     turn: int
     prompt_tokens: int
@@ -83,6 +85,7 @@ def conversation(model: Path, turns: int) -> list[str]:
 
 
 def ask_all(srv: SGLangServer, phase: str, prompts: list[str], rows: list[Row], first_turn: int = 1) -> None:
+    """Send ``prompts`` in order and append a ``Row`` for each."""
     for turn, prompt in enumerate(prompts, first_turn):
         ttft, out = stream_ttft(srv.url, prompt, max_new_tokens=8)
         meta = out["meta_info"]
@@ -92,6 +95,7 @@ def ask_all(srv: SGLangServer, phase: str, prompts: list[str], rows: list[Row], 
 
 
 def server_args(device: Path) -> tuple[Path, list[str]]:
+    """The model path and server flags of the demo config, with ``device`` as the flash device."""
     doc = json.loads(json.dumps(DEMO_CONFIG))
     doc["kvtier"]["devices"] = [str(device)]
     cmd, _ = build_command(doc, ["--skip-server-warmup"], gpu=True)  # SGLangServer adds the CPU route itself
@@ -99,6 +103,7 @@ def server_args(device: Path) -> tuple[Path, list[str]]:
 
 
 def render(rows: list[Row], console: Console) -> None:
+    """Print the table of cached tokens per tier and TTFT."""
     table = Table(title="sgl-kvtier demo: cached tokens by tier and TTFT, per request")
     for col in ("phase", "turn", "prompt", "device", "host", "flash", "TTFT ms", "same out"):
         table.add_column(col, justify="right" if col not in ("phase", "same out") else "left")
@@ -110,6 +115,7 @@ def render(rows: list[Row], console: Console) -> None:
 
 
 def run(directory: Path, turns: int, console: Console) -> list[Row]:
+    """Cold conversation, again after ``/flush_cache``, then the last turn after a restart; every row."""
     model = make_model(model_cache_dir() / "tiny", "tiny")
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, mode=0o700)
@@ -144,6 +150,7 @@ def run(directory: Path, turns: int, console: Console) -> list[Row]:
 
 
 def main(directory: str = ".kvtier-demo", turns: int = 3) -> int:
+    """``sgl-kvtier demo``: 0 when flash served hits and every answer matched the cold one."""
     console = Console()
     rows = run(Path(directory).resolve(), turns, console)
     render(rows, console)

@@ -3,8 +3,9 @@
 `SGLangServer` launches `python -m sglang.launch_server` in its own session (process group), so
 that stopping it reaches the scheduler and detokenizer it spawns. On a machine without a CUDA GPU
 it adds the CPU route (`--device cpu --attention-backend torch_native --disable-cuda-graph`) and
-sets `KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.cpu_plugin` in every SGLang
-process. HTTP goes through urllib, so this module needs nothing beyond the standard library.
+sets `KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.plugins.cpu` in every SGLang
+process. HTTP goes through urllib, so this module needs nothing beyond the standard library (no torch,
+no sglang in this process: the GPU probe is `nvidia-smi -L`).
 
 On CPU, SGLang treats host RAM as device memory: by default the KV pool takes most of it and HiCache
 then refuses to start ("No host memory is left for HiCache after the 10 GiB reserve"). Callers pass
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,9 +46,16 @@ def free_port() -> int:
 
 
 def has_cuda_gpu() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
+    """True when ``nvidia-smi -L`` lists a GPU (the test scripts/setup.sh makes); never imports torch."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        done = subprocess.run([smi, "-L"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def _tail(path: Path, max_bytes: int = 6000) -> str:
@@ -107,6 +116,7 @@ class SGLangServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> SGLangServer:
+        """Launch the server and wait until ``/health`` answers 200 (or raise ``ServerError`` with the log tail)."""
         if self.proc is not None:
             raise ServerError("server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

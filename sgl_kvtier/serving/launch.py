@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -29,17 +28,18 @@ from typing import Any
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.sglang.throughput import ENV_POLICY  # plain Python: imports no sglang
+from sgl_kvtier.policy.cost_inputs import ENV_POLICY
+from sgl_kvtier.serving.server import CPU_ARGS, has_cuda_gpu
 
 BACKEND = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
            "interface_v1": 1, "hicache_storage_pass_prefix_keys": True}
 SGLANG_EXTRA_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
 MODEL_SIZES = ("tiny", "bench", "kvheavy")
 PREFETCH_POLICIES = ("cost", "off")
 
 
 def load(path: str | Path) -> dict[str, Any]:
+    """The TOML config at ``path``; a table other than [sglang] / [kvtier] is a ``ConfigError``."""
     with open(path, "rb") as f:
         doc = tomllib.load(f)
     unknown = sorted(set(doc) - {"sglang", "kvtier"})
@@ -48,26 +48,25 @@ def load(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None and os.system("nvidia-smi -L >/dev/null 2>&1") == 0
-
-
 def model_cache_dir() -> Path:
+    """Where random models are made (``KVTIER_MODEL_CACHE``, default ``~/.cache/sgl-kvtier/models``)."""
     return Path(os.environ.get("KVTIER_MODEL_CACHE", Path.home() / ".cache" / "sgl-kvtier" / "models"))
 
 
 def resolve_model(model: str, make: bool) -> str:
+    """``model`` as a path: a model size names a random model in the cache (made now if ``make``)."""
     if model not in MODEL_SIZES:
         return model
     path = model_cache_dir() / model
     if make:
-        from sgl_kvtier.sglang.model_factory import make_model
+        from sgl_kvtier.serving.model_factory import make_model
 
         make_model(path, size=model)
     return str(path)
 
 
 def extra_config(kvtier: dict[str, Any], sglang_extra: dict[str, Any]) -> dict[str, Any]:
+    """The extra-config JSON: our backend, SGLang's prefetch keys and the validated [kvtier] keys."""
     StoreConfig.from_mapping(kvtier)  # fail here, naming the field, not deep inside SGLang's scheduler
     kvtier = dict(kvtier)
     # The server may run elsewhere than here: relative paths are made absolute against this directory.
@@ -90,7 +89,8 @@ def split_policy(kvtier: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     return store, {ENV_POLICY: policy}
 
 
-def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: bool = True) -> tuple[list[str], dict]:
+def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: bool = True) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the environment it needs on top of ours, from a loaded config."""
     sg = dict(doc.get("sglang", {}))
     if "model_path" not in sg:
         raise ConfigError("sglang.model_path", "is required")
@@ -117,8 +117,9 @@ def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: 
 
 
 def cmd_launch(args: argparse.Namespace, console: Any) -> int:
+    """``sgl-kvtier launch``: print the command, or replace this process with the server."""
     doc = load(args.config)
-    cmd, env = build_command(doc, args.extra, gpu=has_gpu(), make_model=not args.print)
+    cmd, env = build_command(doc, args.extra, gpu=has_cuda_gpu(), make_model=not args.print)
     if args.print:
         prefix = " ".join(f"{k}={v}" for k, v in env.items())
         print((prefix + " " if prefix else "") + shlex.join(cmd))
@@ -131,6 +132,7 @@ def cmd_launch(args: argparse.Namespace, console: Any) -> int:
 
 
 def add_launch_parser(sub: Any) -> None:
+    """Add the ``launch`` sub-command to the CLI's sub-parsers."""
     p = sub.add_parser("launch", help="start an SGLang server with sgl-kvtier as its L3 tier")
     p.add_argument("--config", required=True, help="a configs/*.toml file")
     p.add_argument("--print", action="store_true", help="print the command instead of running it")

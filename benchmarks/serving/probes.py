@@ -1,32 +1,25 @@
-"""The machine side of bench_serving: page cache, CPU accounting, L3 store sizes, SGLang's JIT hash
-extension, and the scheduler process (for py-spy)."""
+"""What a serving run reads off the machine besides HTTP: the server's process tree (CPU seconds, memory,
+open files), the scheduler process (for py-spy), L3 store sizes, and SGLang's JIT hash extension."""
 
 from __future__ import annotations
 
-import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serving import configs
-
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+from benchmarks.serving import configs
 
 
-def page_cache_policy(disabled: bool) -> tuple[bool, str]:
-    """(drop the page cache between phases?, the sentence that says so in the report)."""
-    if disabled:
-        return False, "NOT dropped (--no-drop-caches): L3 reads of the file backend may come from the page cache"
-    if os.geteuid() != 0 or not os.access(DROP_CACHES, os.W_OK):
-        return False, "NOT dropped (not root): L3 reads of the file backend may come from the page cache"
-    return True, "dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before every phase; kvtier also reads with O_DIRECT"
+def process_tree(pid: int) -> Iterator[Any]:
+    """``psutil.Process`` of ``pid`` and of all its descendants (none if it is gone)."""
+    import psutil
 
-
-def drop_caches() -> float:
-    t0 = time.monotonic()
-    os.sync()
-    DROP_CACHES.write_text("3\n")
-    return time.monotonic() - t0
+    try:
+        root = psutil.Process(pid)
+        yield from [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
 
 
 def prebuild_hash_extension() -> dict[str, Any]:
@@ -49,12 +42,12 @@ def prebuild_hash_extension() -> dict[str, Any]:
 def scheduler_pid(server_pid: int) -> int | None:
     import psutil
 
-    try:
-        for child in psutil.Process(server_pid).children(recursive=True):
+    for child in list(process_tree(server_pid))[1:]:
+        try:
             if "scheduler" in " ".join(child.cmdline() or [child.name()]):
                 return child.pid
-    except psutil.Error:
-        return None
+        except psutil.Error:
+            continue
     return None
 
 
@@ -67,18 +60,28 @@ def cpu_seconds(server_pid: int) -> dict[str, float]:
     import psutil
 
     total = 0.0
-    try:
-        root = psutil.Process(server_pid)
-        for proc in [root, *root.children(recursive=True)]:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                continue
-    except psutil.Error:
-        pass
+    for proc in process_tree(server_pid):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
     m = psutil.cpu_times()
     return {"server_s": total, "machine_busy_s": m.user + m.nice + m.system + m.irq + m.softirq + getattr(m, "steal", 0.0)}
+
+
+def tree_usage(server_pid: int) -> tuple[float, int]:
+    """(RSS MiB, open file descriptors) of the server's processes together."""
+    import psutil
+
+    rss, fds = 0, 0
+    for proc in process_tree(server_pid):
+        try:
+            rss += proc.memory_info().rss
+            fds += proc.num_fds()
+        except psutil.Error:
+            continue
+    return rss / 2**20, fds
 
 
 def store_summary(cfg: configs.Config, path: Path) -> dict[str, Any]:

@@ -1,0 +1,303 @@
+"""PageShard: one open namespace shard's pages and its verified read path, shared by reader and writer.
+
+``PageReader`` (``store.reader``: a follower of a live writer, or an offline view) and ``PageStore``
+(``store.page_store``: the shard's one writer) both derive from it. It holds what every open shard has:
+the layout (arenas on the devices), the in-memory index (key -> slot, checksums, eviction policy) and slot
+table, the IO engine behind ``PageIO``, the devices' circuit breakers, counters and measured read rates.
+
+API (pages are lists of ``(address, length)`` runs in caller memory; keys are valid ``PageKey``s):
+    get(keys, pages) -> [bool]        True: the page's bytes, verified, are in the caller's runs
+    longest_prefix(keys) -> int       how many leading keys are readable now
+    contains / slot_of / parent_of / keys / len, stats(), close()
+
+Read path of a batch: pin (under the lock: look each key up, pin its slot, touch the policy) -> read (no
+lock: one vectored IO per page, checked against the xxh3-64 taken at write time) -> unpin -> settle (under
+the lock: count, and drop every ``CORRUPT`` page through ``_dropped``, which a writer also journals). A
+pinned slot is never handed to a writer, so an eviction racing a read cannot put another page's bytes
+under it; a stale index (a follower behind its writer) can only read bytes that fail their checksum: a
+miss, never wrong KV.
+
+Every instance owns all of its state (the collector pause below is the one shared thing, and it counts),
+so any number of readers and one writer per shard can be open at once, in one process or many; nothing on
+this read path writes a file. Thread safety: one lock per instance guards the index, slots and policy; IO
+runs outside it, so SGLang's exists / get / set threads proceed in parallel.
+
+Lifecycle (``store.lifecycle``): ``open`` takes the shard's resources one at a time under an ``Acquired``
+stack (an injected engine is the shard's from the call on), so an open failing at any point releases all
+it took and re-raises its own error. ``close`` runs ``_close_steps`` (each whatever the others raise; then
+``StoreCloseError`` from the first failure) and is idempotent. The engine's threads (``kvtier-io_*``) and
+rings end in its ``io engine`` step; read-ahead threads belong to ``prefetch``, which stops them first.
+"""
+
+from __future__ import annotations
+
+import abc
+import gc
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Self
+
+from sgl_kvtier.config import Durability, StoreConfig
+from sgl_kvtier.errors import StoreClosedError
+from sgl_kvtier.io.buffers import Run
+from sgl_kvtier.io.engine import IOEngine
+from sgl_kvtier.io.factory import open_engine
+from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
+from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.health import DeviceHealth
+from sgl_kvtier.store.index import PageIndex
+from sgl_kvtier.store.layout import Layout
+from sgl_kvtier.store.lifecycle import Acquired, Step, close_all
+from sgl_kvtier.store.read_rates import ReadRates
+from sgl_kvtier.store.slots import SlotTable
+from sgl_kvtier.store.transfer import PageIO, ReadVerdict
+from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters, StoreStats
+
+log = logging.getLogger(__name__)
+Pinned = list[tuple[int, tuple[int, int]]]  # (page index in the batch, (slot, checksum)) per pinned page
+
+
+class _CollectorPause:
+    """Keeps Python's cyclic collector off while any shard loads its index (a million fresh objects it
+    would rescan again and again); overlapping loads on several threads re-enable it after the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._was_enabled:
+                gc.enable()
+
+
+_COLLECTOR_PAUSE = _CollectorPause()
+
+
+def collector_paused() -> _CollectorPause:
+    """The shared collector pause, for recovering an index and building a shard on it."""
+    return _COLLECTOR_PAUSE
+
+
+def own_engine(held: Acquired, base: IOEngine | None) -> int | None:
+    """A shard being opened takes ``base`` over at once: if the open fails, ``held`` closes it too.
+    Returns its place in ``held``, for ``open_shard_engine``."""
+    return None if base is None else held.push("io engine", base.close)
+
+
+def open_shard_engine(config: StoreConfig, base: IOEngine | None, held: Acquired, place: int | None) -> IOEngine:
+    """The engine stack of a shard being opened (``base`` inside it), held by ``held`` from here on."""
+    engine = open_engine(config, base)
+    if place is not None:
+        held.drop(place)  # closing the stack closes ``base`` inside it, once
+    held.push("io engine", engine.close)  # released where a shard's close releases it: before the devices
+    return engine
+
+
+class PageShard(abc.ABC):
+    """An open namespace shard: its index, slots and devices, and the verified read path (see the module
+    docstring). Open one through ``PageReader.open`` or ``PageStore.open``."""
+
+    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, recovered: jr.Recovered,
+                 capacity: int, engine: IOEngine):
+        self.config = config
+        self.namespace = namespace
+        self.layout = layout
+        self.page_bytes = namespace.page_bytes
+        self.slot_bytes = layout.slot_bytes
+        self.recovery = recovered  # what was rebuilt from disk (problems found, records replayed)
+        self.counters = StoreCounters()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._errlog = RateLimitedLog(log)
+        self._engine = engine  # the whole stack (``open_shard_engine``); the shard owns and closes it
+        self.health = DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
+                                   config.breaker_cooldown_s, config.slow_io_s)
+        self._ndev = len(layout.arenas)
+        self.read_rates = ReadRates(self._ndev)  # moving-average read bandwidth / batch latency (cost model)
+        self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
+                          config.durability is not Durability.NONE, self._device_full)
+        self._index = PageIndex(recovered, config.eviction, capacity)
+        self._slots = SlotTable(capacity, self._index.slots())
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Release everything the shard holds (``_close_steps``, each step whatever the others raise); later
+        calls to the shard raise ``StoreClosedError``.
+
+        Raises ``StoreCloseError`` (from the first failure) once every step ran; the shard is released and
+        closed all the same. Idempotent: a second call, after a failed one too, does nothing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        close_all(str(self.layout.meta), self._close_steps())
+
+    def _close_steps(self) -> list[Step]:
+        """What ``close`` runs, in order (a writer checkpoints first)."""
+        return self._release_steps()
+
+    def _release_steps(self) -> list[Step]:
+        """What releases everything the shard holds, newest first (also a failed open's clean-up)."""
+        return [("io engine", self._io.close), ("devices", self.layout.close)]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:  # the block's own error is the one to see; this one rides along
+            exc.add_note(f"closing the shard failed too: {close_error!r}")
+            log.warning("closing %s after an error failed too: %r", self.layout.meta, close_error)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("page store is closed")
+
+    # ------------------------------------------------------------------ queries
+    def longest_prefix(self, keys: Sequence[PageKey]) -> int:
+        """How many leading ``keys`` are stored on a device whose circuit is not open."""
+        self._check_open()
+        with self._lock:
+            slot_of, usable = self._index.slot_of, self.health.usable
+            for i, key in enumerate(keys):
+                slot = slot_of.get(key)
+                if slot is None or not usable(slot % self._ndev):
+                    return i
+        return len(keys)
+
+    def contains(self, key: PageKey) -> bool:
+        """Whether ``key`` is in the index (its device may still be unusable)."""
+        return key in self._index
+
+    def slot_of(self, key: PageKey) -> int | None:
+        """The global slot holding ``key``, or None."""
+        return self._index.slot_of.get(key)
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        """The stored page ``key`` chains on (chain-aware eviction's link), or None."""
+        return self._index.parent_of(key)
+
+    def keys(self) -> list[PageKey]:
+        """Every stored key, coldest first."""
+        with self._lock:
+            return list(self._index.slot_of)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def stats(self) -> StoreStats:
+        """Pages, bytes used / capacity, devices and counters, as one snapshot."""
+        with self._lock:
+            pages = len(self._index)
+            return StoreStats(
+                namespace=self.namespace.describe(), devices=[a.path for a in self.layout.arenas],
+                direct_io=self.layout.direct, engine=self._engine.name, pages=pages, slot_bytes=self.slot_bytes,
+                bytes_used=pages * self.slot_bytes, capacity_bytes=self._slots.capacity * self.slot_bytes,
+                counters=self.counters.snapshot())
+
+    # ------------------------------------------------------------------ reads
+    def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
+        """Read pages into the caller's runs; False for a miss or for any page that fails verification."""
+        self._check_open()
+        results = [False] * len(keys)
+        pinned = self._pin(keys, pages)
+        if not pinned:
+            return results
+        start = time.perf_counter()
+        try:
+            verdicts, busy = self._io.read_timed([(pages[i], entry) for i, entry in pinned])
+        finally:
+            self._unpin(pinned)
+        # The total on the batch's wall clock (what a load waits for); each device on its own ops' time.
+        self.read_rates.record([e[0] % self._ndev for (_, e), v in zip(pinned, verdicts) if v is ReadVerdict.HIT],
+                               self.page_bytes, time.perf_counter() - start, busy)
+        self._settle(keys, pinned, verdicts, results)
+        return results
+
+    def _pin(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> Pinned:
+        """Read phase 1 (under the lock): find each page and pin its slot, so no writer reuses it mid-read."""
+        pinned: Pinned = []
+        with self._lock:
+            for i, (key, runs) in enumerate(zip(keys, pages)):
+                if not self._valid_page(key, runs, "get"):
+                    continue
+                entry = self._index.lookup(key)
+                if entry is None:
+                    self.counters.get_misses += 1
+                    continue
+                self._slots.pin(entry[0])
+                pinned.append((i, entry))
+            self._index.touch([keys[i] for i, _ in pinned])
+        return pinned
+
+    def _unpin(self, pinned: Pinned) -> None:
+        with self._lock:
+            for _, (slot, _) in pinned:
+                self._slots.unpin(slot)
+
+    def _settle(self, keys: Sequence[PageKey], pinned: Pinned, verdicts: list[ReadVerdict],
+                results: list[bool]) -> None:
+        """Read phase 3 (under the lock): count hits and misses, drop the pages found corrupt."""
+        bad: list[PageKey] = []
+        with self._lock:
+            for (i, entry), verdict in zip(pinned, verdicts):
+                if verdict is ReadVerdict.HIT:
+                    results[i] = True
+                    self.counters.get_hits += 1
+                    self.counters.bytes_read += self.page_bytes
+                    continue
+                self.counters.get_misses += 1
+                # Only the page that was read is dropped: if the key moved meanwhile (rewritten, or a
+                # follower refreshed), its new entry differs and stays. This also drops a key listed twice once.
+                if verdict is ReadVerdict.CORRUPT and self._index.lookup(keys[i]) == entry:
+                    self.counters.corrupt_pages += 1
+                    self._errlog.error("page %s failed its checksum or was short; dropped (a miss)", keys[i].hex()[:16])
+                    self._remove(keys[i])
+                    bad.append(keys[i])
+            if bad:
+                self._dropped(bad)
+
+    # ------------------------------------------------------------------ bookkeeping (under the lock)
+    def _remove(self, key: PageKey) -> None:
+        """Forget a page (under the lock); its slot is reused once no reader holds it."""
+        self._slots.release(self._index.remove(key))
+
+    @abc.abstractmethod
+    def _dropped(self, keys: list[PageKey]) -> None:
+        """Pages the read path just removed as corrupt (under the lock): a writer journals their deletion,
+        a reader keeps it in memory."""
+
+    def _device_full(self, slot: int) -> None:
+        with self._lock:
+            self._slots.shrink(slot)
+
+    def _valid_page(self, key: PageKey, runs: Sequence[Run], op: str) -> bool:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            self.counters.bad_requests += 1
+            self._errlog.error("%s: key must be %d bytes, got %r", op, KEY_BYTES, key)
+            return False
+        total = sum(n for _, n in runs)
+        if total != self.page_bytes:
+            self.counters.bad_requests += 1
+            self._errlog.error("%s: page runs add up to %d bytes, this store's pages are %d", op, total, self.page_bytes)
+            return False
+        return True

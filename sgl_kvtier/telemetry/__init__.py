@@ -1,0 +1,1 @@
+"""Measurements: counters, rate-limited logging, snapshots and their exporters. Imports no SGLang."""

@@ -1,0 +1,220 @@
+"""Prometheus gauges of the L3 tier, in SGLang's own ``/metrics`` (``--enable-metrics``).
+
+SGLang runs ``prometheus_client`` in multiprocess mode: the launcher sets ``PROMETHEUS_MULTIPROC_DIR``
+before it spawns the scheduler processes, every process writes its samples to files there, and the
+HTTP server's ``/metrics`` merges them (``MultiProcessCollector``). Our backend lives in a scheduler
+process, so gauges created there (``multiprocess_mode="mostrecent"``, as SGLang's own gauges are) appear
+in that ``/metrics`` without an endpoint of our own.
+
+What is exported (all ``kvtier_``; labels ``pool`` and the ranks ``tp_rank``, ``pp_rank``, ``dp_rank``,
+plus ``device`` (index) and ``path`` for per-device series):
+- the cost policy's measured inputs: read bandwidth, batch latency and sample count, all devices together
+  (what a load sees) and per device; the prefill model (``per_token_s``, ``per_token_kctx_s``,
+  ``fixed_s``, samples); whether the policy is on;
+- the store: pages, bytes used, capacity bytes, each ``StoreCounters`` field as a gauge of its running
+  total (``kvtier_store_<field>``), and per device the circuit breaker (0 closed, 0.5 half open: probing,
+  1 open) and how often it tripped; read-ahead counters (``kvtier_readahead_<field>``, buffers in use);
+- the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``).
+
+Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
+(SGLang calls it on every scheduler step, and only with ``--enable-metrics``:
+``UnifiedRadixCache.check_hicache_events``) with its ``telemetry`` method; the exporter reads only that
+typed ``TelemetrySnapshot``. A feed refreshes the gauges at most once per ``KVTIER_METRICS_INTERVAL_S``
+seconds (default 1): a step in between costs one clock read, and no snapshot is built.
+
+Invariants:
+- Inert unless ``PROMETHEUS_MULTIPROC_DIR`` is set and the backend's storage config has metrics on:
+  then ``prometheus_client`` is not even imported, no gauge exists, no file is written.
+- One ``Exporter`` per process (``PROCESS_GAUGES``: prometheus_client's default registry takes each name
+  once); if it cannot be created, exporting stays off in this process.
+- Never raises into SGLang: a failed refresh is counted and logged at a bounded rate by the backend's
+  ``ErrorBoundary``, and the next interval tries again.
+- A figure not measured yet (an estimator without a fit) has no series: never a made-up 0.
+- Label sets differ between ranks, so merging the processes' files never mixes two ranks' values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sgl_kvtier.telemetry.counters import ErrorBoundary, ErrorKind, StoreCounters
+from sgl_kvtier.telemetry.snapshot import Breaker, StoreSnapshot, TelemetrySnapshot
+
+log = logging.getLogger(__name__)
+
+ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+ENV_INTERVAL = "KVTIER_METRICS_INTERVAL_S"
+DEFAULT_INTERVAL_S = 1.0
+RANKS = ("tp_rank", "pp_rank", "dp_rank")
+POOL = ("pool", *RANKS)
+DEVICE = (*POOL, "device", "path")
+BREAKER_VALUE = {Breaker.CLOSED: 0.0, Breaker.HALF_OPEN: 0.5, Breaker.OPEN: 1.0}
+COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters))
+# The fields of ``prefetch.ReadAheadCounters`` (a higher layer: named here, checked equal by the tests).
+READAHEAD = ("staged", "served", "joined", "failed", "dropped", "skipped_full")
+
+# name, help, labels
+_GAUGES = (
+    ("read_bandwidth_bytes_per_second", "Read bandwidth of the pool's store, all devices (batch wall clock)", POOL),
+    ("read_batch_latency_seconds", "Fixed cost per read batch of the pool's store, all devices", POOL),
+    ("read_samples", "Read batches the pool's read model was fitted on", POOL),
+    ("device_read_bandwidth_bytes_per_second", "Read bandwidth of one device (its own ops' time)", DEVICE),
+    ("device_read_batch_latency_seconds", "Fixed cost per read batch of one device", DEVICE),
+    ("device_breaker_state", "Circuit breaker of one device: 0 closed, 0.5 half open, 1 open", DEVICE),
+    ("device_breaker_trips", "Times the device's circuit breaker opened since the store opened", DEVICE),
+    ("store_pages", "Pages stored in the pool's shard", POOL),
+    ("store_bytes_used", "Bytes of device slots holding pages", POOL),
+    ("store_capacity_bytes", "Byte limit of the pool's shard", POOL),
+    *((f"store_{c}", f"StoreCounters.{c}: running total since the store opened", POOL) for c in COUNTERS),
+    *((f"readahead_{c}", f"ReadAheadCounters.{c}: pages, running total since the store opened", POOL)
+      for c in READAHEAD),
+    ("readahead_buffers_in_use", "Read-ahead staging buffers (one page each) held now", POOL),
+    ("prefill_per_token_seconds", "Prefill model: seconds per new token", RANKS),
+    ("prefill_per_token_kctx_seconds", "Prefill model: seconds per new token per 1000 tokens of attention span",
+     RANKS),
+    ("prefill_fixed_seconds", "Prefill model: fixed seconds per batch", RANKS),
+    ("prefill_samples", "Prefill batches the prefill model was fitted on", RANKS),
+    ("cost_policy_enabled", "1 when KVTIER_PREFETCH_POLICY=cost (load or recompute by the cost model)", RANKS),
+    ("boundary_errors", "Exceptions the adapter caught and served as misses: expected (faults, bad input) or "
+     "unexpected (bugs, logged with a traceback)", (*RANKS, "kind")),
+)
+
+
+class Exporter:
+    """The gauges, in ``registry`` (None: prometheus_client's default, which SGLang's /metrics merges)."""
+
+    def __init__(self, registry: Any = None):
+        from prometheus_client import Gauge
+
+        where = {} if registry is None else {"registry": registry}
+        self.gauges = {name: Gauge(f"kvtier_{name}", doc, labelnames=labels, multiprocess_mode="mostrecent", **where)
+                       for name, doc, labels in _GAUGES}
+
+    def _set(self, name: str, labels: tuple[object, ...], value: float | int | bool | None) -> None:
+        if value is None:
+            return  # not measured yet: no series rather than a made-up number
+        self.gauges[name].labels(*map(str, labels)).set(float(value))
+
+    def update(self, snap: TelemetrySnapshot) -> None:
+        """Set every gauge from one snapshot."""
+        ranks = (snap.ranks.tp_rank, snap.ranks.pp_rank, snap.ranks.dp_rank)
+        for pool in snap.pools:
+            labels = (pool.name, *ranks)
+            if pool.store is not None:
+                self._update_store(labels, pool.store)
+            if pool.readahead is not None:
+                for c in READAHEAD:
+                    self._set(f"readahead_{c}", labels, pool.readahead.counters.get(c))
+                self._set("readahead_buffers_in_use", labels, pool.readahead.buffers_in_use)
+        self._set("prefill_per_token_seconds", ranks, snap.prefill.per_token_s)
+        self._set("prefill_per_token_kctx_seconds", ranks, snap.prefill.per_token_kctx_s)
+        self._set("prefill_fixed_seconds", ranks, snap.prefill.fixed_s)
+        self._set("prefill_samples", ranks, snap.prefill.samples)
+        self._set("cost_policy_enabled", ranks, snap.cost_policy_enabled)
+        self._set("boundary_errors", (*ranks, ErrorKind.EXPECTED.value), snap.boundary.expected)
+        self._set("boundary_errors", (*ranks, ErrorKind.UNEXPECTED.value), snap.boundary.unexpected)
+
+    def _update_store(self, pool: tuple[object, ...], store: StoreSnapshot) -> None:
+        self._set("store_pages", pool, store.pages)
+        self._set("store_bytes_used", pool, store.bytes_used)
+        self._set("store_capacity_bytes", pool, store.capacity_bytes)
+        for c in COUNTERS:
+            self._set(f"store_{c}", pool, store.counters.get(c))
+        self._set("read_bandwidth_bytes_per_second", pool, store.read.bandwidth_Bps)
+        self._set("read_batch_latency_seconds", pool, store.read.batch_latency_s)
+        self._set("read_samples", pool, store.read.samples)
+        for i, dev in enumerate(store.devices):
+            device = (*pool, i, dev.path)
+            self._set("device_read_bandwidth_bytes_per_second", device, dev.read.bandwidth_Bps)
+            self._set("device_read_batch_latency_seconds", device, dev.read.batch_latency_s)
+            self._set("device_breaker_state", device, BREAKER_VALUE[dev.breaker])
+            self._set("device_breaker_trips", device, dev.trips)
+
+
+class ProcessGauges:
+    """The process's one ``Exporter``, made on first use by ``factory``; if that fails, off for good."""
+
+    def __init__(self, factory: Callable[[], Exporter] = Exporter):
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._exporter: Exporter | None = None
+        self._broken = False
+
+    def get(self) -> Exporter | None:
+        """The exporter, or None when the gauges could not be created in this process."""
+        with self._lock:
+            if self._exporter is None and not self._broken:
+                try:
+                    self._exporter = self._factory()
+                except Exception as exc:  # noqa: BLE001 - e.g. names already registered by another exporter
+                    self._broken = True
+                    log.warning("kvtier: Prometheus gauges off in pid %d: %s: %s", os.getpid(), type(exc).__name__, exc)
+            return self._exporter
+
+
+PROCESS_GAUGES = ProcessGauges()
+
+
+def _interval() -> float:
+    raw = os.environ.get(ENV_INTERVAL, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_INTERVAL_S
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        log.warning("%s=%r is not a number of seconds >= 0; using %.1f", ENV_INTERVAL, raw, DEFAULT_INTERVAL_S)
+        return DEFAULT_INTERVAL_S
+    return value
+
+
+class PrometheusFeed:
+    """One backend's feed into the process's gauges, rate-limited to one refresh per interval.
+
+    ``metrics_on``: the backend's storage config asked for metrics. ``gauges``: where the exporter comes
+    from (the process's by default). ``boundary``: counts and logs a failed refresh.
+    """
+
+    def __init__(self, metrics_on: bool, boundary: ErrorBoundary, gauges: ProcessGauges | None = None):
+        self.metrics_on = metrics_on
+        self._boundary = boundary
+        self._gauges = PROCESS_GAUGES if gauges is None else gauges
+        self._lock = threading.Lock()
+        self._interval_s: float | None = None
+        self._next = -math.inf
+
+    def exporting(self) -> bool:
+        """SGLang serves multiprocess metrics and this backend has metrics on."""
+        return bool(os.environ.get(ENV_MULTIPROC_DIR)) and self.metrics_on
+
+    def refresh(self, snapshot: Callable[[], TelemetrySnapshot], now: float | None = None) -> bool:
+        """Refresh the gauges from ``snapshot()`` if the interval has passed; True when they were refreshed.
+
+        Cheap between refreshes (one clock read); never raises.
+        """
+        t = time.monotonic() if now is None else now
+        if t < self._next:
+            return False
+        try:
+            with self._lock:
+                if t < self._next:
+                    return False
+                if self._interval_s is None:
+                    self._interval_s = _interval()
+                self._next = t + self._interval_s
+                if not self.exporting():
+                    return False
+                exporter = self._gauges.get()
+                if exporter is None:
+                    return False
+                exporter.update(snapshot())
+            return True
+        except Exception as exc:  # noqa: BLE001 - a refresh must never break the scheduler step calling it
+            self._boundary.fail("Prometheus refresh", exc, outcome="gauges not refreshed")
+            return False

@@ -1,0 +1,150 @@
+"""A typed, immutable picture of one backend's L3 tier at one moment: what exporters and logs read.
+
+``KVTierStorage.telemetry()`` builds one ``TelemetrySnapshot`` per call (per pool: the store's occupancy,
+counters, read rates and circuit breakers, and its read-ahead counters; the prefill model; the policy
+switch; the adapter's caught exceptions; the rank labels). Consumers (the Prometheus exporter, the cost
+inputs log line, tests) read only this, never the backend's attributes.
+
+Invariants: frozen dataclasses, counters held as read-only mappings copied at build time; a figure not
+measured yet is ``None`` (never a made-up 0); imports no SGLang and no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from sgl_kvtier.telemetry.counters import BoundaryCounts
+
+_EMPTY: Mapping[str, int] = MappingProxyType({})
+
+
+def frozen_counts(counts: Mapping[str, int]) -> Mapping[str, int]:
+    """A read-only copy of ``counts`` for a snapshot."""
+    return MappingProxyType(dict(counts))
+
+
+@dataclass(frozen=True)
+class RateSnapshot:
+    """A fitted transfer model (``seconds ~= batch_latency + bytes / bandwidth``) and its sample count."""
+
+    bandwidth_Bps: float | None = None
+    batch_latency_s: float | None = None
+    samples: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the keys of ``TransferEstimator.snapshot``)."""
+        return {"bandwidth_Bps": self.bandwidth_Bps, "batch_latency_s": self.batch_latency_s,
+                "samples": self.samples}
+
+
+class Breaker(enum.Enum):
+    """A device's circuit breaker as reported (the values of the store's ``BreakerState``)."""
+
+    CLOSED = "closed"  # healthy
+    HALF_OPEN = "half_open"  # probing after its cool-down
+    OPEN = "open"  # the device's pages read as misses without IO
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """One device of a store: its own read rate and its circuit breaker."""
+
+    path: str
+    read: RateSnapshot
+    breaker: Breaker
+    trips: int
+
+
+@dataclass(frozen=True)
+class StoreSnapshot:
+    """One open page-store shard: occupancy, running counters, and read rates (all devices and each)."""
+
+    pages: int
+    bytes_used: int
+    capacity_bytes: int
+    read: RateSnapshot
+    devices: tuple[DeviceSnapshot, ...] = ()
+    counters: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # StoreCounters field -> running total
+
+
+@dataclass(frozen=True)
+class ReadAheadSnapshot:
+    """One pool's read-ahead stage: its running counters (pages) and the staging buffers held now."""
+
+    buffers_in_use: int
+    counters: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # ReadAheadCounters field -> running total
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """One registered host pool and its shard; ``store`` is None while a reader's shard is not open."""
+
+    name: str
+    page_bytes: int
+    store: StoreSnapshot | None = None
+    readahead: ReadAheadSnapshot | None = None
+
+
+class PrefillSource(enum.Enum):
+    """Where the prefill model in use comes from."""
+
+    FIT = "fit"  # least squares over measured batches
+    SEED = "seed"  # KVTIER_PREFILL_TOKENS_PER_S, until enough batches were measured
+
+
+@dataclass(frozen=True)
+class PrefillSnapshot:
+    """The prefill model in use (None: none yet) and how many batches were measured."""
+
+    per_token_s: float | None = None
+    per_token_kctx_s: float | None = None
+    fixed_s: float | None = None
+    samples: int = 0
+    source: PrefillSource | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the keys of ``PrefillEstimator.snapshot``)."""
+        return {"per_token_s": self.per_token_s, "per_token_kctx_s": self.per_token_kctx_s,
+                "fixed_s": self.fixed_s, "samples": self.samples,
+                "source": None if self.source is None else self.source.value}
+
+
+@dataclass(frozen=True)
+class RankLabels:
+    """The parallel ranks of the SGLang process a backend lives in: labels that keep ranks' series apart."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class TelemetrySnapshot:
+    """Everything one backend reports, at one moment."""
+
+    ranks: RankLabels
+    pools: tuple[PoolSnapshot, ...] = ()
+    prefill: PrefillSnapshot = PrefillSnapshot()
+    cost_policy_enabled: bool = False
+    boundary: BoundaryCounts = BoundaryCounts()
+
+    def pool(self, name: str) -> PoolSnapshot | None:
+        """The pool called ``name``, if registered."""
+        return next((p for p in self.pools if p.name == name), None)
+
+    def cost_inputs(self) -> dict[str, Any]:
+        """The cost policy's measured inputs, JSON-ready: the switch, the prefill model, and per open pool
+        the page size and read rates (all devices together, and each device with its path)."""
+        pools = {p.name: {"page_bytes": p.page_bytes, "read": p.store.read.as_dict(),
+                          "devices": [{"path": d.path, **d.read.as_dict()} for d in p.store.devices]}
+                 for p in self.pools if p.store is not None}
+        return {"policy": "cost" if self.cost_policy_enabled else "off", "prefill": self.prefill.as_dict(),
+                "pools": pools}
+
+
+__all__ = ["Breaker", "RateSnapshot", "DeviceSnapshot", "StoreSnapshot", "ReadAheadSnapshot", "PoolSnapshot", "PrefillSource",
+           "PrefillSnapshot", "RankLabels", "TelemetrySnapshot", "frozen_counts"]

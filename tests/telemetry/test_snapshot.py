@@ -1,0 +1,51 @@
+"""The typed telemetry snapshot: immutable, and its JSON view of the cost inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from sgl_kvtier.telemetry.snapshot import (
+    Breaker,
+    DeviceSnapshot,
+    PoolSnapshot,
+    PrefillSnapshot,
+    PrefillSource,
+    RankLabels,
+    RateSnapshot,
+    StoreSnapshot,
+    TelemetrySnapshot,
+    frozen_counts,
+)
+
+
+def test_a_snapshot_cannot_change():
+    counts = {"get_hits": 3}
+    store = StoreSnapshot(1, 4096, 8192, RateSnapshot(), counters=frozen_counts(counts))
+    counts["get_hits"] = 99  # the source moves on; the snapshot does not
+    assert store.counters["get_hits"] == 3
+    with pytest.raises(TypeError):
+        store.counters["get_hits"] = 5  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        store.pages = 2  # type: ignore[misc]
+
+
+def test_cost_inputs_list_open_pools_only():
+    devices = (DeviceSnapshot("/d0", RateSnapshot(1e9, 1e-3, 4), Breaker.CLOSED, 0),
+               DeviceSnapshot("/d1", RateSnapshot(None, None, 0), Breaker.HALF_OPEN, 2))
+    snap = TelemetrySnapshot(
+        RankLabels(), pools=(PoolSnapshot("kv", 4096, StoreSnapshot(3, 3 * 4096, 8 * 4096, RateSnapshot(2e9, 2e-3, 4),
+                                                                    devices)),
+                             PoolSnapshot("draft", 1024)),
+        prefill=PrefillSnapshot(1e-4, 0.0, 0.0, 6, PrefillSource.FIT), cost_policy_enabled=True)
+    assert snap.pool("draft") == PoolSnapshot("draft", 1024) and snap.pool("mamba") is None
+    assert snap.cost_inputs() == {
+        "policy": "cost",
+        "prefill": {"per_token_s": 1e-4, "per_token_kctx_s": 0.0, "fixed_s": 0.0, "samples": 6, "source": "fit"},
+        "pools": {"kv": {"page_bytes": 4096, "read": {"bandwidth_Bps": 2e9, "batch_latency_s": 2e-3, "samples": 4},
+                         "devices": [{"path": "/d0", "bandwidth_Bps": 1e9, "batch_latency_s": 1e-3, "samples": 4},
+                                     {"path": "/d1", "bandwidth_Bps": None, "batch_latency_s": None, "samples": 0}]}},
+    }
+    json.dumps(snap.cost_inputs())  # log- and JSON-ready

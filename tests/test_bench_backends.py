@@ -1,0 +1,38 @@
+"""benchmarks.bench_backends: a small run (128 pages of 256 KiB, one round) of SGLang's ``file`` backend and
+ours with ``--readahead``: kvtier's exists -> get span with read-ahead at its default and off."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from benchmarks import bench_backends  # noqa: E402
+from benchmarks.store.backends import READAHEAD_DEFAULT  # noqa: E402
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_small_run_with_readahead(tmp_path: Path) -> None:
+    out = tmp_path / "bench_backends.json"
+    bench_backends.main(["--page-mib", "0.25", "--total-gib", "0.01", "--rounds", "1", "--exists-keys", "64",
+                         "--exists-repeats", "2", "--readahead", "--dir", str(tmp_path / "scratch"),
+                         "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {(r["system"], r["op"]): r for r in result["rows"]}
+    cold = "cold" if result["cold_reads"] else "WARM"
+    assert set(rows) == {(s, op) for s in ("file", "kvtier") for op in ("put", "get", "exists cold", "exists warm")} \
+        | {("fio", "put"), ("fio", "get"), ("kvtier", "load"), ("kvtier+ra", "load")}
+    on, off = rows[("kvtier+ra", "load")], rows[("kvtier", "load")]
+    assert on["metric"] == f"kvtier+ra load {cold} 0.25 MiB" and on["value"] > 0 and off["value"] > 0
+    assert on["vs_ra_off"] == pytest.approx(on["value"] / off["value"]) and off["vs_ra_off"] is None
+    assert on["vs_fio"] == pytest.approx(on["value"] / rows[("fio", "get")]["value"])
+    # The whole 32 MiB span fits the default 256 MiB budget: every page is staged by exists, and served.
+    assert f"readahead_bytes={READAHEAD_DEFAULT} (default)" in on["note"] and "staged 128" in on["note"]
+    assert "served 128" in on["note"]
+    assert off["note"].startswith("readahead_bytes=0;") and "staged" not in off["note"]
+    assert rows[("kvtier", "get")]["vs_file"] > 0 and "verified byte-exact" in rows[("kvtier", "get")]["note"]
+    assert result["machine"]["model_dtype"] == "bfloat16"

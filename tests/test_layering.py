@@ -1,0 +1,183 @@
+"""The architecture as the README draws it, checked from the source (AST, every import, lazy ones too).
+
+Layers, lowest first; a module imports only from its own package or from packages of a lower layer:
+
+    0  errors
+    1  keys, config, estimation          foundation: plain data, parsing, typed errors, measured models
+    2  telemetry, io                     counters and snapshots; engines, buffers, engine wrappers
+    3  policy                            eviction, admission, the load-or-recompute model and its inputs
+    4  store                             the page store: format, devices, journal, index, reader, writer
+    5  prefetch                          read-ahead staging over a store's reads
+    6  sglang, serving                   the adapter and SGLang plugins; tooling that runs SGLang as a process
+    7  cli                               operator commands (8: ``__main__``, which runs them)
+
+Only ``sgl_kvtier.sglang`` imports ``sglang`` or ``torch``. No import cycles, also inside a package (a
+module's edges include the ``__init__`` of every package it imports from, as Python runs those too).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {
+    "errors": 0, "keys": 1, "config": 1, "estimation": 1, "telemetry": 2, "io": 2, "policy": 3, "store": 4, "prefetch": 5,
+    "sglang": 6, "serving": 6, "cli": 7, "__main__": 8,
+}
+ADAPTER = "sglang"
+ADAPTER_ONLY = {"sglang", "torch", "triton", "vllm", "flashinfer"}
+MAX_LINES = 450
+
+Modules = dict[str, Path]
+
+
+def find_modules(root: Path) -> Modules:
+    """``{dotted name: path}`` for every module of the ``sgl_kvtier`` package under ``root``."""
+    out = {}
+    for path in sorted((root / "sgl_kvtier").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(mods: Modules, name: str) -> list[tuple[str, int]]:
+    """Every module ``name`` imports (relative imports resolved; ``from pkg import sub`` -> ``pkg.sub``)."""
+    path = mods[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub if sub in mods else base, node.lineno))
+    return found
+
+
+def top(name: str) -> str:
+    return name.split(".")[1] if "." in name else ""
+
+
+def unlayered(mods: Modules) -> list[str]:
+    return sorted({top(m) for m in mods if m != "sgl_kvtier"} - set(LAYERS))
+
+
+def layer_violations(mods: Modules) -> list[str]:
+    bad = []
+    for name in mods:
+        mine = top(name)
+        if mine not in LAYERS:
+            continue
+        for target, line in imports(mods, name):
+            theirs = top(target) if target.startswith("sgl_kvtier.") else None
+            if theirs is None or theirs == mine or theirs not in LAYERS:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                bad.append(f"{mods[name]}:{line}: {mine} (layer {LAYERS[mine]}) imports {target} "
+                           f"(layer {LAYERS[theirs]})")
+    return bad
+
+
+def adapter_only_violations(mods: Modules) -> list[str]:
+    return [f"{mods[name]}:{line}: imports {target}" for name in mods if top(name) != ADAPTER
+            for target, line in imports(mods, name) if target.split(".")[0] in ADAPTER_ONLY]
+
+
+def cycles(mods: Modules) -> list[str]:
+    graph = {}
+    for name in mods:
+        edges = set()
+        for target, _ in imports(mods, name):
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                mod = ".".join(parts[:i])
+                if mod in mods and mod != name and not name.startswith(mod + "."):
+                    edges.add(mod)
+        graph[name] = edges
+    state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
+    stack: list[str] = []
+    found: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                found.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    return found
+
+
+MODULES = find_modules(ROOT)
+
+
+def test_every_package_has_a_layer():
+    assert not unlayered(MODULES), f"packages with no layer here (and in the README): {unlayered(MODULES)}"
+
+
+def test_no_upward_or_sideways_imports():
+    bad = layer_violations(MODULES)
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_adapter_imports_sglang_or_torch():
+    bad = adapter_only_violations(MODULES)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    found = cycles(MODULES)
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_stay_small_and_documented(name):
+    path = MODULES[name]
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_LINES, f"{path.relative_to(ROOT)}: over {MAX_LINES} lines: split it"
+    if text.strip():
+        assert ast.get_docstring(ast.parse(text)), f"{path.relative_to(ROOT)}: no module docstring"
+
+
+def test_the_checks_catch_each_kind_of_violation(tmp_path):
+    """On a made-up tree: an upward import, torch outside the adapter, a package-init cycle, an unknown package."""
+    files = {
+        "sgl_kvtier/__init__.py": "",
+        "sgl_kvtier/store/__init__.py": "from sgl_kvtier.store.page import Page\n",
+        "sgl_kvtier/store/page.py": "import torch\nfrom sgl_kvtier.sglang import storage\n",
+        "sgl_kvtier/store/format.py": "",
+        "sgl_kvtier/sglang/__init__.py": "",
+        "sgl_kvtier/sglang/storage.py": "import torch\nfrom sgl_kvtier.store import format\n",
+        "sgl_kvtier/io/__init__.py": "",
+        "sgl_kvtier/io/a.py": "from . import b\n",
+        "sgl_kvtier/io/b.py": "def f():\n    import sgl_kvtier.io.a\n",
+        "sgl_kvtier/gadgets/__init__.py": "",
+    }
+    for rel, src in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(src)
+    mods = find_modules(tmp_path)
+    assert unlayered(mods) == ["gadgets"]
+    assert [v.split(": ", 1)[1] for v in layer_violations(mods)] == \
+        ["store (layer 4) imports sgl_kvtier.sglang.storage (layer 6)"]
+    assert [v.rsplit(": ", 1)[1] for v in adapter_only_violations(mods)] == ["imports torch"]
+    assert {frozenset(c.split(" -> ")) for c in cycles(mods)} == {
+        frozenset({"sgl_kvtier.io.a", "sgl_kvtier.io.b"}),
+        frozenset({"sgl_kvtier.store", "sgl_kvtier.store.page", "sgl_kvtier.sglang.storage"})}

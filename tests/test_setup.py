@@ -1,0 +1,65 @@
+"""The set-up is reproducible: every pip call in scripts/setup.sh installs under scripts/constraints.txt, and
+the lock pins every package this environment holds at the version it holds (so the lock is what CI ran)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / "scripts" / "setup.sh"
+LOCK = ROOT / "scripts" / "constraints.txt"
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in LOCK.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"{line}: a lock pins one version"
+            pins[canonicalize_name(req.name)] = spec.version
+    return pins
+
+
+def test_the_lock_pins_single_versions_of_distinct_packages():
+    pins = _lock()
+    assert len(pins) > 100 and {"sglang", "torch", "liburing", "numpy", "msgpack", "xxhash", "mypy", "ruff"} <= set(pins)
+    assert pins["sglang"] == "0.5.23" and pins["torch"] == "2.14.1"
+
+
+def test_every_pip_call_in_setup_uses_the_lock():
+    """One pip command line, PIP, carries ``-c "$LOCK"``; every install goes through it, none around it."""
+    lines = [ln.strip() for ln in SETUP.read_text().splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert 'LOCK="$here/scripts/constraints.txt"' in lines
+    assert 'PIP+=(-c "$LOCK")' in lines
+    through_pip = [ln for ln in lines if ln.startswith('"${PIP[@]}"')]
+    assert len(through_pip) >= 5  # pip itself, SGLang's set, SGLang, the package, its dev extras
+    around = [ln for ln in lines if re.search(r"\bpip3?\b.*\binstall\b", ln) and not ln.startswith("PIP=(")]
+    assert not around, f"pip installs that bypass the lock: {around}"
+
+
+@pytest.mark.skipif(not (Path(sys.prefix) / "pyvenv.cfg").exists() or Path(sys.prefix) != ROOT / ".venv",
+                    reason="not the set-up's own .venv")
+def test_this_environment_is_the_lock():
+    """What setup.sh installed is exactly what the lock says (a package that moved, or came unpinned, fails)."""
+    pins = _lock()
+    ours = {"sgl-kvtier"}
+    drift, unpinned = [], []
+    for dist in md.distributions():
+        name = canonicalize_name(dist.metadata["Name"])
+        if name in ours:
+            continue
+        if name not in pins:
+            unpinned.append(f"{name}=={dist.version}")
+        elif pins[name] != dist.version:
+            drift.append(f"{name}: installed {dist.version}, locked {pins[name]}")
+    assert not drift and not unpinned, ("refresh with 'bash scripts/lock.sh'; " if unpinned else "") + \
+        f"drift: {drift}; not in the lock: {unpinned}"
