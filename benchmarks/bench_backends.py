@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+import torch
 from rich.markup import escape
 from rich.table import Table
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
@@ -32,7 +33,6 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from benchmarks.common import RESULTS, make_console, median
 from benchmarks.machine import machine_line
 from benchmarks.store.backends import (
-    DTYPE,
     close,
     host_pool,
     make_backend,
@@ -44,6 +44,7 @@ from benchmarks.store.context import BATCH, Ctx, store_run, write_result
 from benchmarks.store.fio import measure_fio
 from benchmarks.store.load import measure_loads
 from sgl_kvtier.config import MiB
+from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES, choose_dtype
 
 SYSTEMS = ("file", "kvtier")
 ORDER = ("file", "kvtier", "kvtier+ra", "fio")  # table rows
@@ -149,7 +150,8 @@ def run_all(ctx: Ctx, rows: dict[tuple, Row]) -> None:
     for rnd in range(ctx.args.rounds):
         for mib in ctx.args.page_mib:
             if mib not in pools:
-                pools[mib] = host_pool(mib, ctx.args.layout, 3 * BATCH)  # 2 batches of sources, 1 of landing slots
+                # 2 batches of sources, 1 of landing slots
+                pools[mib] = host_pool(mib, ctx.args.layout, 3 * BATCH, getattr(torch, ctx.args.kv_dtype))
             page_bytes = int(mib * MiB)
             measure_fio(ctx, page_bytes)
             for op, rw in (("put", "write"), ("get", "read")):
@@ -219,6 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-gap-ms", type=float, default=0.0,
                    help="with --readahead: ms between the exists calls and the first get, standing for the "
                         "scheduler step SGLang runs in between (default: 0)")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)],
+                   help="KV dtype of the host pool (the same bytes per page and layer in every dtype); auto: the "
+                        "machine's native one, as the serving benchmarks pick (default: auto)")
     p.add_argument("--dir", type=Path, default=Path(".bench-store"), help="scratch directory on the disk under test")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_backends.json")
     return p.parse_args(argv)
@@ -228,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)  # would override file_storage_path
     rows: dict[tuple, Row] = {}
-    with store_run(args, "backends-", console, model_dtype=str(DTYPE).removeprefix("torch.")) as ctx:
+    choice = choose_dtype(args.dtype)
+    args.kv_dtype = choice.dtype
+    with store_run(args, "backends-", console, model_dtype=choice.dtype, dtype_source=choice.describe()) as ctx:
         ctx.drop_caches()  # learn now whether reads can be cold
         run_all(ctx, rows)
     table = judge(rows, ctx.cold)

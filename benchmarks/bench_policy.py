@@ -32,9 +32,10 @@ from typing import Any
 
 from benchmarks.common import drop_caches, page_cache_policy, progress
 from benchmarks.serving import client, configs, policy_report, report, session, workloads
-from benchmarks.serving.models import resolve_model
+from benchmarks.serving.models import kv_dtype_bytes, resolve_model, served_dtype
 from benchmarks.serving.policies import POLICIES, parse_device, prefix_rounds, resolve_policies, unique_tokens
 from benchmarks.serving.probes import prebuild_hash_extension, store_summary
+from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every policy runs
 SMOKE = {"model": "tiny", "devices": ["slow:2"], "policies": ["load-all", "cost"], "concurrency": [1],
@@ -47,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help=f"tiny model, few requests, two policies, one slow device (explicit flags still win): {SMOKE}")
     p.add_argument("--model", default="bench", help="tiny | bench | kvheavy (random models made offline) or a model path")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)],
+                   help="model and KV dtype; auto: KVTIER_MODEL_DTYPE, else bfloat16 on a GPU or a CPU with "
+                        "AVX512-BF16/AMX, else float32 (a model path on a GPU: its config.json's)")
     p.add_argument("--devices", nargs="+", default=["fast", "slow:4"],
                    help="device settings: 'fast' (the L3 directory as it is) or 'slow:READ_MBPS[:WRITE_MBPS]' "
                         "(sgl-kvtier's ThrottledEngine; writes default to the read cap)")
@@ -166,8 +170,11 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, bars,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console, started = session.start(args, "policy")
-    model_dir, model_name = resolve_model(args.model)
-    kvbpt = configs.kv_bytes_per_token(model_dir)
+    model = resolve_model(args.model, args.dtype, gpu=args.gpu)
+    model_dir, model_name = model.path, model.name
+    server_args = [*model.server_args, *args.server_arg]
+    dtype, dtype_source = served_dtype(model, server_args)
+    kvbpt = configs.kv_bytes_per_token(model_dir, kv_dtype_bytes(dtype, server_args))
     src = workloads.TokenSource(*workloads.token_range(model_dir), salt=0)
     rounds = prefix_rounds(src, documents=args.documents, doc_tokens=args.doc_tokens,
                            question_tokens=args.question_tokens, concurrency=args.concurrency, rounds=args.rounds,
@@ -178,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     ratio = args.host_ratio or configs.host_ratio_for(device, (args.documents + 2 * max(args.concurrency)) * longest)
     plan = configs.ServerPlan(page_size=args.page_size, device_tokens=device, host_ratio=ratio, host_size_gb=0,
                               gpu=args.gpu, l3_root=(args.l3_dir or args.out / "l3").resolve(),
-                              kvtier_capacity_bytes=int(args.kvtier_capacity_gb * 1e9), extra_args=tuple(args.server_arg))
+                              kvtier_capacity_bytes=int(args.kvtier_capacity_gb * 1e9), extra_args=tuple(server_args))
     drop, cache_policy = page_cache_policy(args.no_drop_caches)
     prefix_mb = args.doc_tokens * kvbpt / 1e6
     description = (f"{args.documents} documents x {args.doc_tokens} tokens ({prefix_mb:.1f} MB of KV each) + "
                    f"{args.question_tokens}-token questions; 1 write round, {args.prime_rounds} prime round(s), "
                    f"{args.rounds} measured round(s) per C in {args.concurrency}; {args.max_new_tokens} new tokens")
-    console.print(f"[bold]bench_policy[/] model={model_name} ({kvbpt} KV bytes/token) {'GPU' if args.gpu else 'CPU'}; "
+    console.print(f"[bold]bench_policy[/] model={model_name} {dtype} ({dtype_source}; {kvbpt} KV bytes/token) "
+                  f"{'GPU' if args.gpu else 'CPU'}; "
                   f"{description}; device pool {device}, host pool {plan.host_tokens(kvbpt)} tokens; page cache "
                   f"{cache_policy}")
     for d in args.device_settings:
@@ -193,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     run: dict[str, Any] = {
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
         "args": {k: v for k, v in vars(args).items() if k not in ("device_settings", "policy_list")},
-        "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt},
-        "machine": session.machine(model_dir, args.server_arg),
+        "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt, "dtype": dtype,
+                  "dtype_source": dtype_source},
+        "machine": session.machine(model, server_args),
         "page_cache": cache_policy,
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": plan.host_tokens(kvbpt),
                    "host_ratio": ratio, "longest_request_tokens": longest},

@@ -28,13 +28,17 @@ from typing import Any
 
 from benchmarks.common import TRACE, drop_caches, page_cache_policy, progress
 from benchmarks.serving import client, configs, report, session, workloads
-from benchmarks.serving.models import resolve_model
+from benchmarks.serving.models import kv_dtype_bytes, resolve_model, served_dtype
 from benchmarks.serving.probes import prebuild_hash_extension, scheduler_pid, store_summary
+from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="bench", help="tiny | bench | kvheavy (random models made offline) or a model path")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)],
+                   help="model and KV dtype; auto: KVTIER_MODEL_DTYPE, else bfloat16 on a GPU or a CPU with "
+                        "AVX512-BF16/AMX, else float32 (a model path on a GPU: its config.json's)")
     p.add_argument("--configs", nargs="+", default=["a", "b", "c", "d", "e"],
                    help="subset of a-e or recompute radix hicache-dram file-l3 kvtier-l3")
     p.add_argument("--workload", nargs="+", default=["multiturn"], choices=["multiturn", "trace", "docqa"])
@@ -197,8 +201,11 @@ def merge(run: dict[str, Any], cfg: configs.Config, res: dict[str, Any], kvbpt: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console, started = session.start(args, "serving")
-    model_dir, model_name = resolve_model(args.model)
-    kvbpt = configs.kv_bytes_per_token(model_dir)
+    model = resolve_model(args.model, args.dtype, gpu=args.gpu)
+    model_dir, model_name = model.path, model.name
+    server_args = [*model.server_args, *args.server_arg]
+    dtype, dtype_source = served_dtype(model, server_args)
+    kvbpt = configs.kv_bytes_per_token(model_dir, kv_dtype_bytes(dtype, server_args))
     rows = workloads.load_trace(args.trace) if "trace" in args.workload else None
     lo_hi = workloads.token_range(model_dir)
     wls = {(w, li, c): build_workload(args, w, 1000 * wi + li, lo_hi, rows)
@@ -210,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
                               host_size_gb=args.hicache_size, gpu=args.gpu, l3_root=(args.l3_dir or args.out / "l3").resolve(),
                               kvtier_capacity_bytes=int(args.kvtier_capacity_gb * 1e9),
                               hicache_io_backend=args.hicache_io_backend, hicache_mem_layout=args.hicache_mem_layout,
-                              extra_args=tuple(args.server_arg), kvtier_extra=args.kvtier_extra)
+                              extra_args=tuple(server_args), kvtier_extra=args.kvtier_extra)
     host = plan.host_tokens(kvbpt)
     drop, policy = page_cache_policy(args.no_drop_caches)
     info = {w: wls[(w, 0, args.concurrency[0])].summary(args.page_size) for w in args.workload}
-    console.print(f"[bold]bench_serving[/] model={model_name} ({kvbpt} KV bytes/token) {'GPU' if args.gpu else 'CPU'}; "
+    console.print(f"[bold]bench_serving[/] model={model_name} {dtype} ({dtype_source}; {kvbpt} KV bytes/token) "
+                  f"{'GPU' if args.gpu else 'CPU'}; "
                   f"device pool {device} tokens, host pool {host} tokens -> capacity {device + host} tokens "
                   f"({(device + host) * kvbpt / 1e9:.2f} GB); page cache {policy}")
     for w, i in info.items():
@@ -230,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                       "they are used (raise --host-ratio)[/]")
     run: dict[str, Any] = {
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
-        "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt},
-        "machine": session.machine(model_dir, args.server_arg),
+        "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt, "dtype": dtype,
+                  "dtype_source": dtype_source},
+        "machine": session.machine(model, server_args),
         "page_cache": {"dropped": drop, "policy": policy, "flush_between_phases": args.flush_between_phases},
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": host,
                    "host_ratio": ratio, "hicache_size_gb": args.hicache_size, "max_context_tokens": max_ctx},

@@ -1,8 +1,10 @@
 """The machine a benchmark ran on, recorded in every result file and printed in every report header.
 
 ``machine_info`` gathers: CPU model, cores, memory, torch's CPU capability and the CPU flags that decide
-which matmul kernels torch can use, a ~1 s fp32 / bf16 matmul probe (GFLOP/s), the GPU if any, and the
-model dtype the run used (given by the caller). ``machine_line`` is the one-line form for headers.
+which matmul kernels torch can use, a ~1 s fp32 / bf16 matmul probe (GFLOP/s), the GPU if any, the dtype
+this CPU computes natively (``sgl_kvtier.serving.hardware.native_dtype``: what ``auto`` picks on CPU), and the
+model dtype the run used with how it was chosen (given by the caller: ``auto: ...`` or ``forced: ...``).
+``machine_line`` is the one-line form for headers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from sgl_kvtier.serving.hardware import native_dtype
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 PROBE_N = 2048  # square matmul side of the probe
@@ -71,9 +75,11 @@ def filesystem(path: Path) -> dict[str, str]:
     return {"fs_source": fields[0] if fields else "?", "fs_type": fields[1] if len(fields) > 1 else "?"}
 
 
-def machine_info(model_dtype: str | None, path: Path | None = None, probe: bool = True) -> dict[str, Any]:
+def machine_info(model_dtype: str | None, path: Path | None = None, probe: bool = True,
+                 dtype_source: str | None = None) -> dict[str, Any]:
     """The machine facts a result records. ``model_dtype``: the dtype of the model (or KV pages) the run used,
-    None when it used none; ``path``: also record the filesystem under test; ``probe``: run the matmul probe."""
+    None when it used none, and ``dtype_source`` how it was chosen (``DtypeChoice.describe()``: ``auto: ...`` or
+    ``forced: ...``); ``path``: also record the filesystem under test; ``probe``: run the matmul probe."""
     import torch
 
     model, flags = cpu_model_and_flags()
@@ -82,7 +88,8 @@ def machine_info(model_dtype: str | None, path: Path | None = None, probe: bool 
         "cores_usable": len(os.sched_getaffinity(0)), "mem_gib": memory_gib(), "kernel": platform.release(),
         "python": platform.python_version(), "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": flags,
-        "torch_threads": torch.get_num_threads(), "gpus": gpus(), "model_dtype": model_dtype,
+        "torch_threads": torch.get_num_threads(), "gpus": gpus(), "native_dtype": native_dtype(),
+        "model_dtype": model_dtype, "model_dtype_source": dtype_source,
         "root": os.geteuid() == 0, "loadavg_1m": os.getloadavg()[0],
     }  # fmt: skip
     if probe:
@@ -100,6 +107,8 @@ def machine_line(info: dict[str, Any]) -> str:
     probe = f"; matmul {PROBE_N}^2 fp32 {mm['fp32']:g} / bf16 {mm['bf16']:g} GFLOP/s" if mm else ""
     gpu = ", ".join(g["name"] for g in info.get("gpus", [])) or "none"
     fs = f"; scratch on {info['fs_type']} ({info['fs_source']})" if "fs_type" in info else ""
+    source = f" ({info['model_dtype_source']})" if info.get("model_dtype") and info.get("model_dtype_source") else ""
     return (f"{info.get('cpu_model', '?')}, {info.get('cores', '?')} cores ({info.get('cores_usable', '?')} usable), "
             f"{info.get('mem_gib', '?')} GiB; torch CPU capability {info.get('cpu_capability', '?')}; flags {flags}"
-            f"{probe}; GPU {gpu}; model dtype {info.get('model_dtype') or 'none'}{fs}")
+            f"{probe}; CPU-native dtype {info.get('native_dtype', '?')}; GPU {gpu}; "
+            f"model dtype {info.get('model_dtype') or 'none'}{source}{fs}")

@@ -32,6 +32,7 @@ from benchmarks.serving.models import resolve_model
 from benchmarks.serving.probes import tree_usage
 from benchmarks.serving.report import pyplot, save_figure
 from benchmarks.serving.session import machine
+from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES, has_cuda_gpu
 from sgl_kvtier.serving.launch import BACKEND
 from sgl_kvtier.serving.server import SGLangServer
 from sgl_kvtier.store.fsck import find_shards, shard_summary
@@ -54,11 +55,11 @@ def load_trace(path: Path, block_tokens: int, vocab: int, limit: int) -> list[li
 def run(args: argparse.Namespace, work: Path, console: Console) -> dict:
     store = work / "flash"
     store.mkdir(parents=True, exist_ok=True)
-    model, _ = resolve_model("tiny")
+    model = resolve_model("tiny", args.dtype, gpu=has_cuda_gpu())
     trace = load_trace(TRACE, args.block_tokens, 1024, 20_000)
     capacity = args.capacity_mib << 20
     extra = {**BACKEND, "devices": [str(store)], "capacity_bytes": capacity, "prefetch_threshold": 64}
-    server_args = ["--max-total-tokens", "8192", "--hicache-ratio", "2", "--enable-hierarchical-cache",
+    server_args = [*model.server_args, "--max-total-tokens", "8192", "--hicache-ratio", "2", "--enable-hierarchical-cache",
                    "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", "16",
                    "--enable-cache-report", "--enable-metrics", "--skip-server-warmup",
                    "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)]
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace, work: Path, console: Console) -> dict:
                 with lock:
                     done["failed"] += 1
 
-    with SGLangServer(model, extra_args=server_args, log_path=work / "server.log") as srv:
+    with SGLangServer(model.path, extra_args=server_args, log_path=work / "server.log") as srv:
         threads = [threading.Thread(target=client, args=(srv,), daemon=True) for _ in range(args.concurrency)]
         for t in threads:
             t.start()
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace block (512 in production)")
     p.add_argument("--capacity-mib", type=int, default=24, help="store limit: small, so eviction runs")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)],
+                   help="model and KV dtype; auto: KVTIER_MODEL_DTYPE, else bfloat16 on a GPU or a CPU with "
+                        "AVX512-BF16/AMX, else float32")
     p.add_argument("--dir", type=Path, default=REPO / ".bench-soak", help="scratch directory (removed afterwards)")
     p.add_argument("--out", type=Path, default=RESULTS / "soak")
     args = p.parse_args(argv)

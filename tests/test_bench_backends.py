@@ -35,4 +35,24 @@ def test_small_run_with_readahead(tmp_path: Path) -> None:
     assert "served 128" in on["note"]
     assert off["note"].startswith("readahead_bytes=0;") and "staged" not in off["note"]
     assert rows[("kvtier", "get")]["vs_file"] > 0 and "verified byte-exact" in rows[("kvtier", "get")]["note"]
-    assert result["machine"]["model_dtype"] == "bfloat16"
+    # auto: the machine's native KV dtype (bench_backends asks nvidia-smi: a GPU machine keeps bfloat16).
+    from sgl_kvtier.serving.hardware import choose_dtype
+
+    assert result["machine"]["model_dtype"] == choose_dtype().dtype == result["args"]["kv_dtype"]
+    assert result["machine"]["model_dtype_source"] == choose_dtype().describe()
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_host_pool_pages_are_the_same_bytes_in_every_dtype(layout: str) -> None:
+    import torch
+
+    from benchmarks.store.backends import LAYER_BYTES, host_pool, kv_heads, page_equal
+
+    sizes = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        pool = host_pool(0.5, layout, 4, dtype)  # two layers of 256 KiB
+        page = pool.get_data_page(0, flat=True)
+        assert pool.dtype == dtype and kv_heads(dtype) * dtype.itemsize == 16
+        sizes[dtype] = page.numel() * page.element_size()
+        assert page_equal(pool, 1, 1) and not page_equal(pool, 1, 2)  # random bytes, compared bit for bit
+    assert set(sizes.values()) == {2 * LAYER_BYTES}

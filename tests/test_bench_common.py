@@ -12,13 +12,14 @@ import pytest
 
 from benchmarks.common import REPO, args_json, median, scratch_dir, write_json
 from benchmarks.machine import FLAGS, machine_info, machine_line
-from benchmarks.serving.models import model_dtype
+from benchmarks.serving.models import ServedModel, kv_dtype_bytes, resolve_model, served_dtype
+from sgl_kvtier.serving.hardware import ENV_DTYPE, native_dtype
 
 SCRIPTS = ("bench_store", "bench_backends", "bench_serving", "bench_policy", "reliability", "soak")
 
 
 def test_machine_info_records_cpu_probe_and_dtype(tmp_path: Path) -> None:
-    info = machine_info("bfloat16", path=tmp_path)
+    info = machine_info("float32", path=tmp_path, dtype_source="auto: CPU without avx512_bf16/amx_bf16")
     assert info["cpu_model"] and info["cores"] >= info["cores_usable"] >= 1 and info["mem_gib"] > 0
     assert info["cpu_flags"].keys() == set(FLAGS) and all(isinstance(v, bool) for v in info["cpu_flags"].values())
     import torch
@@ -26,25 +27,41 @@ def test_machine_info_records_cpu_probe_and_dtype(tmp_path: Path) -> None:
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["matmul_gflops"]["fp32"] > 0 and info["matmul_gflops"]["bf16"] > 0
     assert info["gpus"] == [] or all(g["name"] for g in info["gpus"])
-    assert info["model_dtype"] == "bfloat16" and info["fs_type"] not in ("", "?")
+    assert info["model_dtype"] == "float32" and info["fs_type"] not in ("", "?")
+    assert info["native_dtype"] == native_dtype() and info["model_dtype_source"].startswith("auto: ")
     line = machine_line(info)
     assert line.startswith(info["cpu_model"]) and f"torch CPU capability {info['cpu_capability']}" in line
-    assert "model dtype bfloat16" in line and "fp32" in line and "bf16" in line
+    assert "model dtype float32 (auto: CPU without avx512_bf16/amx_bf16)" in line and "fp32" in line and "bf16" in line
+    assert f"CPU-native dtype {native_dtype()}" in line
     assert json.loads(json.dumps(info)) == info  # goes into result files as it is
 
 
 def test_machine_line_without_probe_or_model() -> None:
     info = machine_info(None, probe=False)
     assert "matmul_gflops" not in info and "fs_type" not in info
-    assert "model dtype none" in machine_line(info) and "GFLOP/s" not in machine_line(info)
+    assert "model dtype none;" in machine_line(info) + ";" and "GFLOP/s" not in machine_line(info)
+    assert info["model_dtype_source"] is None and "CPU-native dtype" in machine_line(info)
 
 
-def test_model_dtype_prefers_the_server_flag(tmp_path: Path) -> None:
+def test_a_model_path_is_served_in_the_chosen_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_DTYPE, raising=False)
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    assert model_dtype(tmp_path) == "bfloat16 (config.json, --dtype auto)"
-    assert model_dtype(tmp_path, ["--page-size", "16", "--dtype", "float32"]) == "float32 (--dtype)"
-    assert model_dtype(tmp_path, ["--dtype=float16"]) == "float16 (--dtype)"
-    assert model_dtype(tmp_path / "missing").startswith("unknown")
+    cpu = resolve_model(str(tmp_path))  # CPU: the native dtype, asked for with --dtype
+    assert (cpu.dtype, cpu.server_args) == (native_dtype(), ("--dtype", native_dtype()))
+    assert cpu.dtype_source.startswith("auto: CPU ") and served_dtype(cpu, cpu.server_args) == (cpu.dtype,
+                                                                                               cpu.dtype_source)
+    gpu = resolve_model(str(tmp_path), gpu=True)  # GPU: what config.json says, SGLang's --dtype auto
+    assert (gpu.dtype, gpu.dtype_source, gpu.server_args) == ("bfloat16", "config.json (--dtype auto)", ())
+    forced = resolve_model(str(tmp_path), "float32", gpu=True)
+    assert (forced.dtype, forced.dtype_source, forced.server_args) == ("float32", "forced: --dtype",
+                                                                      ("--dtype", "float32"))
+    # A --server-arg after the model's own flags wins, as in SGLang's argparse.
+    assert served_dtype(forced, [*forced.server_args, "--dtype=float16"]) == ("float16", "forced: --server-arg --dtype")
+    assert served_dtype(gpu, ["--dtype", "auto"]) == ("bfloat16", "config.json (--server-arg --dtype auto)")
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    assert served_dtype(ServedModel(tmp_path, "m", "float32", "x"), ["--dtype", "auto"])[0] == "float16"
+    assert kv_dtype_bytes("float32") == 4 and kv_dtype_bytes("bfloat16") == 2
+    assert kv_dtype_bytes("float32", ["--kv-cache-dtype", "fp8_e4m3"]) == 1
 
 
 def test_scratch_dir_removes_what_it_made(tmp_path: Path) -> None:

@@ -18,6 +18,9 @@ import pytest
 from benchmarks import bench_serving as bench
 from benchmarks.common import TRACE
 from benchmarks.serving import client, configs, report, workloads
+from benchmarks.serving.models import kv_dtype_bytes
+from sgl_kvtier.serving import model_factory as mf
+from sgl_kvtier.serving.hardware import ENV_DTYPE, native_dtype
 
 
 def src(salt: int = 0) -> workloads.TokenSource:
@@ -134,6 +137,9 @@ def test_pool_sizing_and_kv_bytes(tmp_path: Path) -> None:
         {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 1024,
          "vocab_size": 1024}))
     assert configs.kv_bytes_per_token(tmp_path) == 8 * 8 * 64 * 2 * 2
+    for dtype in ("bfloat16", "float32"):  # the benchmarks read kvheavy's 128 KiB per token in either dtype
+        (tmp_path / "config.json").write_text(json.dumps(mf._hf_config(mf.spec_for("kvheavy", dtype), dtype, 1, 0)))
+        assert configs.kv_bytes_per_token(tmp_path, kv_dtype_bytes(dtype)) == 131072
     assert workloads.token_range(tmp_path) == (3, 1024)
 
 
@@ -213,11 +219,10 @@ def test_repetitions_pool_their_requests() -> None:
 # -- the smoke run ---------------------------------------------------------------------------------
 
 
-def test_smoke_run_two_configurations(tmp_path: Path) -> None:
+def test_smoke_run_two_configurations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("sglang")
-    from sgl_kvtier.serving.model_factory import make_model
-
-    model = make_model(tmp_path / "model", "tiny")
+    monkeypatch.delenv(ENV_DTYPE, raising=False)
+    model = mf.make_model(tmp_path / "model", "tiny")
     out = tmp_path / "out"
     rc = bench.main([
         "--model", str(model), "--configs", "radix", "kvtier-l3", "--workload", "multiturn", "--concurrency", "1",
@@ -254,5 +259,8 @@ def test_smoke_run_two_configurations(tmp_path: Path) -> None:
     md = (out / "report.md").read_text()
     assert "| kvtier-l3 | 1 |" in md and "| radix | 1 |" in md and "sglang.launch_server" in md
     machine = run["machine"]
-    assert machine["model_dtype"].startswith("bfloat16") and machine["matmul_gflops"]["fp32"] > 0
-    assert f"Machine: {machine['cpu_model']}" in md and "model dtype bfloat16" in md
+    dtype = native_dtype()  # --cpu, no --dtype, no KVTIER_MODEL_DTYPE: the CPU's native dtype, spelled out
+    assert machine["model_dtype"] == dtype == run["model"]["dtype"] and machine["matmul_gflops"]["fp32"] > 0
+    assert machine["model_dtype_source"].startswith("auto: CPU ") and machine["native_dtype"] == dtype
+    assert kv["command"][kv["command"].index("--dtype") + 1] == dtype
+    assert f"Machine: {machine['cpu_model']}" in md and f"model dtype {dtype} (auto: CPU " in md

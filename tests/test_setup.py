@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def test_this_environment_is_the_lock():
     pins = _lock()
     ours = {"sgl-kvtier"}
     drift, unpinned = [], []
-    for dist in md.distributions():
+    site_dirs = [p for p in sysconfig.get_paths().values() if p.endswith("site-packages")]
+    # the venv's own site-packages only: an imported setuptools puts its vendored copies on sys.path
+    for dist in md.distributions(path=sorted(set(site_dirs))):
         name = canonicalize_name(dist.metadata["Name"])
         if name in ours:
             continue

@@ -102,7 +102,8 @@ def resolve(names: list[str]) -> list[Config]:
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
-    """K+V bytes of one token over all layers, from config.json (bf16/fp16 KV unless told)."""
+    """K+V bytes of one token over all layers, from config.json's geometry; ``dtype_bytes``: one KV element's
+    (``models.kv_dtype_bytes`` of the dtype the servers run; 2, bf16/fp16, unless told)."""
     cfg: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = {**cfg.get("text_config", {}), **cfg}
     heads = int(cfg["num_attention_heads"])

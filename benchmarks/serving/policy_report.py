@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.serving.policies import BASELINES
-from benchmarks.serving.report import machine_paragraph, pyplot, save_figure
+from benchmarks.serving.report import machine_paragraph, model_dtype, pyplot, save_figure
 
 TARGET = 1.1
 METRICS = (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99"))
@@ -90,7 +90,7 @@ def targets(run: dict[str, Any]) -> list[str]:
 def markdown(run: dict[str, Any]) -> str:
     s, w = run["sizing"], run["workload"]
     parts = [f"# bench_policy: {run['started']}", "", *machine_paragraph(run),
-             (f"Model `{run['model']['name']}` ({run['model']['kv_bytes_per_token']} KV bytes/token), "
+             (f"Model `{run['model']['name']}` ({model_dtype(run)}{run['model']['kv_bytes_per_token']} KV bytes/token), "
               f"{'GPU' if run['gpu'] else 'CPU'}, page {s['page_size']} tokens, device pool {s['device_tokens']} "
               f"tokens, host pool {s['host_tokens']} tokens; page cache: {run['page_cache']}."), "",
              f"Workload: {w['description']}", "",

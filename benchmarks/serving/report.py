@@ -112,6 +112,12 @@ def targets(run: dict[str, Any]) -> list[str]:
     return out
 
 
+def model_dtype(run: dict[str, Any]) -> str:
+    """``float32, auto: ...; `` for a report's model sentence, or nothing for a run that recorded no dtype."""
+    m = run.get("model", {})
+    return f"{m['dtype']}, {m.get('dtype_source') or '?'}; " if m.get("dtype") else ""
+
+
 def machine_paragraph(run: dict[str, Any]) -> list[str]:
     """The report header's machine line (and a blank line), or nothing for a run that recorded none."""
     return [f"Machine: {machine_line(run['machine'])}.", ""] if run.get("machine", {}).get("cpu_model") else []
@@ -119,7 +125,7 @@ def machine_paragraph(run: dict[str, Any]) -> list[str]:
 
 def markdown(run: dict[str, Any]) -> str:
     s = run["sizing"]
-    intro = (f"Model `{run['model']['name']}` ({run['model']['kv_bytes_per_token']} KV bytes/token), "
+    intro = (f"Model `{run['model']['name']}` ({model_dtype(run)}{run['model']['kv_bytes_per_token']} KV bytes/token), "
              f"{'GPU' if run['gpu'] else 'CPU'}, page {s['page_size']} tokens. Device pool "
              f"{s['device_tokens']} tokens, host pool {s['host_tokens']} tokens (HiCache configs); "
              f"page cache: {run['page_cache']['policy']}.")

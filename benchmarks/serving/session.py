@@ -18,7 +18,7 @@ from rich.console import Console
 from benchmarks.common import RESULTS, make_console, timestamp, write_json
 from benchmarks.machine import machine_info
 from benchmarks.serving import client
-from benchmarks.serving.models import model_dtype
+from benchmarks.serving.models import ServedModel, served_dtype
 from benchmarks.serving.probes import cpu_seconds
 from benchmarks.serving.workloads import Request
 
@@ -30,15 +30,17 @@ def start(args: argparse.Namespace, prefix: str) -> tuple[Console, str]:
     args.out = (args.out or RESULTS / f"{prefix}-{started}").resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gpu is None:
-        from sgl_kvtier.serving.server import has_cuda_gpu
+        from sgl_kvtier.serving.hardware import has_cuda_gpu
 
         args.gpu = has_cuda_gpu()
     return make_console(stderr=True), started
 
 
-def machine(model_dir: Path, server_args: Sequence[str]) -> dict[str, Any]:
-    """The machine facts of a serving run (the servers run on this machine too), with the model's dtype."""
-    return machine_info(model_dtype(model_dir, server_args)) | {"loadavg_start": os.getloadavg()}
+def machine(model: ServedModel, server_args: Sequence[str]) -> dict[str, Any]:
+    """The machine facts of a serving run (the servers run on this machine too), with the dtype its servers
+    run the model in and how that was chosen (``server_args``: every server's flags, the model's included)."""
+    dtype, source = served_dtype(model, server_args)
+    return machine_info(dtype, dtype_source=source) | {"loadavg_start": os.getloadavg()}
 
 
 def measure_phase(srv: Any, requests: list[Request], concurrency: int,

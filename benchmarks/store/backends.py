@@ -1,8 +1,8 @@
 """SGLang's HiCache L3 backends as its controller drives them, for ``bench_backends``.
 
 Both backends are made by SGLang's ``StorageBackendFactory`` ("file" with ``file_storage_path``; "dynamic" with
-``interface_v1`` for ``KVTierStorage``), get SGLang's real ``MHATokenToKVPoolHost`` (CPU, pin_memory=False, bf16,
-64-token pages) through ``register_mem_pool_host``, and are driven by the controller's own page functions
+``interface_v1`` for ``KVTierStorage``), get SGLang's real ``MHATokenToKVPoolHost`` (CPU, pin_memory=False, 64-token
+pages, 256 KiB per layer in every dtype: 8 KV heads of 128 in bf16, 4 in float32) through ``register_mem_pool_host``, and are driven by the controller's own page functions
 (``HiCacheController._generic_page_set/_generic_page_get`` for ``file``, ``_page_set_zero_copy/_page_get_zero_copy``
 for ours, chosen by the controller's rule).
 """
@@ -23,9 +23,10 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from sgl_kvtier.config import GiB, MiB, StoreConfig
 
-PAGE_TOKENS, HEADS, HEAD_DIM = 64, 8, 128  # bf16: one layer of one page (K+V) = 64*8*256*2 B = 256 KiB
-LAYER_BYTES = PAGE_TOKENS * HEADS * 2 * HEAD_DIM * 2
-DTYPE = torch.bfloat16
+PAGE_TOKENS, HEAD_DIM = 64, 128
+# One layer of one page (K+V), whatever the dtype: 64 tokens x 8 KV heads x 128 x 2 x 2 B in bf16 = 256 KiB; the
+# KV heads follow the dtype (4 in float32), so --page-mib means the same pages and layer counts in every dtype.
+LAYER_BYTES = 256 * 1024
 READAHEAD_DEFAULT = {f.name: f.default for f in dataclasses.fields(StoreConfig)}["readahead_bytes"]
 
 
@@ -55,12 +56,18 @@ class ControllerPath:
         self.get = partial(c._page_get_zero_copy if self.zero_copy else c._generic_page_get, self, BenchOp())
 
 
-def host_pool(page_mib: float, layout: str, pages: int) -> MHATokenToKVPoolHost:
-    """SGLang's real MHA host pool of ``pages`` pages (64 tokens, 8 KV heads, head_dim 128, bf16), random bytes."""
+def kv_heads(dtype: torch.dtype) -> int:
+    """KV heads of head_dim 128 that make one layer of a 64-token page ``LAYER_BYTES`` in ``dtype``."""
+    return LAYER_BYTES // (PAGE_TOKENS * 2 * HEAD_DIM * dtype.itemsize)
+
+
+def host_pool(page_mib: float, layout: str, pages: int, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
+    """SGLang's real MHA host pool of ``pages`` pages (64 tokens, ``kv_heads(dtype)`` KV heads, head_dim 128, in
+    ``dtype``), random bytes."""
     layers = int(page_mib * MiB) // LAYER_BYTES
     if layers * LAYER_BYTES != int(page_mib * MiB):
         raise SystemExit(f"--page-mib {page_mib}: must be a multiple of {LAYER_BYTES / MiB} MiB (one layer)")
-    device = MHATokenToKVPool(2 * PAGE_TOKENS, PAGE_TOKENS, DTYPE, HEADS, HEAD_DIM, layers, "cpu", False,
+    device = MHATokenToKVPool(2 * PAGE_TOKENS, PAGE_TOKENS, dtype, kv_heads(dtype), HEAD_DIM, layers, "cpu", False,
                               start_layer=0, end_layer=layers - 1)
     pool = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE_TOKENS, layout,
                                 pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
@@ -80,7 +87,7 @@ def slot_indices(pages) -> torch.Tensor:
 
 
 def page_equal(pool, a: int, b: int) -> bool:
-    """Bitwise page equality (int16 view: random bf16 bits contain NaNs)."""
+    """Bitwise page equality (int16 view: random bits contain NaNs in any float dtype)."""
     return torch.equal(pool.get_data_page(a * PAGE_TOKENS, flat=False).view(torch.int16),
                        pool.get_data_page(b * PAGE_TOKENS, flat=False).view(torch.int16))
 

@@ -87,11 +87,12 @@ class Ctx:
 
 
 @contextlib.contextmanager
-def store_run(args: argparse.Namespace, prefix: str, console: Console, model_dtype: str) -> Iterator[Ctx]:
+def store_run(args: argparse.Namespace, prefix: str, console: Console, model_dtype: str,
+              dtype_source: str | None = None) -> Iterator[Ctx]:
     """A run's context: a scratch directory under ``args.dir`` (removed afterwards), a progress display, and
-    the machine facts. ``model_dtype``: the dtype of the pages measured."""
+    the machine facts. ``model_dtype``: the dtype of the pages measured, ``dtype_source`` how it was chosen."""
     with scratch_dir(args.dir, prefix) as root:
-        machine = {**machine_info(model_dtype, path=root), "fio": fio_version()}
+        machine = {**machine_info(model_dtype, path=root, dtype_source=dtype_source), "fio": fio_version()}
         with progress(console, spinner=True, transient=True) as bars:
             yield Ctx(args, root, bars, np.random.default_rng(0), machine=machine)
 

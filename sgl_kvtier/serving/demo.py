@@ -22,8 +22,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sgl_kvtier.serving.launch import build_command, model_cache_dir
-from sgl_kvtier.serving.model_factory import make_model, make_prompt
+from sgl_kvtier.serving.hardware import choose_dtype, has_cuda_gpu
+from sgl_kvtier.serving.launch import sglang_args
+from sgl_kvtier.serving.model_factory import make_prompt
 from sgl_kvtier.serving.server import SGLangServer
 
 # The embedded default; configs/cpu-demo.toml says the same (a test keeps them equal).
@@ -94,12 +95,13 @@ def ask_all(srv: SGLangServer, phase: str, prompts: list[str], rows: list[Row], 
                         details.get("storage", 0), ttft * 1e3, out["text"]))
 
 
-def server_args(device: Path) -> tuple[Path, list[str]]:
-    """The model path and server flags of the demo config, with ``device`` as the flash device."""
+def server_args(device: Path, gpu: bool) -> tuple[Path, list[str]]:
+    """The model path (made now, in the machine's native dtype unless ``KVTIER_MODEL_DTYPE`` says otherwise)
+    and server flags of the demo config, with ``device`` as the flash device."""
     doc = json.loads(json.dumps(DEMO_CONFIG))
     doc["kvtier"]["devices"] = [str(device)]
-    cmd, _ = build_command(doc, ["--skip-server-warmup"], gpu=True)  # SGLangServer adds the CPU route itself
-    return Path(cmd[cmd.index("--model-path") + 1]), cmd[cmd.index("--model-path") + 2:]
+    model, args, _ = sglang_args(doc, gpu=gpu)  # SGLangServer adds the CPU route itself
+    return Path(model), [*args, "--skip-server-warmup"]
 
 
 def render(rows: list[Row], console: Console) -> None:
@@ -116,11 +118,15 @@ def render(rows: list[Row], console: Console) -> None:
 
 def run(directory: Path, turns: int, console: Console) -> list[Row]:
     """Cold conversation, again after ``/flush_cache``, then the last turn after a restart; every row."""
-    model = make_model(model_cache_dir() / "tiny", "tiny")
+    gpu = has_cuda_gpu()
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, mode=0o700)
-    model_path, args = server_args(directory)
-    prompts = conversation(model, turns)
+    with console.status("making the tiny random model (once per dtype)..."):
+        model_path, args = server_args(directory, gpu)
+    dtype = args[args.index("--dtype") + 1]
+    console.print(f"model {model_path}: dtype {dtype} ({choose_dtype(DEMO_CONFIG['sglang'].get('dtype'), gpu=gpu).describe()})",
+                  markup=False, highlight=False)
+    prompts = conversation(model_path, turns)
     rows: list[Row] = []
     logs = directory.parent / (directory.name + "-logs")
     logs.mkdir(exist_ok=True)

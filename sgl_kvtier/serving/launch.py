@@ -4,7 +4,9 @@ with sgl-kvtier as its L3 tier.
 Config file (TOML), two tables:
     [sglang]  flags for ``python -m sglang.launch_server``: ``key = value`` becomes ``--key-with-dashes value``,
               ``key = true`` a bare ``--key``, a list repeats the values after one flag. ``model_path`` may
-              be ``"tiny"`` / ``"bench"`` / ``"kvheavy"`` for a random model made offline (tests, demo, CPU).
+              be ``"tiny"`` / ``"bench"`` / ``"kvheavy"`` for a random model made offline (tests, demo, CPU),
+              in the machine's native dtype (``hardware.choose_dtype``: ``dtype = "float32"`` here or
+              ``KVTIER_MODEL_DTYPE`` forces one) and served with that ``--dtype``.
     [kvtier]  our keys (``devices``, ``capacity_bytes``, ...): validated here, before SGLang starts, and
               passed on in ``--hicache-storage-backend-extra-config``. One exception, ``prefetch_policy =
               "cost" | "off"``, is no store key: it becomes ``KVTIER_PREFETCH_POLICY`` in the server's
@@ -29,7 +31,8 @@ from typing import Any
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
 from sgl_kvtier.policy.cost_inputs import ENV_POLICY
-from sgl_kvtier.serving.server import CPU_ARGS, has_cuda_gpu
+from sgl_kvtier.serving.hardware import AUTO, DtypeChoice, choose_dtype, has_cuda_gpu
+from sgl_kvtier.serving.server import CPU_ARGS
 
 BACKEND = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
            "interface_v1": 1, "hicache_storage_pass_prefix_keys": True}
@@ -53,16 +56,18 @@ def model_cache_dir() -> Path:
     return Path(os.environ.get("KVTIER_MODEL_CACHE", Path.home() / ".cache" / "sgl-kvtier" / "models"))
 
 
-def resolve_model(model: str, make: bool) -> str:
-    """``model`` as a path: a model size names a random model in the cache (made now if ``make``)."""
-    if model not in MODEL_SIZES:
-        return model
-    path = model_cache_dir() / model
+def factory_model(size: str, dtype: str | None = AUTO, *, gpu: bool | None = None, make: bool = True,
+                  source: str = "--dtype") -> tuple[Path, DtypeChoice]:
+    """The random model of ``size`` in the model cache, in ``choose_dtype(dtype, gpu=gpu)``'s dtype (made now
+    if ``make``), and that choice. One directory per size and dtype (``tiny-float32``, ...), so models of two
+    dtypes never share one. ``source`` names where an explicit ``dtype`` came from (for the record)."""
+    choice = choose_dtype(dtype, gpu=gpu, source=source)
+    path = model_cache_dir() / f"{size}-{choice.dtype}"
     if make:
         from sgl_kvtier.serving.model_factory import make_model
 
-        make_model(path, size=model)
-    return str(path)
+        make_model(path, size=size, dtype=choice.dtype)
+    return path, choice
 
 
 def extra_config(kvtier: dict[str, Any], sglang_extra: dict[str, Any]) -> dict[str, Any]:
@@ -89,27 +94,42 @@ def split_policy(kvtier: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     return store, {ENV_POLICY: policy}
 
 
-def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: bool = True) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the environment it needs on top of ours, from a loaded config."""
+def sglang_args(doc: dict[str, Any], gpu: bool, make_model: bool = True) -> tuple[str, list[str], dict[str, str]]:
+    """(model path, the SGLang flags after it, the environment the server needs on top of ours) of a loaded
+    config, without the CPU route. A model size becomes a factory model, served with its ``--dtype``."""
     sg = dict(doc.get("sglang", {}))
     if "model_path" not in sg:
         raise ConfigError("sglang.model_path", "is required")
     kvtier, env = split_policy(doc.get("kvtier", {}))  # a bad value stops here, before SGLang starts
     sglang_extra = {k: sg.pop(k) for k in SGLANG_EXTRA_KEYS if k in sg}
-    cmd = [sys.executable, "-m", "sglang.launch_server",
-           "--model-path", resolve_model(str(sg.pop("model_path")), make_model),
-           "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
-           "--hicache-storage-backend-extra-config", json.dumps(extra_config(kvtier, sglang_extra))]
+    model = str(sg.pop("model_path"))
+    if model in MODEL_SIZES:
+        try:
+            path, choice = factory_model(model, sg.get("dtype"), gpu=gpu, make=make_model, source="sglang.dtype")
+        except ValueError as exc:
+            raise ConfigError("sglang.dtype", str(exc)) from None
+        model = str(path)
+        if sg.get("dtype") in (None, AUTO):  # SGLang's auto would serve a float32 model in float16
+            sg["dtype"] = choice.dtype
+    args = ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(extra_config(kvtier, sglang_extra))]
     for key, value in sg.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
-            cmd.append(flag)
+            args.append(flag)
         elif value is False:
             continue
         elif isinstance(value, list):
-            cmd += [flag, *map(str, value)]
+            args += [flag, *map(str, value)]
         else:
-            cmd += [flag, str(value)]
+            args += [flag, str(value)]
+    return model, args, env
+
+
+def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: bool = True) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the environment it needs on top of ours, from a loaded config."""
+    model, args, env = sglang_args(doc, gpu, make_model)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, *args]
     if not gpu:
         cmd += [a for a in CPU_ARGS if a not in cmd]
         env["KVTIER_CPU_SHIMS"] = "1"

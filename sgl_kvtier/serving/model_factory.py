@@ -2,8 +2,15 @@
 
 There is no model hub here, and tests need a model whose KV geometry we choose: `tiny` for
 end-to-end checks, `bench` (~89M parameters, so a 4k-token prefill costs seconds on CPU and
-recompute is visibly dearer than loading), and `kvheavy` (128 KiB of bf16 KV per token from a small
+recompute is visibly dearer than loading), and `kvheavy` (128 KiB of KV per token from a small
 hidden size, so L3 pages are large while compute stays cheap).
+
+The dtype defaults to `auto`: what this machine computes natively (`hardware.choose_dtype`: bfloat16 with a
+CUDA GPU or a CPU with AVX512-BF16/AMX, float32 otherwise; `KVTIER_MODEL_DTYPE` or an explicit `dtype`
+wins). Per dtype (`spec_for`): `kvheavy` keeps 128 KiB of KV per token by geometry, 64 layers x 8 KV heads x
+64 x (K, V) x 2 bytes in bfloat16/float16 and 64 layers x 4 KV heads (GQA 8:4) x 64 x 2 x 4 bytes in float32
+(the same bytes per layer too, so L3 pages are the same size); `tiny` and `bench` keep their geometry, so
+their KV per token doubles in float32 (1 -> 2 KiB, 16 -> 32 KiB).
 
 The tokenizer is a byte-level BPE trained in-process (`tokenizers`) on a synthetic corpus of CV-syllable
 words. `PROMPT_WORDS` are frequent enough in that corpus to become single tokens, both bare and after a
@@ -17,9 +24,9 @@ Weights are drawn with numpy as transformers initialises a Qwen2 model (linear w
 tied to the LM head) and written with safetensors in `dtype`; config.json, generation_config.json and the
 tokenizer files are written as transformers 5 writes them. This module imports neither torch nor
 transformers. Everything is seeded. A marker file records the spec, so a second `make_model` with the
-same spec reuses the directory.
+same spec (the dtype included) reuses the directory; any other spec rebuilds it.
 
-CLI: `python -m sgl_kvtier.serving.model_factory DIR --size tiny [--dtype bfloat16]`
+CLI: `python -m sgl_kvtier.serving.model_factory DIR --size tiny [--dtype auto|bfloat16|float16|float32]`
 """
 
 from __future__ import annotations
@@ -35,13 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES, MARKER_NAME, choose_dtype
+
 FACTORY_VERSION = 4
-DEFAULT_DTYPE = "bfloat16"
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DEFAULT_DTYPE = AUTO  # hardware.choose_dtype: the machine's native dtype unless told otherwise
 # transformers' `Qwen2Tokenizer` pre-tokenizer pattern (transformers.models.qwen2.tokenization_qwen2).
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                      r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-MARKER_NAME = "kvtier_model_spec.json"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -71,6 +78,7 @@ class ModelSpec:
         return self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2 * dtype_bytes
 
 
+# The geometry in a 2-byte dtype (bfloat16, float16); `spec_for` gives float32's.
 SPECS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(1024, 256, 512, 2, 4, 2, 64, 4096),
     # ~89M parameters: 8 x (3.1M attention + 7.9M MLP) + 1M tied embeddings.
@@ -80,6 +88,18 @@ SPECS: dict[str, ModelSpec] = {
     # with 16 heads of 64 crashed in set_kv_buffer).
     "kvheavy": ModelSpec(1024, 512, 512, 64, 8, 8, 64, 8192),
 }
+# float32: kvheavy halves its KV heads (GQA, 8 query heads over 4 KV heads) to keep 128 KiB of KV per token and
+# per-layer; the layer count, hidden size and head_dim (= hidden / heads, as SGLang's CPU path needs) stay.
+FLOAT32_SPECS: dict[str, ModelSpec] = {**SPECS, "kvheavy": dataclasses.replace(SPECS["kvheavy"], num_key_value_heads=4)}
+
+
+def spec_for(size: str, dtype: str) -> ModelSpec:
+    """The geometry of ``size`` in ``dtype`` (one of ``DTYPE_BYTES``)."""
+    if size not in SPECS:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(SPECS)}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
+    return (FLOAT32_SPECS if DTYPE_BYTES[dtype] == 4 else SPECS)[size]
 
 
 def _corpus_words() -> tuple[list[str], list[str]]:
@@ -275,17 +295,18 @@ def _read_marker(out: Path) -> dict[str, Any] | None:
 def make_model(directory: Path | str, size: str = "tiny", seed: int = 0, dtype: str = DEFAULT_DTYPE) -> Path:
     """Create (or reuse) a random-weight Qwen2 model + tokenizer of `size` in `directory`; returns it.
 
-    `dtype` is the weights' (and, with SGLang's default `--dtype auto`, the KV cache's) dtype: one of
-    `DTYPE_BYTES`. Reuse needs a marker with the same spec, seed, dtype and factory version. A non-empty
-    directory without our marker is refused rather than overwritten.
+    `dtype` is the weights' and the KV cache's dtype (a factory model's server is given it as `--dtype`):
+    one of `DTYPE_BYTES`, or `auto` for `hardware.choose_dtype`'s (the machine's native one, unless
+    `KVTIER_MODEL_DTYPE` says otherwise). The geometry is `spec_for(size, dtype)`. Reuse needs a marker with
+    the same spec, seed, dtype and factory version. A non-empty directory without our marker is refused
+    rather than overwritten.
     """
     if size not in SPECS:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SPECS)}")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
-    spec = SPECS[size]
+    choice = choose_dtype(dtype, source="make_model(dtype=...)")
+    spec = spec_for(size, choice.dtype)
     out = Path(directory)
-    wanted = {"factory_version": FACTORY_VERSION, "size": size, "seed": seed, "dtype": dtype,
+    wanted = {"factory_version": FACTORY_VERSION, "size": size, "seed": seed, "dtype": choice.dtype,
               "spec": dataclasses.asdict(spec)}
     marker = _read_marker(out)
     if marker is not None and {k: marker.get(k) for k in wanted} == wanted:
@@ -297,11 +318,11 @@ def make_model(directory: Path | str, size: str = "tiny", seed: int = 0, dtype: 
     (out / MARKER_NAME).unlink(missing_ok=True)
     tok = _train_tokenizer(spec.vocab_size)
     _write_tokenizer(tok, out)
-    params = _write_model(spec, seed, tok, out, dtype)
+    params = _write_model(spec, seed, tok, out, choice.dtype)
     _check_prompt_tokens(out)
     (out / MARKER_NAME).write_text(json.dumps(
-        {**wanted, "parameters": params, "kv_bytes_per_token": spec.kv_bytes_per_token(DTYPE_BYTES[dtype]),
-         "kv_bytes_per_token_bf16": spec.kv_bytes_per_token()}, indent=2) + "\n")
+        {**wanted, "dtype_choice": choice.describe(), "parameters": params,
+         "kv_bytes_per_token": spec.kv_bytes_per_token(DTYPE_BYTES[choice.dtype])}, indent=2) + "\n")
     return out
 
 
@@ -311,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--size", choices=sorted(SPECS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=DEFAULT_DTYPE)
+    parser.add_argument("--dtype", choices=[AUTO, *sorted(DTYPE_BYTES)], default=DEFAULT_DTYPE,
+                        help="auto: the machine's native dtype (bfloat16 with AVX512-BF16/AMX or a GPU, else float32)")
     args = parser.parse_args(argv)
     out = make_model(args.directory, args.size, args.seed, args.dtype)
     print(json.dumps({"path": str(out), **(_read_marker(out) or {})}, indent=2))

@@ -4,7 +4,8 @@
 that stopping it reaches the scheduler and detokenizer it spawns. On a machine without a CUDA GPU
 it adds the CPU route (`--device cpu --attention-backend torch_native --disable-cuda-graph`) and
 sets `KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.plugins.cpu` in every SGLang
-process. HTTP goes through urllib, so this module needs nothing beyond the standard library (no torch,
+process. A model made by `model_factory` is served in the dtype it was made in (`--dtype`, unless
+`extra_args` give one: SGLang's `--dtype auto` would turn a float32 model into float16). HTTP goes through urllib, so this module needs nothing beyond the standard library (no torch,
 no sglang in this process: the GPU probe is `nvidia-smi -L`).
 
 On CPU, SGLang treats host RAM as device memory: by default the KV pool takes most of it and HiCache
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from sgl_kvtier.serving.hardware import dtype_args, has_cuda_gpu
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph")
@@ -43,19 +45,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def has_cuda_gpu() -> bool:
-    """True when ``nvidia-smi -L`` lists a GPU (the test scripts/setup.sh makes); never imports torch."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False
-    try:
-        done = subprocess.run([smi, "-L"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
 
 
 def _tail(path: Path, max_bytes: int = 6000) -> str:
@@ -98,6 +87,7 @@ class SGLangServer:
             "--model-path", str(model_path),
             "--host", "127.0.0.1", "--port", str(self.port),
             *(CPU_ARGS if self.cpu else ()),
+            *dtype_args(model_path, extra_args),  # a factory model's own dtype, unless extra_args set one
             *extra_args,
             *(("--admin-api-key", admin_api_key) if admin_api_key else ()),
         ]  # fmt: skip

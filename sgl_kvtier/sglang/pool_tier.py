@@ -1,9 +1,16 @@
 """One SGLang host pool bound to its page-store shard: SGLang's call shapes in, store calls out.
 
-Writers open the shard read-write. Ranks that only read a replicated (MLA) shard open it read-only,
-lazily: the writer rank may not have created it yet, so a failed open is retried on later calls.
-Each open store gets a read-ahead stage (``config.readahead_bytes``; 0 = none): ``stage`` starts the
-reads of pages an exists query found, and every read of this tier goes through it.
+A tier is bound to its pool first (``bind``: geometry and namespace, nothing opened) and opened once the
+backend knows all its pools, and so each tier's share of the capacity (``open``; ``reopen`` when a pool
+registered later changes the shares). Writers open the shard read-write. Ranks that only read a
+replicated (MLA) shard open it read-only, lazily: the writer rank may not have created it yet, so a
+failed open is retried on later calls. Each open store gets a read-ahead stage
+(``config.readahead_bytes``; 0 = none): ``stage`` starts the reads of pages an exists query found, and
+every read of this tier goes through it.
+
+``close`` stops the read-ahead and closes the store, both whatever the other raises, each detached from
+the tier before it is released (a failed release is reported, never retried); the first failure is
+raised, the other as its note (``store.lifecycle.release_all``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from sgl_kvtier.keys import Namespace, PageKey, valid_runs
 from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
+from sgl_kvtier.store.lifecycle import release_all
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.read_rates import TransferEstimator
 from sgl_kvtier.store.reader import PageReader
@@ -54,20 +62,33 @@ class PoolTier:
     writer: bool
     store: PageShard | None = None  # the writer's PageStore, or a reader rank's PageReader
     readahead: ReadAhead | None = None
+    opened: bool = False  # ``open`` ran (a reader's store may still be None: its shard is not there yet)
     _next_open: float = field(default=0.0, repr=False)
 
     @classmethod
-    def open(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> PoolTier:
-        """Bind ``pages`` to its shard: a writer opens it now (errors stop start-up), a reader when it exists."""
-        tier = cls(name, pages, namespace_for(storage_config, pages, name), config, writer)
-        if writer:
-            tier._attach(PageStore.open(config, tier.namespace))  # errors here stop start-up, as they should
+    def bind(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> PoolTier:
+        """``pages`` bound to its shard's namespace; nothing is opened yet (``open``)."""
+        return cls(name, pages, namespace_for(storage_config, pages, name), config, writer)
+
+    def open(self, config: StoreConfig) -> None:
+        """Open the shard under ``config`` (this tier's share of the capacity): a writer now (its errors
+        propagate), a reader as soon as the writer rank has made it."""
+        self.config = config
+        self.opened = True
+        if self.writer:
+            self._attach(PageStore.open(config, self.namespace))
         else:
-            tier._reader()
-        return tier
+            self._next_open = 0.0
+            self._reader()
+
+    def reopen(self, config: StoreConfig) -> None:
+        """Close the shard and open it again under ``config`` (a new capacity share); the store drops the
+        pages past a smaller share at open."""
+        self.close()
+        self.open(config)
 
     def _reader(self) -> PageShard | None:
-        if self.store is None and time.monotonic() >= self._next_open:
+        if self.opened and self.store is None and time.monotonic() >= self._next_open:
             try:
                 self._attach(PageReader.open(self.config, self.namespace))
             except DeviceError:  # not created by the writer rank yet
@@ -194,13 +215,14 @@ class PoolTier:
                             staged)
 
     def close(self) -> None:
-        """Stop read-ahead, then close the store."""
-        if self.readahead is not None:
-            self.readahead.close()  # before the store: its jobs read from it
-            self.readahead = None
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        """Stop read-ahead, then close the store: both attempted, whatever the other raises; then the first
+        failure is raised (``StoreCloseError`` from the store, typically), the other as its note."""
+        readahead, store, self.readahead, self.store = self.readahead, self.store, None, None  # detached first
+        self.opened = False
+        steps = [] if readahead is None else [(f"pool {self.name} read-ahead", readahead.close)]  # reads the store
+        if store is not None:
+            steps.append((f"pool {self.name} store", store.close))
+        release_all(steps)
 
 
 def _rate(estimator: TransferEstimator) -> RateSnapshot:

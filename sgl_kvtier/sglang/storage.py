@@ -6,11 +6,15 @@ Loaded by SGLang with::
     '{"backend_name":"kvtier","module_path":"sgl_kvtier.sglang","class_name":"KVTierStorage","interface_v1":1,
       "devices":["/mnt/nvme0/kvtier"], "capacity_bytes": 400000000000}'
 
-Lifecycle: ``cls(storage_config, {})`` validates our keys (a bad one raises ``ConfigError`` naming it,
-which stops start-up); ``register_mem_pool_host(pool)`` derives the namespace from the config and the
-pool and opens the store (a writer's failed open raises too: SGLang then refuses to start with the
-error, rather than serving without its L3). Side pools (``register_mem_host_pool_v2``) get stores of
-their own.
+Lifecycle (``tiers``): ``cls(storage_config, {})`` validates our keys (a bad one raises ``ConfigError``
+naming it, which stops start-up); ``register_mem_pool_host(pool)`` and ``register_mem_host_pool_v2`` bind
+every pool SGLang registers to a shard of its own, or refuse it loudly (``UnservedPoolError``, naming
+it). The KV shard opens at ``register_mem_pool_host`` (a writer's failed open raises: SGLang then
+refuses to start with the error, rather than serving without its L3); ``on_host_pools_registered()``
+opens the side pools' shards, each tier under its share of the one byte limit of the backend
+(``capacity``). ``close()`` (detach, shutdown, a failed attach) closes every
+shard, whatever the others raise, and reports the first failure at the boundary: it never raises into
+SGLang, and a new backend on the same devices (a re-attach) opens them again.
 
 Boundary rule: SGLang calls exists / get / set from three threads, and clear / get_stats / close from its
 scheduler; none of these raises. Every exception is caught in ``_guarded``, answered as a miss (``False``
@@ -26,7 +30,6 @@ exporter (``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -44,11 +47,13 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import PageKey, parse_key
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
-from sgl_kvtier.sglang.host_pages import HostPages, check_indices
+from sgl_kvtier.sglang.host_pages import check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
 from sgl_kvtier.sglang.stats import TransferStats
+from sgl_kvtier.sglang.tiers import KV, PoolTiers
+from sgl_kvtier.store.lifecycle import Failure
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.prometheus import PrometheusFeed
 from sgl_kvtier.telemetry.snapshot import RankLabels, TelemetrySnapshot
@@ -70,36 +75,40 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.storage_config = storage_config
         self.config = store_config(storage_config.extra_config)
         self.writer = bool(storage_config.is_storage_writer)
-        self.tiers: dict[str, PoolTier] = {}
+        self.pools = PoolTiers(storage_config, self.config, self.writer)
         self.stats = TransferStats(enabled=True)
         self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
         self.cost = CostPolicy(self._read_path, boundary=self.boundary)
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
-        self._lock = threading.Lock()
-        self.kv: PoolTier | None = None
+
+    @property
+    def tiers(self) -> dict[str, PoolTier]:
+        """The served pools' tiers by pool name (``kv`` the KV pool's)."""
+        return self.pools.by_name
+
+    @property
+    def kv(self) -> PoolTier | None:
+        """The KV pool's tier (None before ``register_mem_pool_host`` and after ``close``)."""
+        return self.pools.kv
 
     # ------------------------------------------------------------------ registration (errors stop start-up)
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The KV host pool: opens (or, on a reader rank, looks for) its shard."""
+        """The KV host pool (the ``kv`` tier): its shard opens now (errors stop start-up), under its final
+        share of the capacity once every side pool is known (``on_host_pools_registered``)."""
         super().register_mem_pool_host(mem_pool_host)
-        self.kv = self._tier("kv", mem_pool_host)
+        self.pools.register(KV, mem_pool_host, open_now=True)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Every pool of SGLang's ``HostPoolGroup``; side pools get shards of their own."""
+        """Every pool of SGLang's ``HostPoolGroup``: served by a tier of its own (the KV pool by the ``kv``
+        tier), or refused with ``UnservedPoolError`` naming it. A pool registered after the shards opened
+        reopens them under new capacity shares."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = str(host_pool_name)
-        if name != "kv":
-            self._tier(name, host_pool)
+        self.pools.register(str(getattr(host_pool_name, "value", host_pool_name)), host_pool)
 
-    def _tier(self, name: str, pool: Any) -> PoolTier:
-        with self._lock:
-            tier = self.tiers.get(name)
-            if tier is None or tier.pages.pool is not pool:
-                tier = PoolTier.open(name, HostPages.of(pool), self.storage_config, self.config, self.writer)
-                self.tiers[name] = tier
-                log.info("kvtier: pool %s -> %s (%s, %d-byte pages, %s)", name, tier.namespace.dirname(),
-                         tier.namespace.describe(), tier.pages.page_bytes, tier.pages.access.value)
-            return tier
+    def on_host_pools_registered(self) -> None:
+        """All pools are known: open every tier's shard under its share of the capacity."""
+        super().on_host_pools_registered()
+        self.pools.open_all()
 
     # ------------------------------------------------------------------ v1: zero-copy KV
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -183,9 +192,10 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """The usable KV prefix given every side pool's hit policy (see ``sidecars``)."""
-        return self._guarded("batch_exists_v2",
-                             lambda: exists_v2(self.kv, self.tiers, _keys_until_invalid(keys), pool_transfers or []),
-                             PoolTransferResult.empty)
+        def exists() -> PoolTransferResult:
+            return exists_v2(self._kv(), self.tiers, _keys_until_invalid(keys), pool_transfers or [])
+
+        return self._guarded("batch_exists_v2", exists, PoolTransferResult.empty)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
@@ -201,7 +211,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         keys = list(t.keys or [])
 
         def move() -> list[bool]:
-            tier = self.tiers.get(str(t.name))
+            self.pools.ready()
+            tier = self.tiers.get(str(getattr(t.name, "value", t.name)))
             if tier is None:
                 raise KVTierError(f"no host pool {t.name!r} registered")
             if not write:
@@ -215,8 +226,12 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     # ------------------------------------------------------------------ admin
     def clear(self) -> None:
         """Drop every page of every shard this rank writes."""
-        for tier in list(self.tiers.values()):
-            self._guarded("clear", tier.clear, lambda: None)
+        def drop() -> None:
+            self.pools.ready()
+            for tier in list(self.tiers.values()):
+                self._guarded("clear", tier.clear, lambda: None)  # each shard whatever the others raise
+
+        self._guarded("clear", drop, lambda: None)
 
     def get_stats(self) -> StorageMetrics | None:
         """SGLang's per-op transfer figures since the last call (drained); refreshes the ``kvtier_`` gauges
@@ -231,8 +246,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """Everything this backend reports, typed and immutable: per pool the store and read-ahead figures,
         the prefill model, the policy switch, the boundary's counters, and the rank labels."""
         cfg = self.storage_config
-        with self._lock:
-            tiers = list(self.tiers.values())
+        tiers = list(self.tiers.values())
         return TelemetrySnapshot(
             ranks=RankLabels(int(cfg.tp_rank or 0), int(cfg.pp_rank or 0), int(cfg.dp_rank or 0)),
             pools=tuple(t.snapshot() for t in tiers), prefill=self.cost.prefill.snapshot(),
@@ -243,11 +257,22 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         return self.telemetry().cost_inputs()
 
     def close(self) -> None:
-        """Stop read-ahead and close every store (detach, shutdown, a failed attach)."""
-        with self._lock:
-            tiers, self.tiers, self.kv = list(self.tiers.values()), {}, None
-        for tier in tiers:
-            self._guarded("close", tier.close, lambda: None)
+        """Stop every tier's read-ahead and close its store (detach, shutdown, a failed attach): every tier,
+        whatever the others raise. Never raises into SGLang: once all is released, the first failure is
+        counted and logged at the boundary (the later ones as its notes, and logged). Idempotent."""
+        failures = self.pools.close()
+        if failures:
+            self._report_close(failures)
+
+    def _report_close(self, failures: list[Failure]) -> None:
+        step, first = failures[0]
+        for later, exc in failures[1:]:
+            first.add_note(f"{later} also failed: {exc!r}")
+            log.warning("kvtier close: %s also failed: %r", later, exc)
+        interrupt = next((exc for _, exc in failures if not isinstance(exc, Exception)), None)
+        if interrupt is not None:
+            raise interrupt  # never swallowed; everything was released first
+        self.boundary.fail(f"close ({step})", first, outcome="everything else released")
 
     # ------------------------------------------------------------------ internals
     def _read_path(self) -> ReadPath | None:
@@ -259,9 +284,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         return ReadPath(tier.pages.page_tokens, tier.pages.page_bytes, model)
 
     def _kv(self) -> PoolTier:
-        if self.kv is None:
-            raise KVTierError("no host pool registered yet")
-        return self.kv
+        self.pools.ready()
+        kv = self.kv
+        if kv is None:
+            raise KVTierError("no KV host pool registered (or the backend is closed)")
+        return kv
 
     def _guarded(self, op: str, call: Callable[[], T], miss: Callable[[], T]) -> T:
         """``call()``, or on any exception: count and log it, and answer ``miss()``."""

@@ -88,8 +88,8 @@ def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] |
     """Verify every page and the journal of ``shard``; with ``repair``, drop what is bad (as its writer).
     ``progress`` is called with the number of pages checked after each batch."""
     report = FsckReport(shard.namespace.describe(), str(shard.meta))
-    store = open_shard(shard)
-    try:
+    # ``with``: an error of the body is the one raised; a failing close rides along as its note.
+    with open_shard(shard) as store:
         report.problems = list(store.recovery.problems)
         keys = store.keys()
         scratch = AlignedBuffer(VERIFY_BATCH * store.slot_bytes)
@@ -105,22 +105,16 @@ def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] |
                     progress(len(chunk))
         finally:
             scratch.close()
-    finally:
-        store.close()
     if repair and not report.clean:
-        writer = open_writer(shard)  # recovery folds the journal and drops torn tails
-        try:
+        with open_writer(shard) as writer:  # recovery folds the journal and drops torn tails
             writer.delete([PageKey(bytes.fromhex(k)) for k in report.bad_pages])
-        finally:
-            writer.close()
         report.repaired = True
     return report
 
 
 def shard_summary(shard: Shard) -> dict[str, Any]:
     """What ``sgl-kvtier inspect`` shows of ``shard`` (JSON-ready), read without changing anything."""
-    store = open_shard(shard)
-    try:
+    with open_shard(shard) as store:
         stats = store.stats()
         return {
             "namespace": shard.namespace.describe(), "meta": str(shard.meta), "pages": stats.pages,
@@ -129,8 +123,6 @@ def shard_summary(shard: Shard) -> dict[str, Any]:
             "direct_io": stats.direct_io, "problems": list(store.recovery.problems),
             "locked_by_writer": _writer_pid(shard.meta),
         }
-    finally:
-        store.close()
 
 
 def _configured_capacity(shard: Shard, fallback: int) -> int:

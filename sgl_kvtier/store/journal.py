@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,7 +31,7 @@ from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.keys import KEY_BYTES, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import write_file_atomic
-from sgl_kvtier.store.lifecycle import abandon
+from sgl_kvtier.store.lifecycle import Step, abandon
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.bin"
@@ -226,7 +225,7 @@ class Journal:
         except BaseException as exc:
             # Crash rule: a journal whose header did not make it (ENOSPC, EIO) holds no record; it is removed
             # here, and if a crash comes first, replay treats its torn header as an empty, torn journal.
-            steps: list[tuple[str, Callable[[], object]]] = [("journal fd", self.close)]
+            steps: list[Step] = [("journal fd", self.close)]
             if fresh:
                 steps.append(("half-made journal", partial(self.path.unlink, missing_ok=True)))
             abandon(exc, str(self.path), steps)

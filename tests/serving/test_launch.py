@@ -104,3 +104,44 @@ def test_demo_default_matches_the_shipped_cpu_config():
     shipped = load(ROOT / "configs" / "cpu-demo.toml")
     assert shipped["kvtier"] == DEMO_CONFIG["kvtier"]
     assert shipped["sglang"] == DEMO_CONFIG["sglang"]
+
+
+def test_a_model_size_is_served_in_the_chosen_dtype(tmp_path, monkeypatch):
+    """``model_path = "tiny"``: a factory model in the machine's native dtype (or the forced one), in a cache
+    directory of its own per dtype, and ``--dtype`` spelled out (SGLang's auto would make float32 float16)."""
+    from sgl_kvtier.serving.hardware import ENV_DTYPE, native_dtype
+
+    monkeypatch.setenv("KVTIER_MODEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(ENV_DTYPE, raising=False)
+
+    def launch(gpu=False, **sglang):
+        doc = {"sglang": {"model_path": "tiny", **sglang}, "kvtier": {"devices": ["/x"]}}
+        cmd, _ = build_command(doc, [], gpu=gpu, make_model=False)
+        assert cmd.count("--dtype") == 1
+        return Path(cmd[cmd.index("--model-path") + 1]), cmd[cmd.index("--dtype") + 1]
+
+    assert launch() == (tmp_path / f"tiny-{native_dtype()}", native_dtype())
+    assert launch(gpu=True) == (tmp_path / "tiny-bfloat16", "bfloat16")  # a GPU keeps bf16
+    assert launch(dtype="float32") == (tmp_path / "tiny-float32", "float32")
+    assert launch(dtype="auto") == launch()
+    monkeypatch.setenv(ENV_DTYPE, "float32")
+    assert launch(gpu=True) == (tmp_path / "tiny-float32", "float32")
+    assert launch(dtype="bfloat16") == (tmp_path / "tiny-bfloat16", "bfloat16")  # the config file wins
+    with pytest.raises(ConfigError, match=r"^sglang\.dtype: "):
+        launch(dtype="half")
+    cmd, _ = build_command({"sglang": {"model_path": "/m"}, "kvtier": {"devices": ["/x"]}}, [], gpu=False,
+                           make_model=False)
+    assert "--dtype" not in cmd  # a model path is SGLang's to read
+
+
+def test_the_demo_serves_its_model_in_the_chosen_dtype(tmp_path, monkeypatch):
+    from sgl_kvtier.serving import demo
+    from sgl_kvtier.serving.hardware import ENV_DTYPE
+
+    monkeypatch.setenv("KVTIER_MODEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(ENV_DTYPE, "float32")
+    model, args = demo.server_args(tmp_path / "flash", gpu=False)
+    assert model == tmp_path / "cache" / "tiny-float32" and json.loads((model / "config.json").read_text())["dtype"] \
+        == "float32"
+    assert args[args.index("--dtype") + 1] == "float32" and args[-1] == "--skip-server-warmup"
+    assert extra_of(args)["devices"] == [str(tmp_path / "flash")] and "--device" not in args  # SGLangServer adds it

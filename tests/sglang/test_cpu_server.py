@@ -2,8 +2,10 @@
 
 This is the proof that the CPU plugin works in SGLang's spawned scheduler: without its shims the
 server cannot build the host pool or copy KV between device and host. It uses SGLang's built-in
-`file` backend so that it does not depend on our store. It takes about a minute: server start-up
-dominates.
+`file` backend so that it does not depend on our store. It runs twice, on a bfloat16 and a float32 model
+made by the factory (the dtype `auto` picks on CPUs with and without AVX512-BF16/AMX; the runner serves a
+factory model with its own `--dtype`, where SGLang's `--dtype auto` would make float32 float16), and each
+takes about a minute: server start-up dominates.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
+from sgl_kvtier.serving.hardware import DTYPE_BYTES  # noqa: E402
+from sgl_kvtier.serving.model_factory import make_model, make_prompt, spec_for  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer  # noqa: E402
 
 PAGE = 16
@@ -33,8 +36,10 @@ def expected_storage_hit(prompt_len: int) -> int:
     return (prompt_len - 1) // PAGE * PAGE
 
 
-def test_flushed_prompt_is_served_from_l3_with_identical_greedy_output(tmp_path: Path) -> None:
-    model = make_model(tmp_path / "model", "tiny")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_flushed_prompt_is_served_from_l3_with_identical_greedy_output(tmp_path: Path, dtype: str) -> None:
+    model = make_model(tmp_path / "model", "tiny", dtype=dtype)
+    page_bytes = PAGE * spec_for("tiny", dtype).kv_bytes_per_token(DTYPE_BYTES[dtype])
     l3 = tmp_path / "l3"
     prompts = {n: make_prompt(n, seed=n, model_dir=model) for n in (900, 896)}
     args = [
@@ -58,6 +63,9 @@ def test_flushed_prompt_is_served_from_l3_with_identical_greedy_output(tmp_path:
         # joins the storage threads with a 10 s timeout and kills the scheduler if one is busy.
         assert srv.wait_metric(BACKED_UP, 2 * 896, timeout_s=180) == 2 * 896
         assert len(list(l3.iterdir())) == 2 * 56
+        # Each file is one page's K and V in the model's dtype: the server ran in it (not float16, not bf16).
+        assert {f.stat().st_size for f in l3.iterdir()} == {page_bytes}
+        assert srv.command[srv.command.index("--dtype") + 1] == dtype
         srv.flush_cache()
         warm = {n: srv.generate(p, max_new_tokens=8, temperature=0.0) for n, p in prompts.items()}
         log = (tmp_path / "server.log").read_text(errors="replace")

@@ -318,6 +318,7 @@ def test_batch_exists_shortens_only_with_the_policy_on_and_a_slow_device(tmp_pat
            "interface_v1": 1, "devices": [str(tmp_path)], "capacity_bytes": 64 << 20}
     backend = KVTierStorage(storage_config(cfg), {})
     backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
     try:
         keys = [f"{i:064x}" for i in range(40)]
         assert backend.batch_set_v1(keys, torch.arange(40 * PS)) == [True] * 40

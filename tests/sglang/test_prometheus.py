@@ -43,6 +43,7 @@ def backend(tmp_path, monkeypatch):
            "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes}
     b = KVTierStorage(storage_config(cfg), {})
     b.register_mem_pool_host(pool)
+    b.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
     b.cost.prefill = PrefillSampler(estimator=PrefillEstimator(min_samples=2))
     yield b
     b.close()

@@ -40,6 +40,7 @@ def make_backend(tmp_path, pool, mla=False, **extra):
            "interface_v1": 1, "devices": [str(tmp_path)], "capacity_bytes": 64 << 20, **extra}
     backend = KVTierStorage(storage_config(cfg, mla=mla), {})
     backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
     return backend
 
 

@@ -1,0 +1,81 @@
+"""One byte limit per backend, split over its pool tiers.
+
+A backend (one rank's ``KVTierStorage``) stores the KV pool and any side pools SGLang registers (SWA,
+Mamba, draft KV, ...), each in a shard of its own. ``capacity_bytes``, or the free-space default, is the
+limit of the *backend*: the tiers share it, they never each get all of it.
+
+The limit: ``capacity_bytes`` when set; otherwise, per device, 90 % of (its free space + the segment
+files this backend's shards already hold there) on a directory, or the device's size less its region
+table on a raw block device, divided by the number of rank shards sharing the devices; then the
+smallest device's share times the number of devices (pages are striped, so the smallest device fills
+first). The same rule the store applies to one shard, taken once for all of a backend's shards.
+
+The split (``split``): every pool tier gets room for the same number of pages, so each tier's share
+is proportional to the flash size of one of its pages (its slot: the page rounded up to 4 KiB). A
+prefix whose pages every pool must restore fits in all of them alike. Each share is a whole number of
+slots on every device, so the store rounds nothing up, and the shares never add up to more than the
+limit. A limit too small for one page of every pool on every device is refused, naming the pools.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import ConfigError, DeviceError
+from sgl_kvtier.io.buffers import round_up
+from sgl_kvtier.keys import Namespace
+from sgl_kvtier.store.devices import is_block_like
+from sgl_kvtier.store.format import BLOCK_HEADER_BYTES
+
+FREE_SPACE_SHARE = 0.9  # of a directory device's free space, as the store's own default
+
+
+def slot_bytes(namespace: Namespace) -> int:
+    """The flash bytes one page of ``namespace`` takes (its slot)."""
+    return round_up(namespace.page_bytes)
+
+
+def backend_limit(config: StoreConfig, namespaces: Sequence[Namespace]) -> int:
+    """The byte limit of a backend whose shards are ``namespaces`` (see the module docstring)."""
+    if config.capacity_bytes is not None:
+        return config.capacity_bytes
+    shards = max(1, namespaces[0].shard_count) if namespaces else 1
+    per_device = [_device_budget(i, path, namespaces) // shards for i, path in enumerate(config.devices)]
+    return min(per_device) * len(config.devices)
+
+
+def _device_budget(index: int, path: str, namespaces: Sequence[Namespace]) -> int:
+    if is_block_like(path):  # raises DeviceError for a missing path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise DeviceError(f"devices[{index}]: {path}: cannot open: {exc.strerror}") from None
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
+        return max(0, size - BLOCK_HEADER_BYTES)
+    try:
+        fs = os.statvfs(path)
+    except OSError as exc:
+        raise DeviceError(f"devices[{index}]: {path}: {exc.strerror}") from None
+    if fs.f_blocks == 0:
+        raise DeviceError(f"devices[{index}]: {path}: the filesystem reports no size; set capacity_bytes")
+    used = sum(seg.stat().st_size for ns in namespaces for seg in (Path(path) / ns.dirname()).glob("seg-*.dat"))
+    return int((fs.f_bavail * fs.f_frsize + used) * FREE_SPACE_SHARE)
+
+
+def split(limit: int, pools: Sequence[tuple[str, Namespace]], devices: int) -> list[int]:
+    """Each pool's ``capacity_bytes`` out of ``limit``: the same page count for every pool, whole slots on
+    each of ``devices`` devices; the sum is at most ``limit``. ``ConfigError`` (``capacity_bytes``) when
+    the limit cannot hold one page of every pool on every device."""
+    slots = [slot_bytes(ns) for _, ns in pools]
+    pages_per_device = limit // (devices * sum(slots)) if slots else 0
+    if pages_per_device < 1:
+        need = ", ".join(f"{name} ({s} bytes)" for (name, _), s in zip(pools, slots))
+        raise ConfigError("capacity_bytes", f"{limit} bytes cannot hold one page of each pool on each of the "
+                                            f"{devices} device(s): {need}")
+    return [pages_per_device * devices * s for s in slots]
