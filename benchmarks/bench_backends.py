@@ -3,7 +3,7 @@
 Both backends are made and driven as SGLang's HiCache controller makes and drives them
 (``benchmarks.store.backends``), in 128-page batches from/to scattered host slots. Every page read back is
 compared with the page written; a mismatch fails the run. With ``--readahead`` it also times kvtier's
-exists -> get span (``benchmarks.store.load``) with ``readahead_bytes`` at its default and at 0.
+exists -> get span (``benchmarks.store.load``) with read-ahead on (``--readahead-bytes``) and off.
 
 Regenerate benchmarks/results/bench_backends.json (as root, so the page cache can be dropped before cold reads):
 
@@ -42,7 +42,7 @@ from benchmarks.store.backends import (
 )
 from benchmarks.store.context import BATCH, Ctx, store_run, write_result
 from benchmarks.store.fio import measure_fio
-from benchmarks.store.load import measure_loads
+from benchmarks.store.load import READAHEAD_ON, measure_loads
 from sgl_kvtier.config import MiB
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES, choose_dtype
 
@@ -217,7 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exists-keys", type=int, default=1000, help="keys per batch_exists call (at most the pages written)")
     p.add_argument("--exists-repeats", type=int, default=20, help="warm batch_exists calls (default: 20)")
     p.add_argument("--readahead", action="store_true",
-                   help="also time kvtier's exists -> get span with readahead_bytes at its default and at 0")
+                   help="also time kvtier's exists -> get span with read-ahead on (--readahead-bytes) and off")
+    p.add_argument("--readahead-bytes", type=int, default=READAHEAD_ON,
+                   help="with --readahead: the read-ahead budget measured against 0 (default: 256 MiB)")
     p.add_argument("--load-gap-ms", type=float, default=0.0,
                    help="with --readahead: ms between the exists calls and the first get, standing for the "
                         "scheduler step SGLang runs in between (default: 0)")

@@ -88,7 +88,7 @@ class StoreConfig:
     slow_io_s: float = 2.0
     # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
     # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
-    readahead_bytes: int = 256 * MiB
+    readahead_bytes: int = 0  # off: measured a tie in serving, 9-24% slower back to back (benchmarks/RESULTS.md)
     # Testing only: inject IO faults (a ``FaultSpec`` table, see sgl_kvtier.io.faulty). None in production.
     fault_injection: dict[str, Any] | None = None
     # Benchmarks only: emulate a slower device (a ``ThrottleSpec`` table, see sgl_kvtier.io.throttle).

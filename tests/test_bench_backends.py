@@ -1,5 +1,5 @@
 """benchmarks.bench_backends: a small run (128 pages of 256 KiB, one round) of SGLang's ``file`` backend and
-ours with ``--readahead``: kvtier's exists -> get span with read-ahead at its default and off."""
+ours with ``--readahead``: kvtier's exists -> get span with read-ahead on (256 MiB) and off."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from benchmarks import bench_backends  # noqa: E402
-from benchmarks.store.backends import READAHEAD_DEFAULT  # noqa: E402
+from benchmarks.store.load import READAHEAD_ON  # noqa: E402
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
@@ -31,7 +31,7 @@ def test_small_run_with_readahead(tmp_path: Path) -> None:
     assert on["vs_ra_off"] == pytest.approx(on["value"] / off["value"]) and off["vs_ra_off"] is None
     assert on["vs_fio"] == pytest.approx(on["value"] / rows[("fio", "get")]["value"])
     # The whole 32 MiB span fits the default 256 MiB budget: every page is staged by exists, and served.
-    assert f"readahead_bytes={READAHEAD_DEFAULT} (default)" in on["note"] and "staged 128" in on["note"]
+    assert f"readahead_bytes={READAHEAD_ON};" in on["note"] and "staged 128" in on["note"]
     assert "served 128" in on["note"]
     assert off["note"].startswith("readahead_bytes=0;") and "staged" not in off["note"]
     assert rows[("kvtier", "get")]["vs_file"] > 0 and "verified byte-exact" in rows[("kvtier", "get")]["note"]

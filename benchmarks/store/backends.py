@@ -9,7 +9,6 @@ for ours, chosen by the controller's rule).
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from pathlib import Path
 
@@ -21,13 +20,12 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from sgl_kvtier.config import GiB, MiB, StoreConfig
+from sgl_kvtier.config import GiB, MiB
 
 PAGE_TOKENS, HEAD_DIM = 64, 128
 # One layer of one page (K+V), whatever the dtype: 64 tokens x 8 KV heads x 128 x 2 x 2 B in bf16 = 256 KiB; the
 # KV heads follow the dtype (4 in float32), so --page-mib means the same pages and layer counts in every dtype.
 LAYER_BYTES = 256 * 1024
-READAHEAD_DEFAULT = {f.name: f.default for f in dataclasses.fields(StoreConfig)}["readahead_bytes"]
 
 
 class BenchOp:

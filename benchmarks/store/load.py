@@ -5,8 +5,8 @@ keys a call, stopping at the first partial hit (``HiCacheController._storage_hit
 then calls ``batch_get_v1`` for the hit, 128 pages a call, one after another (``_page_transfer``). With
 read-ahead on, kvtier's ``batch_exists`` already starts reading the pages it reports, so what the request
 waits for is the whole span, from the first exists call to the last get. This module times that span on
-a freshly opened backend with a cold page cache, once with kvtier's default ``readahead_bytes`` and once
-with 0, on the same stored pages.
+a freshly opened backend with a cold page cache, once with ``readahead_bytes`` on (``--readahead-bytes``,
+256 MiB unless told; the store's default is 0, off) and once with 0, on the same stored pages.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageExtraInfo
 
-from benchmarks.store.backends import READAHEAD_DEFAULT, close, page_equal, readahead_counters, slot_indices, zero_pages
+from benchmarks.store.backends import close, page_equal, readahead_counters, slot_indices, zero_pages
 from benchmarks.store.context import BATCH, Ctx
 
-# (row system, readahead_bytes): the store's default, and off
-SETTINGS = (("kvtier+ra", None), ("kvtier", 0))
+READAHEAD_ON = 256 << 20  # the budget read-ahead is measured with unless --readahead-bytes says otherwise
 
 
 def load_span(ctx: Ctx, backend, io, keys: list[str], last_src, pool, gap_s: float) -> dict[str, Any]:
@@ -60,21 +59,21 @@ def load_span(ctx: Ctx, backend, io, keys: list[str], last_src, pool, gap_s: flo
 
 def measure_loads(ctx: Ctx, opener: Callable[..., tuple], keys: list[str], last_src, pool, nbytes: int,
                   reverse: bool) -> dict[str, dict[str, Any]]:
-    """The span with read-ahead at its default and off (``reverse`` swaps who goes first), each on a backend
-    reopened after dropping the page cache; {row system: {"load" GB/s, "note", ...}}."""
+    """The span with read-ahead on (``ctx.args.readahead_bytes``) and off (``reverse`` swaps who goes first),
+    each on a backend reopened after dropping the page cache; {row system: {"load" GB/s, "note", ...}}."""
     out = {}
-    for system, readahead in SETTINGS[::-1] if reverse else SETTINGS:
+    settings = (("kvtier+ra", int(ctx.args.readahead_bytes)), ("kvtier", 0))
+    for system, readahead in settings[::-1] if reverse else settings:
         ctx.drop_caches()
         backend, io = opener(readahead_bytes=readahead)
         try:
             res = load_span(ctx, backend, io, keys, last_src, pool, ctx.args.load_gap_ms / 1e3)
         finally:
             close(backend)
-        ra = READAHEAD_DEFAULT if readahead is None else readahead
         counts = ", ".join(f"{k} {v}" for k, v in res["readahead"].items() if k in ("staged", "served", "joined",
                                                                                    "skipped_full"))
         out[system] = {**res, "load": nbytes / res["span_s"] / 1e9,
-                       "note": f"readahead_bytes={ra}{' (default)' if readahead is None else ''}; exists "
+                       "note": f"readahead_bytes={readahead}; exists "
                                f"{res['exists_ms']:.1f} ms of {res['span_s'] * 1e3:.0f} ms"
                                + (f"; {counts}" if counts else "")}
     return out

@@ -93,8 +93,9 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
 
     # ------------------------------------------------------------------ registration (errors stop start-up)
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The KV host pool (the ``kv`` tier): its shard opens now (errors stop start-up), under its final
-        share of the capacity once every side pool is known (``on_host_pools_registered``)."""
+        """The KV host pool (the ``kv`` tier): its shard opens now (errors stop start-up; on raw block
+        devices it waits for the others), under its final share of the capacity once every side pool is
+        known (``on_host_pools_registered``)."""
         super().register_mem_pool_host(mem_pool_host)
         self.pools.register(KV, mem_pool_host, open_now=True)
 
@@ -269,10 +270,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         for later, exc in failures[1:]:
             first.add_note(f"{later} also failed: {exc!r}")
             log.warning("kvtier close: %s also failed: %r", later, exc)
+        if isinstance(first, Exception):
+            self.boundary.fail(f"close ({step})", first, outcome="everything else released")
         interrupt = next((exc for _, exc in failures if not isinstance(exc, Exception)), None)
         if interrupt is not None:
-            raise interrupt  # never swallowed; everything was released first
-        self.boundary.fail(f"close ({step})", first, outcome="everything else released")
+            raise interrupt  # a KeyboardInterrupt / SystemExit is never swallowed; everything was released first
 
     # ------------------------------------------------------------------ internals
     def _read_path(self) -> ReadPath | None:

@@ -72,6 +72,7 @@ class PoolTiers:
         returns, and their errors propagate."""
         with self._lock:
             self._check_serving()
+            open_now = (open_now and not self._fixed_regions()) or self._settled  # (late: every share changes)
             known = self.by_name.get(name)
             if known is not None:
                 if known.pages.pool is pool:
@@ -87,7 +88,7 @@ class PoolTiers:
             if name == KV:
                 self.kv = tier
             self._opened = False
-            if (open_now and not self._fixed_regions()) or self._settled:  # (a late pool: every tier's share of the capacity changes)
+            if open_now:
                 self._open_all()
             return tier
 

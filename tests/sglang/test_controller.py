@@ -79,7 +79,8 @@ pytestmark = pytest.mark.timeout(300)
 # ---------------------------------------------------------------------------------------------- setup
 def backend_extra(store_dir, **more) -> dict:
     return {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-            "interface_v1": 1, "devices": [str(store_dir)], "capacity_bytes": 64 << 20, **more}
+            "interface_v1": 1, "devices": [str(store_dir)], "capacity_bytes": 64 << 20,
+            "readahead_bytes": 64 << 20, **more}  # read-ahead on (off by default): its staging is counted here
 
 
 def token_ids(n: int, seed: str) -> list[int]:

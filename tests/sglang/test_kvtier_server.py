@@ -26,7 +26,8 @@ BACKED_UP = "sglang:backuped_tokens_total"
 
 
 def server_args(store: Path) -> list[str]:
-    extra = {**BACKEND, "devices": [str(store)], "capacity_bytes": 256 << 20}
+    extra = {**BACKEND, "devices": [str(store)], "capacity_bytes": 256 << 20,
+             "readahead_bytes": 64 << 20}  # off by default: this server (and the metrics test) stages hits
     return [
         "--max-total-tokens", "16384", "--hicache-ratio", "2",  # CPU: leave RAM for the host pool
         "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",

@@ -87,7 +87,8 @@ def cache(tmp_path, policy_on, monkeypatch):
 
     monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
     extra = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-             "interface_v1": 1, "devices": [str(tmp_path)], "capacity_bytes": 64 << 20, "prefetch_threshold": PS}
+             "interface_v1": 1, "devices": [str(tmp_path)], "capacity_bytes": 64 << 20, "prefetch_threshold": PS,
+             "readahead_bytes": 64 << 20}  # read-ahead on (off by default): the measured reads are its chunks
     with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
         cfg = CacheConfig(page_size=PS, num_layers=LAYERS, head_num=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
                           kv_size=4096, max_context_len=4096)

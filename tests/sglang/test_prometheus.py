@@ -40,7 +40,8 @@ def backend(tmp_path, monkeypatch):
     fill_random(pool, seed=21)
     page_bytes = pool.get_dummy_flat_data_page().numel() * 2
     cfg = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-           "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes}
+           "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes,
+           "readahead_bytes": 256 << 20}  # read-ahead is off by default; its gauges are tested here
     b = KVTierStorage(storage_config(cfg), {})
     b.register_mem_pool_host(pool)
     b.on_host_pools_registered()  # as SGLang's controller does once every pool is registered

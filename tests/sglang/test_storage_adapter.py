@@ -37,7 +37,8 @@ def slots(pages: list[int]) -> torch.Tensor:
 
 def make_backend(tmp_path, pool, mla=False, **extra):
     cfg = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-           "interface_v1": 1, "devices": [str(tmp_path)], "capacity_bytes": 64 << 20, **extra}
+           "interface_v1": 1, "devices": [str(tmp_path)], "capacity_bytes": 64 << 20,
+           "readahead_bytes": 64 << 20, **extra}  # read-ahead on (off by default) unless a test says 0
     backend = KVTierStorage(storage_config(cfg, mla=mla), {})
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
