@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import queue
 import threading
 from collections.abc import Sequence
 
@@ -53,37 +52,50 @@ class AlignedBuffer:
 
 
 class BouncePool:
-    """A fixed set of aligned buffers of one size, handed out to IO workers; blocks when all are in use."""
+    """A fixed set of ``count`` aligned buffers of one size, handed out to IO batches.
+
+    A batch takes all the buffers it needs at once (``acquire_many``): two batches that each took a part of
+    the pool one buffer at a time and waited for the rest would wait for each other forever.
+    """
 
     def __init__(self, nbytes: int, count: int):
         self.nbytes = round_up(nbytes)
-        self.count = count
-        self._free: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
+        self.count = max(1, count)
+        self._free: list[AlignedBuffer] = []
         self._all: list[AlignedBuffer] = []
-        self._created = 0
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
 
     def acquire(self) -> AlignedBuffer:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            create = self._created < self.count
-            self._created += create
-        if create:
-            buf = AlignedBuffer(self.nbytes)
-            self._all.append(buf)
-            return buf
-        return self._free.get()
+        """One buffer; blocks while all are in use."""
+        return self.acquire_many(1)[0]
+
+    def acquire_many(self, n: int) -> list[AlignedBuffer]:
+        """``n`` buffers (at most ``count``), taken together; blocks until that many are free."""
+        if not 0 <= n <= self.count:
+            raise ValueError(f"asked for {n} bounce buffers of a pool of {self.count}")
+        with self._cond:
+            while len(self._free) + (self.count - len(self._all)) < n:
+                self._cond.wait()
+            while len(self._free) < n:  # made lazily: a pool that never bounces costs no memory
+                buf = AlignedBuffer(self.nbytes)
+                self._all.append(buf)
+                self._free.append(buf)
+            taken, self._free[len(self._free) - n:] = self._free[len(self._free) - n:], []
+            return taken
 
     def release(self, buf: AlignedBuffer) -> None:
-        self._free.put(buf)
+        """Give one buffer back (wakes a batch waiting for buffers)."""
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify_all()
 
     def close(self) -> None:
-        for buf in self._all:
-            buf.close()
-        self._all.clear()
+        """Free every buffer (the pool must be idle)."""
+        with self._cond:
+            for buf in self._all:
+                buf.close()
+            self._all.clear()
+            self._free.clear()
 
 
 def copy_runs_to(dst: memoryview, runs: Sequence[Run]) -> None:

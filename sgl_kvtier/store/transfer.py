@@ -74,12 +74,14 @@ class PageIO:
         for start in range(0, len(items), step):
             ops: list[IOOp] = []
             placed: list[tuple[int, AlignedBuffer | None]] = []  # (item index, bounce)
-            for j in range(start, min(start + step, len(items))):
+            chunk = range(start, min(start + step, len(items)))
+            spare = self._take_bounces([items[j][0] for j in chunk])
+            for j in chunk:
                 runs, slot = items[j]
                 if not self.health.usable(slot % self._ndev):
                     continue  # the device's circuit is open: fail fast, no IO
                 try:
-                    op, bounce = self._make_op(OpKind.WRITE, slot, runs)
+                    op, bounce = self._make_op(OpKind.WRITE, slot, runs, spare)
                 except OSError as exc:  # a segment could not be created: the device is full
                     self._device_full(slot, exc)
                     continue
@@ -95,6 +97,7 @@ class PageIO:
                     self._errlog.error("write to %s failed: %s", self._arena(items[j][1]).path, res.error)
                 if bounce is not None:
                     self._bounce.release(bounce)
+            self._give_back(spare)
             if self._sync_writes:
                 self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
         return sums
@@ -114,11 +117,23 @@ class PageIO:
     def _needs_bounce(self, runs: Sequence[Run]) -> bool:
         return self.layout.direct and (self.slot_bytes != self.page_bytes or not runs_aligned(runs, ALIGN))
 
-    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run]) -> tuple[IOOp, AlignedBuffer | None]:
+    def _take_bounces(self, pages: Sequence[Sequence[Run]]) -> list[AlignedBuffer]:
+        """Every bounce buffer a chunk (at most the pool's size) needs, taken at once: taking them one by one,
+        two threads' chunks could each hold part of the pool and wait for the rest forever."""
+        return self._bounce.acquire_many(sum(self._needs_bounce(runs) for runs in pages))
+
+    def _give_back(self, spare: list[AlignedBuffer]) -> None:
+        for buf in spare:  # taken for pages that did no IO (an open circuit, a segment not created)
+            self._bounce.release(buf)
+        spare.clear()
+
+    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run],
+                 spare: list[AlignedBuffer]) -> tuple[IOOp, AlignedBuffer | None]:
+        """The op for one page; a page that needs a bounce buffer takes one of ``spare``."""
         fd, offset = self._arena(slot).locate(slot // self._ndev)
         if not self._needs_bounce(runs):
             return IOOp(kind, fd, offset, [view(a, n) for a, n in runs], device=slot % self._ndev), None
-        bounce = self._bounce.acquire()
+        bounce = spare.pop()
         if kind is OpKind.WRITE:
             copy_runs_to(bounce.view, runs)
         return IOOp(kind, fd, offset, [bounce.view[:self.slot_bytes]], checksum=False, device=slot % self._ndev), bounce
@@ -146,12 +161,14 @@ class PageIO:
         step = len(items) if direct else max(1, self._bounce.count)
         for start in range(0, len(items), step):
             placed: list[tuple[int, IOOp, AlignedBuffer | None]] = []  # (item index, op, bounce)
-            for j in range(start, min(start + step, len(items))):
+            chunk = range(start, min(start + step, len(items)))
+            spare = self._take_bounces([items[j][0] for j in chunk])
+            for j in chunk:
                 runs, (slot, _) = items[j]
                 if not self.health.usable(slot % self._ndev):
                     continue  # the device's circuit is open: a miss, SGLang recomputes
                 try:
-                    op, bounce = self._make_op(OpKind.READ, slot, runs)
+                    op, bounce = self._make_op(OpKind.READ, slot, runs, spare)
                 except OSError as exc:
                     self.counters.io_errors += 1
                     self._errlog.error("read of slot %d: %s", slot, exc)
@@ -164,6 +181,7 @@ class PageIO:
                 verdicts[j] = self._verdict(res, bounce, items[j])
                 if bounce is not None:
                     self._bounce.release(bounce)
+            self._give_back(spare)
             # Steps run one after another, so a device's busy time over the batch is the sum over steps.
             step_busy = busy_seconds([(op.device, res.seconds) for (_, op, _), res in zip(placed, results)],
                                      self._ndev, self._depth)

@@ -84,6 +84,7 @@ class KVTierKit(UnifiedRadixCacheStorageFixtures, UnifiedRadixPrefetchCorruption
     """The kits' fixtures with their L3 caches on KVTierStorage (see the module docstring)."""
 
     cfg: CacheConfig
+    store_extra: dict[str, Any] = {}  # our config keys for every backend a test opens (beyond backend_extra's)
 
     def setUp(self) -> None:
         super().setUp()
@@ -109,7 +110,8 @@ class KVTierKit(UnifiedRadixCacheStorageFixtures, UnifiedRadixPrefetchCorruption
         if storage_backend is not None:
             assert storage_dir is not None, "an L3 cache needs the kit's storage directory"
             self._hand_over(storage_dir)
-            extra_json = json.dumps(backend_extra(storage_dir, prefetch_threshold, **(storage_extra or {})))
+            extra_json = json.dumps(backend_extra(storage_dir, prefetch_threshold,
+                                                  **{**self.store_extra, **(storage_extra or {})}))
         server_args = ServerArgs(
             model_path="dummy", page_size=self.cfg.page_size, hicache_io_backend="direct",
             hicache_mem_layout=CPU_LAYOUT, hicache_write_policy=write_policy,
@@ -148,7 +150,7 @@ class KVTierKit(UnifiedRadixCacheStorageFixtures, UnifiedRadixPrefetchCorruption
         """SGLang's runtime attach (the admin ``PUT /hicache/storage-backend`` path) of our backend."""
         self._hand_over(storage_dir)
         ok, msg = cache.attach_storage_backend(
-            "dynamic", json.dumps(backend_extra(storage_dir, prefetch_threshold=1, **more)),
+            "dynamic", json.dumps(backend_extra(storage_dir, prefetch_threshold=1, **{**self.store_extra, **more})),
             served_model_name="dummy")
         self.assertTrue(ok, msg)
         self._holders[storage_dir] = cache

@@ -50,6 +50,7 @@ def then_raise(release: Callable[[], None], exc: BaseException) -> Callable[[], 
 
 class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
     cfg = next(c for c in RUNNABLE if c.label == "FULL_SWA_ps4_sw4")
+    store_extra = {"readahead_bytes": 16 << 20}  # read-ahead on (off by default): its close is a failure point
 
     def setUp(self) -> None:
         super().setUp()

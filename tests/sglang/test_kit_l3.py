@@ -5,7 +5,7 @@ Each scenario runs for every kit cache config the CPU can build (``kit_l3.RUNNAB
 FULL+SWA+Mamba ones cannot run here, ``kit_l3.cannot_run`` says why), through the kits' own helpers:
 
 * L3 produce / consume: a prefix one cache wrote is served from L3 to a fresh cache (device and host
-  copies gone), byte-exact, and every pool SGLang registered (KV, and SWA where the model has it) is
+  copies gone), byte-exact, with host memory as a cache tier and as staging only (``buffer_only``), and every pool SGLang registered (KV, and SWA where the model has it) is
   served by a tier of its own, the tiers' capacities adding up to at most the backend's one limit;
 * prefetch corruption: a page damaged on flash is a miss (the prefix stops before it, what loads is
   exact, the store counts it), and a host chain committed under corrupt hashes never reaches L3;
@@ -77,6 +77,21 @@ class L3Scenarios(KVTierKit):
         self.assertEqual(self._storage_exists_count(cons, hashes), len(hashes))
         self.assertEqual(self._consume(cons, seq, "consume"), len(seq))
         self._loads_back(cons, allocator, seq, expected)
+
+    def test_buffer_only_host_memory_produces_and_consumes_through_l3(self):
+        """``--hicache-host-memory-mode buffer_only``: host memory is staging only, so L3 is the cache tier."""
+        storage_dir = self._make_storage_dir()
+        seq = self._buffer_swa_seq(min_pages=4)
+        _, expected = self._produce_buffer_l3(storage_dir, seq, marker=4)
+        cons, allocator, _ = self._build_buffer_hicache_fixture(storage_dir)
+        self.assertEqual(kit.match_prefix(cons, seq).full_kv_hit_length, 0)
+        handle = CacheRequestHandle("buffered", 0)
+        cons.prefetch_from_storage(handle, cons.root_node_handle(), array("q", seq), None, None)
+        self._run_prefetch_to_completion(cons, handle)  # staged, then consumed as admission would
+        match = kit.match_prefix(cons, seq)
+        self.assertEqual(match.device_prefix_len, len(seq))
+        k, v = self._snapshot_full_kv(allocator, cons.path_device_indices(match.last_device_node))
+        self.assertTrue(torch.equal(k, expected[0]) and torch.equal(v, expected[1]), "KV loaded from L3 differs")
 
     def test_every_registered_pool_is_served_within_one_capacity(self):
         storage_dir = self._make_storage_dir()

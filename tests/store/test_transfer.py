@@ -45,3 +45,33 @@ def test_each_page_gets_its_own_verdict(tmp_path):
             store.health.record(1, ok=False)  # device 1's circuit opens: its pages are not even read
         assert io.read([(mem.runs(i), e) for i, e in enumerate(entries)]) == [
             ReadVerdict.HIT, ReadVerdict.SKIPPED, ReadVerdict.IO_ERROR, ReadVerdict.SKIPPED]
+
+
+def test_concurrent_batches_of_bounced_pages_never_wait_for_each_other(tmp_path):
+    """Pages that need bounce buffers (3 KiB: not O_DIRECT-aligned) read by two threads at once, each batch as
+    large as the pool: a batch takes its buffers together, so neither holds part of the pool waiting for the
+    rest (taking them one by one deadlocked here on every run)."""
+    import threading
+
+    page = 3072
+    store = PageStore.open(store_config(tmp_path, 64, page, io_depth=8), namespace(page))
+    with store:
+        mem = HostMemory(16, page_bytes=page)
+        keys = [key(i) for i in range(16)]
+        want = [mem.fill(i, i) for i in range(16)]
+        assert store.put(keys, [mem.runs(i) for i in range(16)]) == [True] * 16
+        got: list[list[bool]] = [[], []]
+
+        def reader(n: int) -> None:
+            lo = 8 * n
+            for _ in range(200):
+                got[n].append(all(store.get(keys[lo:lo + 8], [mem.runs(i) for i in range(lo, lo + 8)])))
+
+        threads = [threading.Thread(target=reader, args=(n,), daemon=True) for n in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "bounce-buffer deadlock"
+        assert got == [[True] * 200, [True] * 200]
+        assert [bytes(mem.page(i)) for i in range(16)] == want
