@@ -47,6 +47,7 @@ Reader = Callable[[Sequence[PageKey], Sequence[Sequence[Run]]], list[bool]]
 
 
 class EntryState(enum.Enum):
+    """Where a staged page is: its read in flight, landed and verified, or failed (read again on demand)."""
     READING = "reading"
     READY = "ready"
     FAILED = "failed"
@@ -69,6 +70,7 @@ class _Entry:
 
 @dataclass
 class ReadAheadCounters:
+    """Pages through the staging area since the shard opened (the ``kvtier_readahead_*`` gauges)."""
     staged: int = 0  # pages whose read was started by an exists query
     served: int = 0  # pages a get took from staging
     joined: int = 0  # ... of which the read was still in flight when asked for
@@ -103,6 +105,8 @@ class _Buffers:
 
 
 class ReadAhead:
+    """Bounded staging for one shard: ``stage`` (at ``batch_exists``) starts reads of the hit's pages into staging
+    buffers, ``read`` (at ``batch_get_v1``) takes them or joins their reads, and reads the rest directly."""
     def __init__(self, reader: Reader, page_bytes: int, budget_bytes: int, chunk_pages: int = 32,
                  workers: int = 2, stale_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self._reader = reader
