@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmarks.common import drop_caches, page_cache_policy, progress
 from benchmarks.serving import client, configs, policy_report, report, session, workloads
-from benchmarks.serving.models import kv_dtype_bytes, resolve_model, served_dtype
+from benchmarks.serving.models import run_model
 from benchmarks.serving.policies import POLICIES, parse_device, prefix_rounds, resolve_policies, unique_tokens
 from benchmarks.serving.probes import prebuild_hash_extension, store_summary
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
@@ -170,11 +170,10 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, bars,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console, started = session.start(args, "policy")
-    model = resolve_model(args.model, args.dtype, gpu=args.gpu)
+    served = run_model(args.model, args.dtype, args.gpu, args.server_arg)
+    model, server_args = served.model, list(served.server_args)
     model_dir, model_name = model.path, model.name
-    server_args = [*model.server_args, *args.server_arg]
-    dtype, dtype_source = served_dtype(model, server_args)
-    kvbpt = configs.kv_bytes_per_token(model_dir, kv_dtype_bytes(dtype, server_args))
+    dtype, dtype_source, kvbpt = served.dtype, served.dtype_source, served.kv_bytes_per_token
     src = workloads.TokenSource(*workloads.token_range(model_dir), salt=0)
     rounds = prefix_rounds(src, documents=args.documents, doc_tokens=args.doc_tokens,
                            question_tokens=args.question_tokens, concurrency=args.concurrency, rounds=args.rounds,
@@ -201,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     run: dict[str, Any] = {
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
         "args": {k: v for k, v in vars(args).items() if k not in ("device_settings", "policy_list")},
-        "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt, "dtype": dtype,
-                  "dtype_source": dtype_source},
+        "model": served.record(),
         "machine": session.machine(model, server_args),
         "page_cache": cache_policy,
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": plan.host_tokens(kvbpt),

@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.common import TRACE, drop_caches, page_cache_policy, progress
 from benchmarks.serving import client, configs, report, session, workloads
-from benchmarks.serving.models import kv_dtype_bytes, resolve_model, served_dtype
+from benchmarks.serving.models import run_model
 from benchmarks.serving.probes import prebuild_hash_extension, scheduler_pid, store_summary
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
@@ -201,11 +201,10 @@ def merge(run: dict[str, Any], cfg: configs.Config, res: dict[str, Any], kvbpt: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console, started = session.start(args, "serving")
-    model = resolve_model(args.model, args.dtype, gpu=args.gpu)
+    served = run_model(args.model, args.dtype, args.gpu, args.server_arg)
+    model, server_args = served.model, list(served.server_args)
     model_dir, model_name = model.path, model.name
-    server_args = [*model.server_args, *args.server_arg]
-    dtype, dtype_source = served_dtype(model, server_args)
-    kvbpt = configs.kv_bytes_per_token(model_dir, kv_dtype_bytes(dtype, server_args))
+    dtype, dtype_source, kvbpt = served.dtype, served.dtype_source, served.kv_bytes_per_token
     rows = workloads.load_trace(args.trace) if "trace" in args.workload else None
     lo_hi = workloads.token_range(model_dir)
     wls = {(w, li, c): build_workload(args, w, 1000 * wi + li, lo_hi, rows)
@@ -238,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                       "they are used (raise --host-ratio)[/]")
     run: dict[str, Any] = {
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
-        "model": {"name": model_name, "path": str(model_dir), "kv_bytes_per_token": kvbpt, "dtype": dtype,
-                  "dtype_source": dtype_source},
+        "model": served.record(),
         "machine": session.machine(model, server_args),
         "page_cache": {"dropped": drop, "policy": policy, "flush_between_phases": args.flush_between_phases},
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": host,

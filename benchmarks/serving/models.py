@@ -12,7 +12,9 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from benchmarks.serving.configs import kv_bytes_per_token
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES, choose_dtype
 
 
@@ -83,3 +85,28 @@ def kv_dtype_bytes(dtype: str, server_args: Sequence[str] = ()) -> int:
         return 1 if kv.startswith("fp8") else DTYPE_BYTES.get(kv, 2)
     return DTYPE_BYTES.get(dtype, 2)
 
+
+
+@dataclasses.dataclass(frozen=True)
+class RunModel:
+    """A serving benchmark's model as its servers run it: the model, every server flag (the model's own, then
+    the ``--server-arg``s), the served dtype and how it was chosen, and KV bytes per token in that dtype."""
+
+    model: ServedModel
+    server_args: tuple[str, ...]
+    dtype: str
+    dtype_source: str
+    kv_bytes_per_token: int
+
+    def record(self) -> dict[str, Any]:
+        """The ``model`` entry of a result file."""
+        return {"name": self.model.name, "path": str(self.model.path), "kv_bytes_per_token": self.kv_bytes_per_token,
+                "dtype": self.dtype, "dtype_source": self.dtype_source}
+
+
+def run_model(model: str, dtype: str | None, gpu: bool, server_args: Sequence[str]) -> RunModel:
+    """Resolve ``model`` in ``dtype`` and what its servers will run, with ``server_args`` after its own flags."""
+    served = resolve_model(model, dtype, gpu=gpu)
+    args = (*served.server_args, *server_args)
+    served_as, source = served_dtype(served, args)
+    return RunModel(served, args, served_as, source, kv_bytes_per_token(served.path, kv_dtype_bytes(served_as, args)))
