@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from sgl_kvtier.errors import ConfigError
 
 MiB = 1 << 20
+_HOST_ID = re.compile(r"[A-Za-z0-9._]{1,64}")
 GiB = 1 << 30
 
 
@@ -48,6 +50,13 @@ class IOEngineName(str, enum.Enum):
     URING = "uring"  # io_uring; start-up fails naming io_engine where its probe says it cannot run here
 
 
+class Sharing(str, enum.Enum):
+    """Whether several writer processes may share one namespace's pool."""
+
+    HOST = "host"  # any number of writers on this host (servers, DP replicas): each its own segments and journal
+    OFF = "off"  # one writer per namespace shard; a second one fails at start-up naming the holder
+
+
 class DirectIO(str, enum.Enum):
     """Whether devices are opened with O_DIRECT."""
 
@@ -63,8 +72,9 @@ class StoreConfig:
     # Directories on mounted filesystems (segment files are created there) or raw block devices / regular
     # files used directly as slot arenas. Pages are striped over them in order. Required.
     devices: tuple[str, ...]
-    # Byte limit of this namespace shard over all devices. None: most of the devices' free space,
-    # divided by the number of shards sharing them.
+    # Byte limit of this namespace shard over all devices and all of its writers (one pool-wide quota that
+    # every writer keeps from the others' leases; no coordinator). None: most of the devices' free space,
+    # divided by the number of rank shards sharing them.
     capacity_bytes: int | None = None
     # Where the journal, checkpoint and lock live. None: the first device (must then be a directory).
     meta_dir: str | None = None
@@ -86,6 +96,17 @@ class StoreConfig:
     breaker_cooldown_s: float = 5.0
     # An IO slower than this counts as a failure for the breaker.
     slow_io_s: float = 2.0
+    # Many writers on one pool: "host" (default) or "off" (see ``Sharing``).
+    sharing: Sharing = Sharing.HOST
+    # This host's name in writer ids (``w-<host_id>-<k>``); unique per host. None: the hostname.
+    host_id: str | None = None
+    # A writer rewrites its lease (liveness, usage, page ages for the quota) this often.
+    heartbeat_s: float = 2.0
+    # Other writers' journals and leases are re-read at most this often (and on a lookup that falls short).
+    follow_interval_s: float = 0.2
+    # Identity of the model's weights in the namespace. None: a fingerprint of the model files, computed
+    # at start-up (config, tokenizer, weight index, sizes and sampled bytes); a string: used as is.
+    model_fingerprint: str | None = None
     # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
     # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
     readahead_bytes: int = 0  # off: measured a tie in serving, 9-24% slower back to back (benchmarks/RESULTS.md)
@@ -117,6 +138,12 @@ class StoreConfig:
             raise ConfigError("readahead_bytes", f"must be 0 (off) or a byte count, got {self.readahead_bytes}")
         if not 0 < self.slow_io_s <= 3600:
             raise ConfigError("slow_io_s", f"must be in (0, 3600] seconds, got {self.slow_io_s}")
+        if not 0.05 <= self.heartbeat_s <= 600:
+            raise ConfigError("heartbeat_s", f"must be in [0.05, 600] seconds, got {self.heartbeat_s}")
+        if not 0 <= self.follow_interval_s <= 600:
+            raise ConfigError("follow_interval_s", f"must be in [0, 600] seconds, got {self.follow_interval_s}")
+        if self.host_id is not None and not _HOST_ID.fullmatch(self.host_id):
+            raise ConfigError("host_id", f"must be 1-64 of [A-Za-z0-9._] (no '-'), got {self.host_id!r}")
         self.throttle_spec()
         self.fault_spec()
 
@@ -161,7 +188,7 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
             raise ConfigError(name, f"expected a list of non-empty path strings, got {raw!r}")
         return tuple(raw)
     enums: dict[str, type[enum.Enum]] = {"Durability": Durability, "EvictionPolicyName": EvictionPolicyName,
-                                         "IOEngineName": IOEngineName, "DirectIO": DirectIO}
+                                         "IOEngineName": IOEngineName, "DirectIO": DirectIO, "Sharing": Sharing}
     enum_type = enums.get(kind)
     if enum_type is not None:
         try:
@@ -291,5 +318,5 @@ def _fault_fields(table: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["StoreConfig", "Durability", "EvictionPolicyName", "IOEngineName", "DirectIO", "MiB", "GiB",
+__all__ = ["StoreConfig", "Durability", "EvictionPolicyName", "IOEngineName", "DirectIO", "Sharing", "MiB", "GiB",
            "ThrottleSpec", "FaultSpec", "THROTTLE_KEYS", "FAULT_KEYS", "FAULT_KNOBS", "FAULT_RATES"]

@@ -1,29 +1,65 @@
 """On-disk formats, bytes only (no IO policy). FORMAT_VERSION covers everything in this file.
 
-Headers (one per device per namespace shard; also the block-device region table):
-    MAGIC (8 bytes) | u32 payload length | u64 xxh3-64 of payload | payload (msgpack map)
+Format 2 is one format for three needs: many writers on one pool (writer identity), an index rebuildable
+from the data alone (slot trailers) and loads verified in layer groups (per-part checksums). A store of
+format 1 is refused at open with a message saying so (never misread); its pages are a cache, recomputed.
+
+Where things live (``<meta>`` = ``meta_dir`` or else the first device; ``<wid>`` = ``<host_id>-<k>``):
+    <meta>/ns-<digest>/HEADER                namespace header: namespace, slot_bytes, parts, devices, store_id.
+                                             Made once, by whichever writer comes first: written to a private
+                                             tmp name, then hard-linked into place (a link never replaces an
+                                             existing file, so two first writers cannot both win); the loser
+                                             reads and uses the winner's.
+    <meta>/ns-<digest>/w-<wid>/              one per writer (a process x a namespace shard): LOCK (flock, the
+                                             owner on this host), LEASE, CONFIG, journal-*.log, checkpoint.bin
+    <dev>/ns-<digest>/HEADER                 per-device header (as the namespace header, plus device_index)
+    <dev>/ns-<digest>/w-<wid>/seg-NNNNN.dat  that writer's preallocated segments
+    raw block device: one region per (namespace digest, wid) in the device's region table
+Every file and region has exactly one writer process; readers of other writers' files never write them.
+
+Headers (namespace, device, region table; payloads are msgpack maps carrying ``format_version``):
+    MAGIC (8 bytes) | u32 payload length | u64 xxh3-64 of payload | payload
     A header that is short, has another magic, or fails its checksum is refused, never guessed at.
 
-Journal file ``journal-<generation:08d>.log``:
+Lease ``LEASE`` (in a writer's directory): two blocks of LEASE_BLOCK_BYTES at offsets 0 and LEASE_BLOCK_BYTES,
+    rewritten alternately (block ``counter % 2``), each a header (LEASE_MAGIC) zero-padded to the block:
+    wid, host_id, machine_id, boot_id, pid, incarnation (16 bytes, new per open), counter, heartbeat_s,
+    pages, bytes_used, capacity_bytes, age_hist (bytes of pages per age bucket), journal [generation, bytes].
+    The valid block with the higher counter is the lease; a torn block is simply the older one.
+
+Journal file ``journal-<generation:08d>.log`` (one writer's):
     file header:  JOURNAL_MAGIC (8) | u32 FORMAT_VERSION | u64 generation
     records:      u32 payload length | u32 xxh32 of payload | payload (msgpack array)
-        PUT  [1, seq, key(32 bytes), slot, checksum(u64), parent key (32 bytes) or nil]
-        DEL  [2, seq, key]
+        PUT    [1, seq, key(32 bytes), slot, checksum, parent key (32 bytes) or nil]
+               checksum: u64 xxh3-64 of the page when the shard has one part, else a list of one u64 per part
+        DEL    [2, seq, key]
+        TOUCH  [3, seq, key]   this writer read ``key`` from another writer's segments: that writer counts
+                               it as a use (its owner tails this journal); replay of one's own journal skips it
     Replay stops at the first record that is short or fails its checksum (a torn tail after a crash);
     everything before it is trusted, nothing after it is.
 
 Checkpoint file ``checkpoint.bin`` (replaced atomically: write tmp, fsync, rename, fsync dir):
     CHECKPOINT_MAGIC (8) | u64 payload length | u64 xxh3-64 of payload | payload (msgpack map):
         version, generation (first journal generation NOT contained), seq, high_water,
-        keys (n*32 bytes), slots (int64[n]), checksums (uint64[n]), parents (int64[n]: index into keys or -1)
+        keys (n*32 bytes), slots (int64[n]), checksums (uint64[n * parts]), parents (int64[n]: index into keys or -1)
     Entries are in eviction order, coldest first.
 
-Slots hold raw page bytes only, at ``slot * slot_bytes`` in the device's arena; slot_bytes is the page size
-rounded up to 4 KiB. A page's checksum lives in its index record, so a torn or stale slot reads as a miss.
+Slot (``slot_bytes`` = page bytes + trailer, rounded up to 4 KiB): the page's bytes at offset 0, then the
+trailer at ``page_bytes``, written in the same IO as the page:
+    TRAILER_MAGIC (8) | u32 FORMAT_VERSION | u16 parts | u16 flags (bit 0: has parent) | namespace digest (16)
+    | key (32) | parent key (32, zeros without) | writer incarnation (16) | u64 seq | parts x u64 checksums
+    | u64 xxh3-64 of everything before it in the trailer
+Reads verify the page against the index's checksum (the trailer is not read). ``fsck --rebuild`` reads every
+slot: a trailer that fails its own checksum, names another namespace, or whose checksums the page bytes do
+not match (torn, stale) is skipped; of several good slots of one key the highest seq wins.
+
+Parts: the namespace header's ``parts`` lists the byte length of each checksummed range of a page, in
+order (default: one part, the whole page). A part is verified as soon as its bytes land.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -33,18 +69,21 @@ import xxhash
 
 from sgl_kvtier.errors import CorruptRecordError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_MAGIC = b"KVTIERH1"
 REGION_MAGIC = b"KVTIERB1"
 JOURNAL_MAGIC = b"KVTIERJ1"
 CHECKPOINT_MAGIC = b"KVTIERC1"
+LEASE_MAGIC = b"KVTIERL2"
+TRAILER_MAGIC = b"KVTIERS2"
+LEASE_BLOCK_BYTES = 4096
 
 _HEADER = struct.Struct("<8sIQ")
 _JOURNAL_FILE = struct.Struct("<8sIQ")
 _RECORD = struct.Struct("<II")
 _CHECKPOINT = struct.Struct("<8sQQ")
 
-PUT, DEL = 1, 2
+PUT, DEL, TOUCH = 1, 2, 3
 MAX_RECORD_BYTES = 1 << 16
 BLOCK_HEADER_BYTES = 1 << 20  # reserved at the start of a raw block device for the region table
 
@@ -115,9 +154,13 @@ def valid_record(r: Any) -> bool:
     if not isinstance(r, list) or len(r) < 3 or not isinstance(r[2], bytes) or len(r[2]) != 32:
         return False
     if r[0] == PUT:
-        return (len(r) == 6 and isinstance(r[3], int) and r[3] >= 0 and isinstance(r[4], int)
+        return (len(r) == 6 and isinstance(r[3], int) and r[3] >= 0 and _valid_checksum(r[4])
                 and (r[5] is None or (isinstance(r[5], bytes) and len(r[5]) == 32)))
-    return r[0] == DEL and len(r) == 3
+    return r[0] in (DEL, TOUCH) and len(r) == 3
+
+
+def _valid_checksum(c: Any) -> bool:
+    return isinstance(c, int) or (isinstance(c, list) and bool(c) and all(isinstance(x, int) for x in c))
 
 
 def pack_checkpoint(fields: dict[str, Any]) -> bytes:
@@ -136,3 +179,77 @@ def unpack_checkpoint(data: bytes, what: str) -> dict[str, Any]:
     if fields.get("version") != FORMAT_VERSION:
         raise CorruptRecordError(f"{what}: checkpoint format {fields.get('version')}, this build reads {FORMAT_VERSION}")
     return fields
+
+
+# ---------------------------------------------------------------------------------------------- lease
+def pack_lease_block(fields: dict[str, Any]) -> bytes:
+    """One lease block (LEASE_MAGIC header, zero-padded to LEASE_BLOCK_BYTES)."""
+    data = pack_header(LEASE_MAGIC, fields)
+    if len(data) > LEASE_BLOCK_BYTES:
+        raise ValueError(f"lease of {len(data)} bytes does not fit a {LEASE_BLOCK_BYTES}-byte block")
+    return data.ljust(LEASE_BLOCK_BYTES, b"\0")
+
+
+def unpack_lease(data: bytes, what: str) -> dict[str, Any]:
+    """The lease in a LEASE file's bytes: the valid block with the higher ``counter``.
+
+    Raises CorruptRecordError when neither block is valid (a lease being created, or damage)."""
+    found = []
+    for at in (0, LEASE_BLOCK_BYTES):
+        try:
+            found.append(unpack_header(LEASE_MAGIC, data[at:at + LEASE_BLOCK_BYTES], what))
+        except CorruptRecordError:
+            continue
+    if not found:
+        raise CorruptRecordError(f"{what}: no valid lease block")
+    return max(found, key=lambda f: int(f.get("counter", -1)))
+
+
+# -------------------------------------------------------------------------------------------- trailer
+_TRAILER = struct.Struct("<8sIHH16s32s32s16sQ")
+TRAILER_HAS_PARENT = 1
+
+
+def trailer_bytes(parts: int) -> int:
+    """Size of a slot trailer for a page of ``parts`` checksummed parts."""
+    return _TRAILER.size + 8 * parts + 8
+
+
+def slot_bytes_for(page_bytes: int, parts: int = 1, align: int = 4096) -> int:
+    """A slot's size: the page, then its trailer, rounded up to ``align``."""
+    return -(-(page_bytes + trailer_bytes(parts)) // align) * align
+
+
+def pack_trailer(ns_digest: bytes, key: bytes, parent: bytes | None, incarnation: bytes, seq: int,
+                 checksums: list[int]) -> bytes:
+    """A slot trailer (see the module docstring) for one written page."""
+    head = _TRAILER.pack(TRAILER_MAGIC, FORMAT_VERSION, len(checksums), TRAILER_HAS_PARENT if parent else 0,
+                         ns_digest, key, parent or bytes(32), incarnation, seq)
+    body = head + struct.pack(f"<{len(checksums)}Q", *checksums)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+@dataclasses.dataclass(frozen=True)
+class Trailer:
+    """A decoded slot trailer."""
+
+    ns_digest: bytes
+    key: bytes
+    parent: bytes | None
+    incarnation: bytes
+    seq: int
+    checksums: tuple[int, ...]
+
+
+def unpack_trailer(data: bytes) -> Trailer | None:
+    """The trailer at the start of ``data``, or None when there is none or it fails its checksum."""
+    if len(data) < _TRAILER.size + 16 or data[:8] != TRAILER_MAGIC:
+        return None
+    magic, version, parts, flags, ns, key, parent, inc, seq = _TRAILER.unpack_from(data)
+    end = _TRAILER.size + 8 * parts
+    if version != FORMAT_VERSION or parts < 1 or len(data) < end + 8:
+        return None
+    if struct.unpack_from("<Q", data, end)[0] != xxhash.xxh3_64_intdigest(data[:end]):
+        return None
+    sums = struct.unpack_from(f"<{parts}Q", data, _TRAILER.size)
+    return Trailer(ns, key, parent if flags & TRAILER_HAS_PARENT else None, inc, seq, tuple(sums))
