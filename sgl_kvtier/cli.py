@@ -2,6 +2,7 @@
 
     sgl-kvtier inspect PATH [--json]          namespaces, pages, bytes used/limit, devices, format
     sgl-kvtier fsck PATH [--repair] [--json]  verify every record and page checksum; repair drops bad ones
+    sgl-kvtier fsck PATH --rebuild [--json]   rebuild each writer's index from its pages' slot trailers
     sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.serving.launch)
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
 
@@ -15,6 +16,7 @@ import functools
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import Progress, TaskID
@@ -22,6 +24,9 @@ from rich.table import Table
 
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.serving.launch import add_launch_parser
+
+if TYPE_CHECKING:
+    from sgl_kvtier.store.fsck import Shard
 
 
 def _human(n: int | None) -> str:
@@ -65,13 +70,16 @@ def _advance(progress: Progress, task: TaskID, pages: int) -> None:
 
 
 def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
-    """``sgl-kvtier fsck``: verify (and with ``--repair`` fix) every shard; 1 if any stays bad."""
+    """``sgl-kvtier fsck``: verify (and with ``--repair`` fix) every shard; 1 if any stays bad. With
+    ``--rebuild``: rebuild every writer's index from its pages; 1 if any writer could not be rebuilt."""
     from sgl_kvtier.store.fsck import find_shards, fsck, open_shard
 
     shards = find_shards(args.path)
     if not shards:
         console.print(f"no sgl-kvtier store at {args.path}")
         return 1
+    if args.rebuild:
+        return _rebuild(args, console, shards)
     reports = []
     with Progress(console=console, transient=True, disable=args.json) as progress:
         for shard in shards:
@@ -92,6 +100,36 @@ def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(r.clean or r.repaired for r in reports) else 1
 
 
+def _rebuild(args: argparse.Namespace, console: Console, shards: list[Shard]) -> int:
+    """``fsck --rebuild``: every writer of every shard, a progress bar each (none with ``--json``)."""
+    from sgl_kvtier.store.fsck import rebuild_shard
+
+    outcomes = []
+    with Progress(console=console, transient=True, disable=args.json) as progress:
+        def start(label: str, total: int) -> functools.partial[None]:
+            return functools.partial(_advance, progress, progress.add_task(f"rebuilding {label}", total=total))
+
+        for shard in shards:
+            outcomes += rebuild_shard(shard, progress=start)
+    if args.json:
+        print(json.dumps([{"namespace": o.namespace, "wid": o.wid, "error": o.error,
+                           "report": None if o.report is None else o.report.__dict__} for o in outcomes], indent=2))
+    else:
+        table = Table(title="fsck --rebuild")
+        for col in ("namespace", "writer", "slots read", "pages kept", "torn / stale", "other namespace",
+                    "bad trailers", "unreadable", "error"):
+            table.add_column(col)
+        for o in outcomes:
+            r = o.report
+            cells = ["-"] * 6 if r is None else [str(v) for v in (r.slots_scanned, r.pages, r.torn, r.foreign,
+                                                                    r.bad_trailer, r.unreadable)]
+            table.add_row(o.namespace, o.wid, *cells, o.error or "none")
+        console.print(table)
+    if not outcomes and not args.json:
+        console.print("no writer found to rebuild")
+    return 0 if outcomes and all(o.error is None for o in outcomes) else 1
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     """``sgl-kvtier demo``: see ``sgl_kvtier.serving.demo``."""
     from sgl_kvtier.serving.demo import main as demo_main
@@ -109,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("fsck", help="verify every journal record and page checksum")
     p.add_argument("path")
-    p.add_argument("--repair", action="store_true", help="drop bad pages and torn journal tails")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--repair", action="store_true", help="drop bad pages and torn journal tails")
+    mode.add_argument("--rebuild", action="store_true",
+                      help="rebuild each writer's index (journal + checkpoint) from its pages alone")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fsck)
     p = sub.add_parser("demo", help="the README's main job: real SGLang on CPU, flush, restart, hits from flash")

@@ -2,9 +2,11 @@
 
 A page key is 32 raw bytes: SGLang's chained SHA-256 token-prefix page hash (given to us as 64 lowercase
 hex characters). Keys carry no model, rank or layout, so the store scopes them by a ``Namespace``: every
-field that changes the bytes of a page (model, dtype, host layout, page geometry, rank shard) plus our
-schema version. Each namespace shard is stored apart (its own directory or device region), so a page written
-under one namespace is a miss under any other, never wrong KV.
+field that changes the bytes of a page (model label, the weights' fingerprint, dtype, host layout, page
+geometry, rank shard: TP, PP, CP and DCP) plus our schema version. Each namespace shard is stored apart
+(its own directory or device region), so a page written under one namespace is a miss under any other,
+never wrong KV. ``model`` is a label (SGLang's served model name); ``model_fingerprint`` is what names the
+weights (``sgl_kvtier.fingerprint``), so the same name over other weights is another namespace.
 
 ``PageKey`` is a distinct type (``NewType`` over ``bytes``): only ``parse_key`` makes one from SGLang's
 text, and the store's API takes only valid keys. An invalid key from SGLang is handled at the adapter
@@ -27,7 +29,8 @@ import msgpack
 
 from sgl_kvtier.errors import ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: model_fingerprint, dcp_rank, dcp_size
+FINGERPRINT_MAX = 128
 KEY_BYTES = 32
 
 PageKey = NewType("PageKey", bytes)
@@ -83,15 +86,27 @@ class Namespace:
     cp_rank: int = 0
     cp_size: int = 1
     schema_version: int = SCHEMA_VERSION
+    # The weights' identity (``sgl_kvtier.fingerprint``, or the operator's ``model_fingerprint`` key);
+    # "" only where no engine is involved (store-level tools and tests).
+    model_fingerprint: str = ""
+    dcp_rank: int = 0  # decode-context-parallel shard (SGLang's ``attn_dcp_rank`` / ``attn_dcp_size``)
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("namespace.model", "must be a non-empty string")
+        fp = self.model_fingerprint
+        if not isinstance(fp, str) or len(fp) > FINGERPRINT_MAX or not (fp.isascii() and fp.isprintable()) \
+                or any(c.isspace() for c in fp):
+            raise ConfigError("namespace.model_fingerprint",
+                              f"must be at most {FINGERPRINT_MAX} printable ASCII characters without spaces, "
+                              f"got {fp!r:.160}")
         if self.page_tokens < 1:
             raise ConfigError("namespace.page_tokens", f"must be positive, got {self.page_tokens}")
         if self.page_bytes < 1:
             raise ConfigError("namespace.page_bytes", f"must be positive, got {self.page_bytes}")
-        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("cp_rank", "cp_size")):
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("cp_rank", "cp_size"),
+                           ("dcp_rank", "dcp_size")):
             r, s = getattr(self, rank), getattr(self, size)
             if s < 1 or not 0 <= r < s:
                 raise ConfigError(f"namespace.{rank}", f"rank {r} is not in 0..{s - 1}")
@@ -99,7 +114,7 @@ class Namespace:
     @property
     def shard_count(self) -> int:
         """How many namespace shards of one deployment share the devices (one per rank)."""
-        return self.tp_size * self.pp_size * self.cp_size
+        return self.tp_size * self.pp_size * self.cp_size * self.dcp_size
 
     def to_mapping(self) -> dict[str, Any]:
         """The fields as a plain dict (what device headers record)."""
@@ -122,5 +137,6 @@ class Namespace:
 
     def describe(self) -> str:
         """One human-readable line naming the shard."""
-        return (f"{self.model} {self.dtype} {self.layout} page={self.page_tokens}t/{self.page_bytes}B "
-                f"tp{self.tp_rank}/{self.tp_size} pp{self.pp_rank}/{self.pp_size} cp{self.cp_rank}/{self.cp_size}")
+        return (f"{self.model} weights={self.model_fingerprint or '-'} {self.dtype} {self.layout} "
+                f"page={self.page_tokens}t/{self.page_bytes}B tp{self.tp_rank}/{self.tp_size} "
+                f"pp{self.pp_rank}/{self.pp_size} cp{self.cp_rank}/{self.cp_size} dcp{self.dcp_rank}/{self.dcp_size}")

@@ -12,6 +12,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.io.engine import IOOp, IOResult, ThreadPoolEngine
 from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.store.format import slot_bytes_for
 from sgl_kvtier.store.page_store import PageStore
 
 PAGE_BYTES = 16 * 1024
@@ -72,7 +73,7 @@ def key(n: int) -> PageKey:
 
 def store_config(path: Path | str, capacity_pages: int = 64, page_bytes: int = PAGE_BYTES, **config) -> StoreConfig:
     config.setdefault("devices", (str(path),))
-    config.setdefault("capacity_bytes", capacity_pages * page_bytes)
+    config.setdefault("capacity_bytes", capacity_pages * slot_bytes_for(page_bytes))  # a slot: page + trailer
     config.setdefault("segment_bytes", 1 << 20)
     config["devices"] = [str(d) for d in config["devices"]]
     return StoreConfig.from_mapping(config)
@@ -135,21 +136,20 @@ def kvtier_threads() -> set:
 
 
 _TAKE_LOCK = """
-import sys
-from pathlib import Path
-from sgl_kvtier.errors import StoreLockedError
-from sgl_kvtier.store.layout import acquire_writer_lock, release_writer_lock
+import fcntl, os, sys
+os.makedirs(sys.argv[1], mode=0o700, exist_ok=True)
+fd = os.open(os.path.join(sys.argv[1], "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
 try:
-    fd = acquire_writer_lock(Path(sys.argv[1]))
-except StoreLockedError:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
     sys.exit(3)
-release_writer_lock(fd)
+fcntl.flock(fd, fcntl.LOCK_UN)
 """
 
 
 def lock_free_elsewhere(meta: Path) -> bool:
-    """Whether another process can take the writer lock of the shard in ``meta`` now (it takes it through
-    the store's own ``acquire_writer_lock`` and gives it back at once)."""
+    """Whether another process can take the writer lock of the writer directory ``meta`` now (the
+    ``flock`` that ``store.writers.claim_writer`` takes, given back at once)."""
     import subprocess
     import sys
 

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.keys import Namespace, parse_key, valid_runs
+from sgl_kvtier.keys import SCHEMA_VERSION, Namespace, parse_key, valid_runs
 
 
 def ns(**kw):
@@ -28,7 +28,8 @@ def test_every_field_changes_the_namespace():
     base = ns()
     variants = [ns(model="n"), ns(dtype="float16"), ns(layout="layer_first"), ns(page_tokens=32),
                 ns(page_bytes=2 << 20), ns(tp_rank=1, tp_size=2), ns(tp_size=2), ns(pp_rank=1, pp_size=2),
-                ns(cp_rank=1, cp_size=2), ns(schema_version=2)]
+                ns(cp_rank=1, cp_size=2), ns(schema_version=SCHEMA_VERSION + 1), ns(model_fingerprint="f00d"),
+                ns(model_fingerprint="f00e"), ns(dcp_rank=1, dcp_size=2), ns(dcp_size=2)]
     digests = {v.digest() for v in variants} | {base.digest()}
     assert len(digests) == len(variants) + 1
     assert base.digest() == ns().digest()
@@ -42,8 +43,31 @@ def test_namespace_validation():
         ns(page_bytes=0)
     with pytest.raises(ConfigError, match="model"):
         ns(model="")
+    with pytest.raises(ConfigError, match="dcp_rank"):
+        ns(dcp_rank=1, dcp_size=1)
+    with pytest.raises(ConfigError, match="dcp_rank"):
+        ns(dcp_size=0)
+    for bad in ["has space", "x" * 129, "tab\t", "caf\u00e9", 7]:
+        with pytest.raises(ConfigError, match="model_fingerprint"):
+            ns(model_fingerprint=bad)
     assert Namespace.from_mapping(ns(tp_rank=1, tp_size=4).to_mapping()) == ns(tp_rank=1, tp_size=4)
     assert ns(tp_size=8, pp_size=2).shard_count == 16
+    assert ns(dcp_size=4).shard_count == 4
+
+
+def test_schema_2_names_the_weights_and_the_dcp_shard():
+    assert SCHEMA_VERSION == 2
+    full = ns(model_fingerprint="0123abcd", dcp_rank=1, dcp_size=2)
+    assert Namespace.from_mapping(full.to_mapping()) == full
+    line = full.describe()
+    assert "weights=0123abcd" in line and "dcp1/2" in line and line.startswith("m ")
+    assert "weights=- " in ns().describe()
+    # A format-1 header (no appended fields) still reads, as what it was: schema 1, so another shard.
+    old = {k: v for k, v in ns().to_mapping().items() if k not in ("model_fingerprint", "dcp_rank", "dcp_size")}
+    old["schema_version"] = 1
+    read = Namespace.from_mapping(old)
+    assert (read.schema_version, read.model_fingerprint, read.dcp_rank, read.dcp_size) == (1, "", 0, 1)
+    assert read.digest() != ns().digest()
 
 
 def test_valid_runs_split_a_batch_at_its_invalid_keys():

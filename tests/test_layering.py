@@ -3,7 +3,8 @@
 Layers, lowest first; a module imports only from its own package or from packages of a lower layer:
 
     0  errors
-    1  keys, config, estimation          foundation: plain data, parsing, typed errors, measured models
+    1  keys, config, estimation,         foundation: plain data, parsing, typed errors, measured models,
+       fingerprint                       the weights' identity from the model files
     2  telemetry, io                     counters and snapshots; engines, buffers, engine wrappers
     3  policy                            eviction, admission, the load-or-recompute model and its inputs
     4  store                             the page store: format, devices, journal, index, reader, writer
@@ -24,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
-    "errors": 0, "keys": 1, "config": 1, "estimation": 1, "telemetry": 2, "io": 2, "policy": 3, "store": 4, "prefetch": 5,
+    "errors": 0, "keys": 1, "config": 1, "estimation": 1, "fingerprint": 1, "telemetry": 2, "io": 2, "policy": 3, "store": 4, "prefetch": 5,
     "sglang": 6, "serving": 6, "cli": 7, "__main__": 8,
 }
 ADAPTER = "sglang"

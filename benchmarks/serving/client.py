@@ -31,12 +31,18 @@ COUNTERS = {
 }
 
 
-def stream_generate(url: str, req: Request, timeout_s: float = 1800.0) -> dict[str, Any]:
-    """One streamed /generate with `input_ids`; returns the per-request record (never raises)."""
-    body = json.dumps({
+def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str | None = None) -> dict[str, Any]:
+    """One streamed /generate with `input_ids`; returns the per-request record (never raises).
+
+    `rid` is sent as SGLang's request id (a router passes it on); the record's `meta_id` is the id the
+    serving instance used (its request log names it)."""
+    payload: dict[str, Any] = {
         "input_ids": req.tokens, "stream": True,
         "sampling_params": {"max_new_tokens": req.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
-    }).encode()  # fmt: skip
+    }  # fmt: skip
+    if rid is not None:
+        payload["rid"] = rid
+    body = json.dumps(payload).encode()
     http = urllib.request.Request(url + "/generate", data=body, method="POST",
                                   headers={"Content-Type": "application/json"})
     rec: dict[str, Any] = {"rid": req.rid, "group": req.group, "input_tokens": len(req.tokens)}
@@ -65,6 +71,7 @@ def stream_generate(url: str, req: Request, timeout_s: float = 1800.0) -> dict[s
         completion_tokens=int(meta.get("completion_tokens", 0)), cached_tokens=int(meta.get("cached_tokens", 0)),
         cached_device=int(details.get("device", 0)), cached_host=int(details.get("host", 0)),
         cached_storage=int(details.get("storage", 0)), storage_backend=details.get("storage_backend"),
+        meta_id=meta.get("id"),
     )
     return rec
 

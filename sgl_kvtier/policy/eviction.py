@@ -10,7 +10,9 @@ fractions of a second.
 chain is only usable up to its first missing page (``batch_exists`` stops there). So it only ever drops
 *leaves* (pages no stored page chains on), least recently used first; a parent becomes a leaf, with its
 own recency, once its last child is gone. A prefix is thus eaten from its deepest end and a shared head
-outlives the many tails hanging off it. Leaves sit in a heap of ``tick << 32 | slot`` with lazy
+outlives the many tails hanging off it. ``coldest_first`` is recency order only (a checkpoint's order); the
+order pages would actually be dropped in is ``victims`` (for the chain policy: never a page before a stored
+descendant of it). Leaves sit in a heap of ``tick << 32 | slot`` with lazy
 deletion: an entry is live only while its tick is the slot's current one and the slot has no children.
 A child's link remembers its parent's birth tick, so a link to a slot that was since reused is ignored.
 """
@@ -53,6 +55,12 @@ class EvictionPolicy(Protocol):
         """Every stored slot, next victim first (a checkpoint's order)."""
         ...
 
+    def victims(self, count: int, eligible: np.ndarray) -> list[int]:
+        """Up to ``count`` slots in the order repeated ``victim()`` + ``remove()`` would drop them, changing
+        nothing, skipping slots where ``eligible`` (a bool array by slot; slots past its end are not eligible)
+        is False: such a page is kept, and under the chain policy so are all its ancestors."""
+        ...
+
     def parent_of(self, slot: int) -> int | None:
         """The slot of the stored page ``slot`` chains on, or None."""
         ...
@@ -90,6 +98,16 @@ class LRUPolicy:
 
     def coldest_first(self) -> list[int]:
         return list(self._order)
+
+    def victims(self, count: int, eligible: np.ndarray) -> list[int]:
+        out: list[int] = []
+        n = len(eligible)
+        for slot in self._order:
+            if len(out) >= count:
+                break
+            if slot < n and eligible[slot]:
+                out.append(slot)
+        return out
 
     def parent_of(self, slot: int) -> int | None:
         parent = self._order.get(slot)
@@ -185,6 +203,30 @@ class ChainPolicy:
         live = np.flatnonzero(self._last)
         order: list[int] = live[np.argsort(self._last[live], kind="stable")].tolist()
         return order
+
+    def victims(self, count: int, eligible: np.ndarray) -> list[int]:
+        # Replays victim()/remove() on a private heap of the eligible leaves; a parent joins it once its
+        # last child is taken, and only if it is eligible itself (an ineligible page keeps its ancestors).
+        if count <= 0:
+            return []
+        mask = np.zeros(len(self._last), dtype=bool)
+        m = min(len(mask), len(eligible))
+        mask[:m] = np.asarray(eligible[:m], dtype=bool)
+        live = np.flatnonzero((self._last > 0) & (self._children == 0) & mask)
+        heap: list[int] = np.sort(self._last[live] << _SLOT_BITS | live).tolist()  # sorted: a valid heap
+        children: dict[int, int] = {}
+        out: list[int] = []
+        while heap and len(out) < count:
+            slot = heapq.heappop(heap) & _SLOT_MASK
+            out.append(slot)
+            parent = self.parent_of(slot)
+            if parent is None or not mask[parent]:
+                continue
+            left = children.get(parent, int(self._children[parent])) - 1
+            children[parent] = left
+            if not left:
+                heapq.heappush(heap, int(self._last[parent]) << _SLOT_BITS | parent)
+        return out
 
     def parent_of(self, slot: int) -> int | None:
         if slot >= len(self._last) or not self._last[slot]:

@@ -11,8 +11,8 @@ smallest device's share times the number of devices (pages are striped, so the s
 first). The same rule the store applies to one shard, taken once for all of a backend's shards.
 
 The split (``split``): every pool tier gets room for the same number of pages, so each tier's share
-is proportional to the flash size of one of its pages (its slot: the page rounded up to 4 KiB). A
-prefix whose pages every pool must restore fits in all of them alike. Each share is a whole number of
+is proportional to the flash size of one of its pages (its slot: the page and its trailer, rounded up to
+4 KiB). A prefix whose pages every pool must restore fits in all of them alike. Each share is a whole number of
 slots on every device, so the store rounds nothing up, and the shares never add up to more than the
 limit. A limit too small for one page of every pool on every device is refused, naming the pools.
 """
@@ -25,17 +25,16 @@ from pathlib import Path
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError, DeviceError
-from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store.devices import is_block_like
-from sgl_kvtier.store.format import BLOCK_HEADER_BYTES
+from sgl_kvtier.store.format import BLOCK_HEADER_BYTES, slot_bytes_for
 
 FREE_SPACE_SHARE = 0.9  # of a directory device's free space, as the store's own default
 
 
 def slot_bytes(namespace: Namespace) -> int:
-    """The flash bytes one page of ``namespace`` takes (its slot)."""
-    return round_up(namespace.page_bytes)
+    """The flash bytes one page of ``namespace`` takes (its slot: the page and its trailer, format 2)."""
+    return slot_bytes_for(namespace.page_bytes)
 
 
 def backend_limit(config: StoreConfig, namespaces: Sequence[Namespace]) -> int:
@@ -64,7 +63,7 @@ def _device_budget(index: int, path: str, namespaces: Sequence[Namespace]) -> in
         raise DeviceError(f"devices[{index}]: {path}: {exc.strerror}") from None
     if fs.f_blocks == 0:
         raise DeviceError(f"devices[{index}]: {path}: the filesystem reports no size; set capacity_bytes")
-    used = sum(seg.stat().st_size for ns in namespaces for seg in (Path(path) / ns.dirname()).glob("seg-*.dat"))
+    used = sum(seg.stat().st_size for ns in namespaces for seg in (Path(path) / ns.dirname()).glob("w-*/seg-*.dat"))
     return int((fs.f_bavail * fs.f_frsize + used) * FREE_SPACE_SHARE)
 
 

@@ -2,9 +2,10 @@
 
 A tier is bound to its pool first (``bind``: geometry and namespace, nothing opened) and opened once the
 backend knows all its pools, and so each tier's share of the capacity (``open``; ``reopen`` when a pool
-registered later changes the shares). Writers open the shard read-write. Ranks that only read a
-replicated (MLA) shard open it read-only, lazily: the writer rank may not have created it yet, so a
-failed open is retried on later calls. Each open store gets a read-ahead stage
+registered later changes the shares). Every tier holds a ``store.pool.SharedPool``: the merged view over
+every writer process of its namespace shard (other servers and DP replicas on this host share the pool).
+Writers open it with a writer directory of their own. Ranks that only read a replicated (MLA) shard open
+it read-only, lazily: no writer may have created it yet, so a failed open is retried on later calls. Each open store gets a read-ahead stage
 (``config.readahead_bytes``; 0 = none): ``stage`` starts the reads of pages an exists query found, and
 every read of this tier goes through it.
 
@@ -32,10 +33,8 @@ from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
 from sgl_kvtier.store.lifecycle import release_all
-from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.pool import SharedPool
 from sgl_kvtier.store.read_rates import TransferEstimator
-from sgl_kvtier.store.reader import PageReader
-from sgl_kvtier.store.shard import PageShard
 from sgl_kvtier.telemetry.snapshot import (
     Breaker,
     DeviceSnapshot,
@@ -60,7 +59,7 @@ class PoolTier:
     namespace: Namespace
     config: StoreConfig
     writer: bool
-    store: PageShard | None = None  # the writer's PageStore, or a reader rank's PageReader
+    store: SharedPool | None = None  # the pool: with a writer of its own, or (a reader rank) without
     readahead: ReadAhead | None = None
     opened: bool = False  # ``open`` ran (a reader's store may still be None: its shard is not there yet)
     _next_open: float = field(default=0.0, repr=False)
@@ -76,7 +75,7 @@ class PoolTier:
         self.config = config
         self.opened = True
         if self.writer:
-            self._attach(PageStore.open(config, self.namespace))
+            self._attach(SharedPool.open_writer(config, self.namespace))
         else:
             self._next_open = 0.0
             self._reader()
@@ -87,15 +86,15 @@ class PoolTier:
         self.close()
         self.open(config)
 
-    def _reader(self) -> PageShard | None:
+    def _reader(self) -> SharedPool | None:
         if self.opened and self.store is None and time.monotonic() >= self._next_open:
             try:
-                self._attach(PageReader.open(self.config, self.namespace))
-            except DeviceError:  # not created by the writer rank yet
+                self._attach(SharedPool.open_reader(self.config, self.namespace))
+            except DeviceError:  # not created by any writer yet
                 self._next_open = time.monotonic() + READER_RETRY_S
         return self.store
 
-    def _attach(self, store: PageShard) -> None:
+    def _attach(self, store: SharedPool) -> None:
         self.store = store
         if self.config.readahead_bytes >= self.pages.page_bytes:
             # Chunks of io_depth pages: each staging job keeps the device queue full, and a span's first
@@ -103,7 +102,7 @@ class PoolTier:
             self.readahead = ReadAhead(store.get, self.pages.page_bytes, self.config.readahead_bytes,
                                        chunk_pages=self.config.io_depth)
 
-    def _store(self) -> PageShard:
+    def _store(self) -> SharedPool:
         store = self.store if self.writer else self._reader()
         if store is None:
             raise KVTierError(f"shard {self.namespace.dirname()} does not exist yet")
@@ -111,24 +110,22 @@ class PoolTier:
 
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
-        """Leading keys stored (a reader rank re-reads the writer's journal before answering short)."""
+        """Leading keys stored by any writer of the pool (the pool re-reads the other writers' journals,
+        rate-limited, before answering short)."""
         store = self.store if self.writer else self._reader()
         if store is None:
             return 0
-        n = store.longest_prefix(keys)
-        if n < len(keys) and isinstance(store, PageReader) and store.refresh():  # the writer rank may have added pages
-            n = store.longest_prefix(keys)
-        return n
+        return store.longest_prefix(keys)
 
     def stage(self, keys: Sequence[PageKey]) -> int:
         """Start reading ``keys`` (an exists query's hit) into staging; how many reads started."""
         return 0 if self.readahead is None else self.readahead.stage(keys)
 
-    def _get(self, store: PageShard, keys: Sequence[PageKey], runs: Sequence[Sequence[Run]]) -> list[bool]:
+    def _get(self, store: SharedPool, keys: Sequence[PageKey], runs: Sequence[Sequence[Run]]) -> list[bool]:
         return store.get(keys, runs) if self.readahead is None else self.readahead.read(keys, runs)
 
     def contains(self, key: PageKey) -> bool:
-        """Whether ``key`` is stored in this pool's open shard."""
+        """Whether ``key`` is stored in this pool's open shard (by any of its writers)."""
         return self.store is not None and self.store.contains(key)
 
     # ------------------------------------------------------------------ host-index transfers
@@ -189,7 +186,7 @@ class PoolTier:
 
     def _put(self, keys: Sequence[PageKey | None], runs: list[list[Run]], parent: PageKey | None) -> list[bool]:
         store = self._store()
-        if not isinstance(store, PageStore):
+        if not store.writer:
             raise KVTierError(f"shard {self.namespace.dirname()} is open read-only here")
         out = [False] * len(keys)
         # An invalid key (None) is a page not stored. It splits the batch: the page after it chains on
@@ -200,7 +197,7 @@ class PoolTier:
 
     def clear(self) -> None:
         """Drop every page of the shard (writer only)."""
-        if isinstance(self.store, PageStore):
+        if self.store is not None and self.store.writer:
             self.store.clear()
 
     def snapshot(self) -> PoolSnapshot:
@@ -231,7 +228,7 @@ def _rate(estimator: TransferEstimator) -> RateSnapshot:
                         estimator.samples)
 
 
-def _store_snapshot(store: PageShard) -> StoreSnapshot:
+def _store_snapshot(store: SharedPool) -> StoreSnapshot:
     stats, rates = store.stats(), store.read_rates
     devices = tuple(DeviceSnapshot(h["device"], _rate(est), Breaker(h["state"]), int(h["trips"]))
                     for h, est in zip(store.health.summary(), rates.devices))

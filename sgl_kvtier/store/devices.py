@@ -1,14 +1,21 @@
 """Devices as slot arenas: where slot ``n`` of one namespace shard lives on one device.
 
-Directory device (a mounted filesystem, e.g. an NVMe-oF namespace formatted XFS/ext4)::
+Directory device (a mounted filesystem, e.g. an NVMe-oF namespace formatted XFS/ext4), format 2::
 
-    <dir>/ns-<digest>/HEADER            header (format.HEADER_MAGIC): namespace, slot size, device index/count, store id
-    <dir>/ns-<digest>/seg-00000.dat     preallocated segments of ``segment_bytes``, created as slots are first needed
+    <dir>/ns-<digest>/HEADER                  header (format.HEADER_MAGIC): namespace, slot size, parts, device
+                                              index/count, store id; made once (``create_once``)
+    <dir>/ns-<digest>/w-<wid>/seg-00000.dat   writer ``wid``'s preallocated segments of ``segment_bytes``,
+                                              created as slots are first needed
 
 Raw block device (or a regular file standing in for one): the first ``BLOCK_HEADER_BYTES`` hold a region
-table (format.REGION_MAGIC) naming, per namespace shard, its header fields and its ``[offset, length)``.
-Shards claim regions under an exclusive ``flock`` on the device. A device whose first MiB is neither
-zeros nor our table is refused, so a disk holding someone's data is never formatted over.
+table (format.REGION_MAGIC) naming, per (namespace digest, wid), its header fields and its
+``[offset, length)``. Writers claim regions under an exclusive ``flock`` on the device. A device whose
+first MiB is neither zeros nor our table is refused, so a disk holding someone's data is never formatted
+over.
+
+A read-only arena (``create=False``: a reader of another writer's pages) never creates nor writes a file:
+it opens segments ``O_RDONLY`` as it first needs them; one that is not there (not made yet, or removed)
+is an ``OSError`` for that read, which the read path turns into a miss.
 
 Files and directories are created 0600/0700. O_DIRECT is probed per file: a filesystem that refuses it
 (tmpfs) gets buffered IO and the store fdatasyncs instead, with one warning.
@@ -25,11 +32,12 @@ import fcntl
 import logging
 import os
 import stat
+import uuid
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.errors import DeviceError, StoreFormatError
+from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.lifecycle import abandon, release_all
@@ -96,9 +104,45 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         os.close(dfd)
 
 
+def create_once(path: Path, data: bytes) -> None:
+    """Make ``path`` hold ``data`` unless it exists already: ``data`` goes to a private tmp name (written,
+    fsynced), which is hard-linked into place. A link never replaces a file, so of two processes making
+    the same file at once exactly one wins and the other keeps the winner's (the caller reads ``path``).
+
+    Crash rule: ``path`` appears complete or not at all; a crash leaves at most a stale ``.<name>.*.tmp``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return  # another process made it first: theirs is the one
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def check_header(found: dict[str, Any], want: dict[str, Any], where: str) -> None:
-    if found.get("format_version") != fmt.FORMAT_VERSION:
-        raise StoreFormatError(f"{where}: store format {found.get('format_version')}, this build reads {fmt.FORMAT_VERSION}")
+    version = found.get("format_version")
+    if version != fmt.FORMAT_VERSION:
+        ns_dir = str(Path(where).parent) if where.endswith("HEADER") else where
+        raise StoreFormatError(
+            f"{where}: store format {version}, this build reads format {fmt.FORMAT_VERSION}. Its pages are a "
+            f"cache, recomputed on demand: remove them (rm -r {ns_dir}) and start again")
+    if "parts" in want and found.get("parts") != want["parts"]:
+        parts = found.get("parts")
+        if not isinstance(parts, list) or len(parts) != 1:
+            raise StoreFormatError(f"{where}: pages of {parts!r} checksummed parts; this build verifies one part per page")
+        raise StoreFormatError(f"{where}: parts is {parts!r} on disk but {want['parts']!r} here (another page size?)")
     for field in ("namespace", "slot_bytes", "device_index", "device_count", "store_id"):
         if found.get(field) != want.get(field):
             raise StoreFormatError(
@@ -127,31 +171,37 @@ class Arena:
 
 
 class DirectoryArena(Arena):
-    """An arena on a mounted filesystem: ``ns-<digest>/HEADER`` and preallocated ``seg-NNNNN.dat`` files."""
+    """An arena on a mounted filesystem: ``ns-<digest>/HEADER`` and one writer's preallocated
+    ``ns-<digest>/w-<wid>/seg-NNNNN.dat`` files."""
 
-    def __init__(self, root: str, nsdir: str, header: dict[str, Any], slot_bytes: int, segment_bytes: int,
-                 capacity_slots: int | None, shard_count: int, direct: str, create: bool):
+    def __init__(self, root: str, nsdir: str, wdir: str, header: dict[str, Any], slot_bytes: int,
+                 segment_bytes: int, capacity_slots: int | None, shard_count: int, direct: str, create: bool):
         self.path = root
-        self.dir = Path(root) / nsdir
+        self.ns_dir = Path(root) / nsdir
+        self.dir = self.ns_dir / wdir
         self.slot_bytes = slot_bytes
+        self.writable = create
         self._fds: dict[int, int] = {}
         if not Path(root).is_dir():
             raise DeviceError(f"{root}: not a directory")
         if create:
             try:
+                self.ns_dir.mkdir(mode=0o700, exist_ok=True)
                 self.dir.mkdir(mode=0o700, exist_ok=True)
             except OSError as exc:
-                raise DeviceError(f"{root}: cannot create {self.dir.name}: {exc.strerror}") from None
+                raise DeviceError(f"{root}: cannot create {self.dir.relative_to(root)}: {exc.strerror}") from None
             if not os.access(self.dir, os.W_OK):
                 raise DeviceError(f"{root}: not writable")
-        header_path = self.dir / "HEADER"
-        if header_path.exists():
-            check_header(fmt.unpack_header(fmt.HEADER_MAGIC, header_path.read_bytes(), str(header_path)),
-                         header, str(header_path))
-        elif create:
-            write_file_atomic(header_path, fmt.pack_header(fmt.HEADER_MAGIC, header))
-        else:
-            raise DeviceError(f"{self.dir}: no store here")
+        header_path = self.ns_dir / "HEADER"
+        if not header_path.exists():
+            if not create:
+                raise DeviceError(f"{self.ns_dir}: no store here")
+            create_once(header_path, fmt.pack_header(fmt.HEADER_MAGIC, header))
+        try:
+            found = fmt.unpack_header(fmt.HEADER_MAGIC, header_path.read_bytes(), str(header_path))
+        except CorruptRecordError as exc:
+            raise StoreFormatError(str(exc)) from None
+        check_header(found, header, str(header_path))
         # Probe once per device so every segment, present or future, is opened the same way.
         probe_fd, self.direct = open_file(str(header_path), os.O_RDONLY, direct)
         os.close(probe_fd)
@@ -183,7 +233,7 @@ class DirectoryArena(Arena):
 
     def _open_segment(self, seg: int, create: bool) -> int:
         path = self._segment_path(seg)
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        flags = (os.O_RDWR | (os.O_CREAT if create else 0)) if self.writable else os.O_RDONLY
         fd, _ = open_file(str(path), flags, self._direct_mode)
         if create:
             size = min(self.slots_per_segment, self.capacity_slots - seg * self.slots_per_segment) * self.slot_bytes
@@ -199,8 +249,8 @@ class DirectoryArena(Arena):
     def locate(self, local_slot: int) -> tuple[int, int]:
         seg, index = divmod(local_slot, self.slots_per_segment)
         fd = self._fds.get(seg)
-        if fd is None:
-            fd = self._open_segment(seg, create=True)
+        if fd is None:  # a reader opens a segment its writer made since (OSError ENOENT if there is none)
+            fd = self._open_segment(seg, create=self.writable)
         return fd, index * self.slot_bytes
 
     def fds(self) -> list[int]:
@@ -213,9 +263,10 @@ class DirectoryArena(Arena):
 
 
 class BlockArena(Arena):
-    """An arena in a raw block device's region (claimed in the device's region table, one per rank shard)."""
+    """An arena in a raw block device's region (claimed in the device's region table, one per (namespace
+    shard, writer))."""
 
-    def __init__(self, path: str, ns_digest: bytes, header: dict[str, Any], slot_bytes: int,
+    def __init__(self, path: str, ns_digest: bytes, wid: str, header: dict[str, Any], slot_bytes: int,
                  share_bytes: int | None, shard_count: int, direct: str, create: bool):
         self.path = path
         self.slot_bytes = slot_bytes
@@ -227,7 +278,8 @@ class BlockArena(Arena):
             size = os.lseek(self._meta_fd, 0, os.SEEK_END)
             fcntl.flock(self._meta_fd, fcntl.LOCK_EX)
             try:
-                self.offset, length = self._claim_region(ns_digest, header, size, share_bytes, shard_count, create)
+                self.offset, length = self._claim_region(ns_digest, wid, header, size, share_bytes,
+                                                         shard_count, create)
             finally:
                 fcntl.flock(self._meta_fd, fcntl.LOCK_UN)
             self.capacity_slots = length // slot_bytes
@@ -245,15 +297,16 @@ class BlockArena(Arena):
                               f"If it is free, zero its first MiB: dd if=/dev/zero of={self.path} bs=1M count=1")
         return None
 
-    def _claim_region(self, ns_digest: bytes, header: dict[str, Any], size: int, share_bytes: int | None,
-                      shard_count: int, create: bool) -> tuple[int, int]:
+    def _claim_region(self, ns_digest: bytes, wid: str, header: dict[str, Any], size: int,
+                      share_bytes: int | None, shard_count: int, create: bool) -> tuple[int, int]:
         table = self._read_table(size) or {"regions": []}
         for region in table["regions"]:
-            if region["ns"] == ns_digest:
-                check_header(region["header"], header, f"{self.path} region {ns_digest.hex()}")
+            if region["ns"] == ns_digest and (region.get("wid") == wid or
+                                              region["header"].get("format_version") != fmt.FORMAT_VERSION):
+                check_header(region["header"], header, f"{self.path} region {ns_digest.hex()} of writer {wid}")
                 return region["offset"], region["length"]
         if not create:
-            raise DeviceError(f"{self.path}: no region for this namespace")
+            raise DeviceError(f"{self.path}: no region for this namespace and writer {wid}")
         arena_bytes = size - fmt.BLOCK_HEADER_BYTES
         if share_bytes is None:
             share_bytes = arena_bytes // shard_count
@@ -264,7 +317,7 @@ class BlockArena(Arena):
             raise DeviceError(f"{self.path}: too small: {size - start} bytes left, this shard needs "
                               f"{max(length, self.slot_bytes)} (slots of {self.slot_bytes} bytes)")
         header = {"format_version": fmt.FORMAT_VERSION, **header}
-        table["regions"].append({"ns": ns_digest, "offset": start, "length": length, "header": header})
+        table["regions"].append({"ns": ns_digest, "wid": wid, "offset": start, "length": length, "header": header})
         data = fmt.pack_header(fmt.REGION_MAGIC, table)
         if len(data) > fmt.BLOCK_HEADER_BYTES:
             raise DeviceError(f"{self.path}: region table full")

@@ -7,6 +7,13 @@ holds ``ns-*/HEADER``; a raw block device's region table names each shard's meta
 checkpoint damage found by recovery. With ``repair`` it opens the shard as the writer: recovery already
 folds the readable journal into a fresh checkpoint and discards torn tails, and every page that fails
 verification is dropped (journaled as deleted). Without ``repair`` nothing on disk changes.
+
+``rebuild_shard`` (``fsck --rebuild``) rebuilds the index of each writer of a shard from its pages alone
+(``store.rebuild``): the writers are those with a directory in the namespace's meta directory, a
+``ns-<digest>/w-<wid>/`` of segments on a directory device, or a region on a raw device. Each is rebuilt
+under its own ``LOCK``; one held by a live writer is reported and left alone. The config is the one a
+writer recorded (``CONFIG``), else the namespace header's devices with the segment size read off the
+segment files.
 """
 
 from __future__ import annotations
@@ -18,13 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import is_block_like
-from sgl_kvtier.store.layout import load_config
+from sgl_kvtier.store.layout import load_config, open_layout
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.reader import PageReader
+from sgl_kvtier.store.rebuild import RebuildReport, rebuild, slots_to_scan
+from sgl_kvtier.store.writers import WRITER_PREFIX, writer_dirname, writer_dirs
 
 VERIFY_BATCH = 32
 
@@ -66,7 +77,8 @@ def find_shards(path: str) -> list[Shard]:
             head = f.read(fmt.BLOCK_HEADER_BYTES)
         if head.startswith(fmt.REGION_MAGIC):
             table = fmt.unpack_header(fmt.REGION_MAGIC, head, f"{path} region table")
-            metas = [Path(r["header"]["meta_dir"]) / ("ns-" + r["ns"].hex()) for r in table["regions"]]
+            metas = list(dict.fromkeys(Path(r["header"]["meta_dir"]) / ("ns-" + r["ns"].hex())
+                                       for r in table["regions"]))  # one per namespace, not per writer
     shards = []
     for meta in metas:
         header = fmt.unpack_header(fmt.HEADER_MAGIC, (meta / "HEADER").read_bytes(), str(meta / "HEADER"))
@@ -131,6 +143,15 @@ def _configured_capacity(shard: Shard, fallback: int) -> int:
 
 
 def _writer_pid(meta: Path) -> int | None:
+    """The pid of a live writer of the namespace in ``meta`` (the first found holding its ``LOCK``)."""
+    for _, path in writer_dirs(meta):
+        pid = _lock_holder(path)
+        if pid is not None:
+            return pid
+    return None
+
+
+def _lock_holder(meta: Path) -> int | None:
     try:
         fd = os.open(meta / "LOCK", os.O_RDONLY)
     except FileNotFoundError:
@@ -143,3 +164,74 @@ def _writer_pid(meta: Path) -> int | None:
         return int(text) if text.isdigit() else -1
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------- rebuild
+ProgressStart = Callable[[str, int], Callable[[int], object]]  # (label, slots to read) -> per-read callback
+
+
+@dataclass
+class WriterRebuild:
+    """The outcome of rebuilding one writer of a shard: its report, or why it was not rebuilt."""
+
+    namespace: str
+    wid: str
+    report: RebuildReport | None = None
+    error: str | None = None
+
+
+def writer_ids(shard: Shard, config: StoreConfig) -> list[str]:
+    """Every writer of ``shard`` with meta or pages anywhere (see the module docstring), sorted."""
+    wids = {wid for wid, _ in writer_dirs(shard.meta)}
+    digest = shard.namespace.digest()
+    for dev in config.devices:
+        if Path(dev).is_dir():
+            wids.update(wid for wid, _ in writer_dirs(Path(dev) / shard.namespace.dirname()))
+        elif Path(dev).exists():
+            with open(dev, "rb") as f:
+                head = f.read(fmt.BLOCK_HEADER_BYTES)
+            if head.startswith(fmt.REGION_MAGIC):
+                table = fmt.unpack_header(fmt.REGION_MAGIC, head, f"{dev} region table")
+                wids.update(str(r["wid"]) for r in table["regions"] if r["ns"] == digest and r.get("wid"))
+    return sorted(wids)
+
+
+def shard_config(shard: Shard, wid: str | None = None) -> StoreConfig:
+    """The config to open ``shard`` (writer ``wid``) offline with: a recorded ``CONFIG``, else one made
+    from the namespace header's devices and the segment files' size."""
+    for meta in ([shard.meta / writer_dirname(wid)] if wid else []) + [shard.meta]:
+        try:
+            return load_config(meta)
+        except (OSError, ValueError, KVTierError):
+            continue
+    devices = [str(d) for d in shard.header["devices"]]
+    fields: dict[str, Any] = {"devices": devices}
+    if shard.meta != Path(devices[0]) / shard.namespace.dirname():
+        fields["meta_dir"] = str(shard.meta.parent)
+    sizes = [p.stat().st_size for d in devices if Path(d).is_dir()
+             for p in (Path(d) / shard.namespace.dirname()).glob(f"{WRITER_PREFIX}*/seg-*.dat")]
+    if sizes and max(sizes) >= 1 << 20 and max(sizes) % 4096 == 0:
+        fields["segment_bytes"] = max(sizes)
+    return StoreConfig.from_mapping(fields)
+
+
+def rebuild_shard(shard: Shard, wids: list[str] | None = None,
+                  progress: ProgressStart | None = None) -> list[WriterRebuild]:
+    """Rebuild each writer of ``shard`` (``wids``: only those) from its pages (``store.rebuild``).
+    ``progress(label, slots)`` is called as each writer starts and returns its per-read callback.
+    A writer that cannot be rebuilt (a live writer holds it, a device is missing) gets its ``error``."""
+    done = []
+    for wid in wids if wids is not None else writer_ids(shard, shard_config(shard)):
+        outcome = WriterRebuild(shard.namespace.describe(), wid)
+        try:
+            config = shard_config(shard, wid)
+            layout = open_layout(config, shard.namespace, shard.meta, wid, create=False)
+            try:
+                step = None if progress is None else progress(f"{shard.namespace.model} {wid}", slots_to_scan(layout))
+                outcome.report = rebuild(config, shard.namespace, layout, progress=step)
+            finally:
+                layout.close()
+        except (KVTierError, OSError) as exc:
+            outcome.error = str(exc)
+        done.append(outcome)
+    return done

@@ -9,7 +9,11 @@ Crash rules:
     fsync, rename over ``checkpoint.bin``, fsync the directory, and only then delete the journals the
     checkpoint covers. A crash anywhere leaves either the old checkpoint with all its journals, or the new.
   * Replay order is checkpoint, then journals by generation; a PUT of a slot takes it from whichever key
-    held it before (that key's bytes are gone).
+    held it before (that key's bytes are gone). A TOUCH record (this writer read another writer's page)
+    changes nothing in the index: its key goes to ``Recovered.touched``, which the page's owner, tailing
+    this journal, drains to count the use (``drain_touched``); one's own replay ignores it.
+  * Replay reads a journal with ``pread`` from its cursor, so following a live writer costs what it
+    appended since, not its whole file.
   * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
     old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
     still there (journals are deleted only after the new checkpoint is durable). A ``Journal`` whose
@@ -68,6 +72,7 @@ class Recovered:
     torn_journals: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     cursor: tuple[int, int] = (0, 0)  # (generation, byte offset) just past the last record replayed
+    touched: list[PageKey] = field(default_factory=list)  # TOUCH records replayed, not yet drained
     # Replay bookkeeping, settled by ``_settle_links``: parents named by key, and slots that changed hands.
     _pending_parent: dict[int, PageKey] = field(default_factory=dict)
     _reassigned: set[int] = field(default_factory=set)
@@ -121,10 +126,24 @@ def _forget(state: Recovered, key: PageKey) -> None:
         state._reassigned.add(slot)
 
 
+TOUCHED_LIMIT = 1 << 16  # touched keys kept undrained at most (the oldest go first: uses, not data)
+
+
+def drain_touched(state: Recovered) -> list[PageKey]:
+    """The keys of the TOUCH records replayed since the last drain (cleared here)."""
+    keys, state.touched = state.touched, []
+    return keys
+
+
 def _apply(state: Recovered, rec: list[Any]) -> None:
     state.replayed_records += 1
     state.seq = max(state.seq, rec[1])
     key = PageKey(rec[2])
+    if rec[0] == fmt.TOUCH:  # a use of another writer's page: never a change to this index
+        state.touched.append(key)
+        if len(state.touched) > TOUCHED_LIMIT:
+            del state.touched[:len(state.touched) - TOUCHED_LIMIT]
+        return
     _forget(state, key)
     if rec[0] != fmt.PUT:
         return
@@ -155,9 +174,10 @@ def _settle_links(state: Recovered) -> None:
 def _replay(path: Path, state: Recovered, start: int = 0) -> int:
     """Apply the records of one journal file from byte ``start``; returns the offset after the last good one."""
     try:
-        data = path.read_bytes()
+        data, size = _read_from(path, start)
     except FileNotFoundError:
         return start
+    base = start  # ``data`` holds the file's bytes from ``base`` on
     if start == 0:
         try:
             fmt.check_journal_file_header(data, str(path))
@@ -167,13 +187,30 @@ def _replay(path: Path, state: Recovered, start: int = 0) -> int:
             return 0
         start = fmt.JOURNAL_FILE_HEADER_BYTES
     end = start
-    for after, rec in fmt.iter_records(data, start):
+    for after, rec in fmt.iter_records(data, start - base):
         _apply(state, rec)
-        end = after
-    if end != len(data):
+        end = base + after
+    if end != size:
         state.torn_journals.append(path.name)
-        state.problems.append(f"{path.name}: torn or corrupt after byte {end} of {len(data)}; the rest is ignored")
+        state.problems.append(f"{path.name}: torn or corrupt after byte {end} of {size}; the rest is ignored")
     return end
+
+
+def _read_from(path: Path, start: int) -> tuple[bytes, int]:
+    """The bytes of ``path`` from offset ``start`` (pread), and the file's size then."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        chunks, at = [], start
+        while at < size:
+            chunk = os.pread(fd, size - at, at)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            at += len(chunk)
+        return b"".join(chunks), max(size, start)
+    finally:
+        os.close(fd)
 
 
 def follow(meta: Path, state: Recovered) -> bool:
@@ -215,13 +252,16 @@ class Journal:
         self.path = journal_path(meta, generation)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.records = 0
+        self.size = 0  # bytes in the file (its header and every record appended)
         fresh = False
         try:
-            fresh = os.fstat(self._fd).st_size == 0
+            self.size = os.fstat(self._fd).st_size
+            fresh = self.size == 0
             if fresh:
                 os.write(self._fd, fmt.journal_file_header(generation))
                 os.fsync(self._fd)
                 _fsync_dir(meta)
+                self.size = fmt.JOURNAL_FILE_HEADER_BYTES
         except BaseException as exc:
             # Crash rule: a journal whose header did not make it (ENOSPC, EIO) holds no record; it is removed
             # here, and if a crash comes first, replay treats its torn header as an empty, torn journal.
@@ -234,8 +274,10 @@ class Journal:
     def append(self, records: list[bytes]) -> None:
         """Append packed records (one write; durable only after ``sync``)."""
         if records:
-            os.write(self._fd, b"".join(records))
+            data = b"".join(records)
+            os.write(self._fd, data)
             self.records += len(records)
+            self.size += len(data)
 
     def sync(self) -> None:
         """fsync the journal file."""
@@ -247,6 +289,11 @@ class Journal:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def touch_record(seq: int, key: PageKey) -> bytes:
+    """A packed TOUCH record: this writer read ``key``'s page from another writer's segments."""
+    return fmt.pack_record([fmt.TOUCH, seq, key])
 
 
 def put_record(seq: int, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> bytes:

@@ -1,44 +1,67 @@
-"""Resolve a config + namespace into the pieces of one namespace shard on disk, and lock it.
+"""Resolve a config + namespace + writer id into the pieces of one writer's part of a namespace (format 2).
 
-The *meta directory* ``<meta_dir or first device>/ns-<digest>/`` holds ``HEADER`` (which devices, in which
-order, under which store id), ``LOCK`` (``flock``: one writer process per shard), the journals and the
-checkpoint. Every device carries a header of its own naming the same store id and its index, so a device
-list that was reordered, shortened or mixed with another store's devices is refused at open.
+Paths (``store.format``): the namespace directory ``<meta_dir or first device>/ns-<digest>/`` holds
+``HEADER`` (which devices, in which order, the slot size and parts, the store id) and one directory per
+writer, ``w-<wid>/`` (LOCK, LEASE, CONFIG, journals, checkpoint: ``Layout.meta``). Every device carries
+``ns-<digest>/HEADER`` of its own (the same store id and its index; on the first device, when it holds the
+meta directory too, the two are one file), and the writer's segments under ``ns-<digest>/w-<wid>/``; a raw
+block device one region per (namespace digest, wid). A device list that was reordered, shortened or mixed
+with another store's devices is refused at open.
 
-The writer lock is a ``flock`` on ``LOCK``, held through one descriptor from ``acquire_writer_lock`` until
-``release_writer_lock`` (the last step of a writer's close); a failed ``acquire_writer_lock`` or
-``open_layout`` closes whatever it opened before its error leaves it.
+Headers are made once, by whichever writer comes first (``devices.create_once``: a private tmp file
+hard-linked into place), so two writers opening a new namespace at the same moment get one store id.
+
+Refusals (``StoreFormatError``): a format-1 store (its pages are a cache: remove them), a header whose
+``parts`` is not one part per page, and a writer directory whose metadata is gone (segments holding data
+but neither ``checkpoint.bin`` nor any journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
+a new writer would otherwise overwrite pages it does not know about). The writer lock itself is
+``store.writers``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import uuid
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from sgl_kvtier.config import StoreConfig
-from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store import format as fmt
-from sgl_kvtier.store.devices import Arena, BlockArena, DirectoryArena, check_header, is_block_like, write_file_atomic
+from sgl_kvtier.store.devices import (
+    Arena,
+    BlockArena,
+    DirectoryArena,
+    check_header,
+    create_once,
+    is_block_like,
+    write_file_atomic,
+)
 from sgl_kvtier.store.lifecycle import abandon, release_all
+from sgl_kvtier.store.writers import writer_dirname
+
+CHECKPOINT = "checkpoint.bin"
 
 
 @dataclass
 class Layout:
-    """One namespace shard on disk: its meta directory, one arena per device, and the slot size."""
+    """One writer's part of a namespace: its meta directory, one arena per device, and the slot size."""
 
-    meta: Path
+    meta: Path  # the writer's directory ``<ns>/w-<wid>``
     arenas: list[Arena]
     slot_bytes: int
     store_id: str
+    wid: str = ""
+
+    @property
+    def ns_meta(self) -> Path:
+        """The namespace directory holding every writer's directory."""
+        return self.meta.parent
 
     @property
     def capacity_slots(self) -> int:
@@ -56,7 +79,7 @@ class Layout:
 
 
 def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
-    """The shard's meta directory, ``<meta_dir or first device>/ns-<digest>`` (not created here)."""
+    """The namespace's meta directory, ``<meta_dir or first device>/ns-<digest>`` (not created here)."""
     root = config.meta_dir or config.devices[0]
     field = "meta_dir" if config.meta_dir else "devices"
     if not os.path.exists(root):
@@ -66,36 +89,9 @@ def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
     return Path(root) / namespace.dirname()
 
 
-def acquire_writer_lock(meta: Path) -> int:
-    """Create the shard's meta directory if needed and take its writer lock (non-blocking)."""
-    try:
-        meta.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise DeviceError(f"{meta.parent}: not writable ({exc.strerror})") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            raise StoreLockedError(f"{meta}: already open for writing by pid {holder}; "
-                                   "one writer process per namespace shard") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-    except BaseException as exc:
-        abandon(exc, str(meta), [("writer lock", partial(release_writer_lock, fd))])
-        raise
-    return fd
-
-
-def release_writer_lock(fd: int) -> None:
-    """Give the writer lock up and close its descriptor, both attempted whatever the other raises.
-
-    The explicit unlock frees the lock even where a forked child still shares the descriptor (a flock
-    belongs to the open file, not the process). Called last by a writer's close: crash rule, the next
-    writer may start only once every file of this one is closed.
-    """
-    release_all([("unlock", partial(fcntl.flock, fd, fcntl.LOCK_UN)), ("close", partial(os.close, fd))])
+def slot_bytes_of(namespace: Namespace) -> int:
+    """A slot's size in format 2: the page, then its trailer (one part), rounded up to 4 KiB."""
+    return fmt.slot_bytes_for(namespace.page_bytes, parts=1)
 
 
 def save_config(meta: Path, config: StoreConfig) -> None:
@@ -104,56 +100,99 @@ def save_config(meta: Path, config: StoreConfig) -> None:
 
 
 def load_config(meta: Path) -> StoreConfig:
-    """The config the shard's last writer recorded (``save_config``)."""
-    return StoreConfig.from_mapping(msgpack.unpackb((meta / "CONFIG").read_bytes()))
+    """The config a writer recorded (``save_config``) in ``meta``: a writer directory, or a namespace
+    directory (then its first writer directory holding one)."""
+    path = meta / "CONFIG"
+    if not path.exists():
+        path = next((p / "CONFIG" for p in sorted(meta.glob("w-*")) if (p / "CONFIG").exists()), path)
+    return StoreConfig.from_mapping(msgpack.unpackb(path.read_bytes()))
 
 
-def _open_arena(config: StoreConfig, namespace: Namespace, path: str, header: dict[str, Any], slot_bytes: int,
-                share: int | None, create: bool) -> Arena:
+def check_meta_present(config: StoreConfig, namespace: Namespace, meta: Path, wid: str) -> None:
+    """Refuse to write into a writer directory whose journal and checkpoint are gone while its segments
+    still hold data (see the module docstring)."""
+    if (meta / CHECKPOINT).exists() or any(meta.glob("journal-*.log")):
+        return
+    for dev in config.devices:
+        seg_dir = Path(dev) / namespace.dirname() / writer_dirname(wid)
+        if os.path.isdir(dev) and any(p.stat().st_size > 0 for p in seg_dir.glob("seg-*.dat")):
+            raise StoreFormatError(
+                f"{meta}: the journal and checkpoint of writer {wid} are gone but {seg_dir} still holds pages; "
+                f"rebuild its index from the pages with `sgl-kvtier fsck --rebuild {meta.parent}`, "
+                f"or remove {seg_dir} (its pages are a cache)")
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    try:
+        return fmt.unpack_header(fmt.HEADER_MAGIC, path.read_bytes(), str(path))
+    except CorruptRecordError as exc:
+        raise StoreFormatError(str(exc)) from None
+
+
+def _namespace_header(config: StoreConfig, namespace: Namespace, ns_meta: Path, slot_bytes: int,
+                      create: bool) -> tuple[dict[str, Any], bool]:
+    """The namespace header (made now if ``create`` and absent), and whether it is the first device's."""
+    path = ns_meta / "HEADER"
+    dev0 = config.devices[0]
+    on_dev0 = os.path.isdir(dev0) and ns_meta == Path(dev0) / namespace.dirname()
+    if not path.exists():
+        if not create:
+            raise DeviceError(f"{ns_meta}: no store here")
+        want = _device_header(config, namespace, ns_meta, slot_bytes, uuid.uuid4().hex, 0 if on_dev0 else -1)
+        if not on_dev0:
+            del want["meta_dir"]
+        create_once(path, fmt.pack_header(fmt.HEADER_MAGIC, want))  # crash rule: linked complete, or absent
+    header = _read_header(path)
+    want = _device_header(config, namespace, ns_meta, slot_bytes, header.get("store_id"), 0 if on_dev0 else -1)
+    want["device_count"] = header.get("device_count")  # a changed device list is open_layout's DeviceError
+    check_header(header, want, str(path))
+    return header, on_dev0
+
+
+def _device_header(config: StoreConfig, namespace: Namespace, ns_meta: Path, slot_bytes: int, store_id: Any,
+                   index: int) -> dict[str, Any]:
+    return {"namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "parts": [namespace.page_bytes],
+            "device_index": index, "device_count": len(config.devices), "store_id": store_id,
+            "devices": list(config.devices), "meta_dir": str(ns_meta.parent)}
+
+
+def _open_arena(config: StoreConfig, namespace: Namespace, wid: str, path: str, header: dict[str, Any],
+                slot_bytes: int, share: int | None, create: bool) -> Arena:
     if is_block_like(path):
-        return BlockArena(path, namespace.digest(), header, slot_bytes, share, namespace.shard_count,
+        return BlockArena(path, namespace.digest(), wid, header, slot_bytes, share, namespace.shard_count,
                           config.direct_io.value, create)
-    return DirectoryArena(path, namespace.dirname(), header, slot_bytes, config.segment_bytes,
+    return DirectoryArena(path, namespace.dirname(), writer_dirname(wid), header, slot_bytes, config.segment_bytes,
                           None if share is None else share // slot_bytes, namespace.shard_count,
                           config.direct_io.value, create)
 
 
-def open_layout(config: StoreConfig, namespace: Namespace, meta: Path, create: bool) -> Layout:
-    """Open (with ``create``: make) the shard's arenas, checking every device header against the config.
+def open_layout(config: StoreConfig, namespace: Namespace, ns_meta: Path, wid: str, create: bool) -> Layout:
+    """Open (with ``create``: make) writer ``wid``'s arenas, checking every header against the config.
+
+    Each writer may use the whole ``capacity_bytes`` (one pool-wide limit its store keeps against the
+    others' leases): on each device it gets ``capacity_bytes / devices``, a raw device's region included,
+    so several writers on one raw device each take such a region and the device's size (and its region
+    table, ``BLOCK_HEADER_BYTES``) limits how many fit.
 
     Raises DeviceError (no store here without ``create``, a device that is not this store's) or
-    StoreFormatError (headers that disagree).
+    StoreFormatError (headers that disagree, format 1, parts other than one per page).
     """
-    slot_bytes = round_up(namespace.page_bytes)
-    header_path = meta / "HEADER"
+    slot_bytes = slot_bytes_of(namespace)
     ndev = len(config.devices)
-    meta_header = None
-    if header_path.exists():
-        meta_header = fmt.unpack_header(fmt.HEADER_MAGIC, header_path.read_bytes(), str(header_path))
-    elif not create:
-        raise DeviceError(f"{meta}: no store here")
-    store_id = meta_header["store_id"] if meta_header else uuid.uuid4().hex
+    ns_header, _ = _namespace_header(config, namespace, ns_meta, slot_bytes, create)
+    store_id = ns_header["store_id"]
     share = None if config.capacity_bytes is None else round_up(-(-config.capacity_bytes // ndev), slot_bytes)
+    if ns_header.get("device_count") != ndev:
+        raise DeviceError(f"devices: this store was made on {ns_header.get('devices')}, not {list(config.devices)}")
     arenas: list[Arena] = []
     try:
         for index, path in enumerate(config.devices):
-            header = {"namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "device_index": index,
-                      "device_count": ndev, "store_id": store_id, "devices": list(config.devices),
-                      "meta_dir": str(meta.parent)}
-            if meta_header is not None and index == 0 and meta == Path(path) / namespace.dirname():
-                check_header(meta_header, header, str(header_path))
+            header = _device_header(config, namespace, ns_meta, slot_bytes, store_id, index)
             try:
-                arenas.append(_open_arena(config, namespace, path, header, slot_bytes, share, create))
+                arenas.append(_open_arena(config, namespace, wid, path, header, slot_bytes, share, create))
             except DeviceError as exc:
                 raise DeviceError(f"devices[{index}]: {exc}") from None
-        if meta_header is None:
-            if meta != Path(config.devices[0]) / namespace.dirname() or not header_path.exists():
-                write_file_atomic(header_path, fmt.pack_header(fmt.HEADER_MAGIC, {
-                    "namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "device_index": -1,
-                    "device_count": ndev, "store_id": store_id, "devices": list(config.devices)}))
-        elif meta_header.get("device_count") != ndev:
-            raise DeviceError(f"devices: this store was made on {meta_header.get('devices')}, not {list(config.devices)}")
     except BaseException as exc:
-        abandon(exc, str(meta), [(f"device {a.path}", a.close) for a in arenas])
+        abandon(exc, str(ns_meta), [(f"device {a.path}", a.close) for a in arenas])
         raise
-    return Layout(meta, arenas, slot_bytes, store_id)
+    return Layout(ns_meta / writer_dirname(wid), arenas, slot_bytes, store_id, wid)

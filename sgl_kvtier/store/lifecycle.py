@@ -1,7 +1,8 @@
 """Releasing what a shard holds: every step attempted whatever the others raise, the first error kept.
 
-An open shard holds, newest first: (writer) its journal file; its IO engine (threads or io_uring rings) and
-bounce buffers; its layout (segment files or device fds); (writer) its writer-lock fd. ``open`` takes them
+An open shard holds, newest first: (writer) its lease (file and ``kvtier-lease`` thread) and journal file;
+its IO engine (threads or io_uring rings) and bounce buffers; its layout (segment files or device fds);
+(writer) its writer-directory lock fd. ``open`` takes them
 in the opposite order under an ``Acquired`` stack; ``close``, and an ``open`` that fails half-way, give
 them back through the helpers here.
 

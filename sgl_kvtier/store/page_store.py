@@ -1,12 +1,23 @@
-"""PageStore: the one writer of a namespace shard (fixed-size KV pages on one or more flash devices).
+"""PageStore: one writer of a namespace shard (fixed-size KV pages on one or more flash devices).
 
 It is a ``PageShard`` (``store.shard``: get / longest_prefix / stats, the pinned verified read path) that
-also holds the shard's writer lock and journal. Read-only views are ``store.reader.PageReader``.
+also holds its writer directory (``store.writers``: the lowest free ``w-<host_id>-<k>``, so several writer
+processes share one namespace's pool, each in its own directory and segments), its journal and its lease
+(``store.lease``, beaten every ``heartbeat_s`` on the ``kvtier-lease`` thread). Read-only views are
+``store.reader.PageReader``; the merged view over every writer of a namespace is ``store.pool.SharedPool``.
+
+Pool-wide cap: ``capacity_bytes`` limits the namespace shard over all its writers. Before taking a slot
+for a new page, a writer checks its own pages (stored and being stored) plus the other writers' last
+leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it evicts its own coldest
+pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
+growing at once may overshoot by what they store in that time.
 
 API (used by the SGLang adapter; pages are lists of ``(address, length)`` runs in caller memory; keys are
 valid ``PageKey``s):
     put(keys, pages, parent=None) -> [bool]   True: stored, already stored, or declined by admission
-    delete(keys) -> int, clear() -> int, checkpoint(), close()        (and everything a PageShard serves)
+    delete(keys) -> int, evict(keys) -> int, clear() -> int, checkpoint(), close()
+    touch_remote(keys), touch_own(keys)     uses of other writers' pages (TOUCH records) / of own ones
+    (and everything a PageShard serves)
 
 Write order for a put batch, one named phase each (the crash rule each step relies on is at its code):
     1. reserve   under the lock: admit each page, take a free slot (evicting as needed; the victims'
@@ -16,11 +27,14 @@ Write order for a put batch, one named phase each (the crash rule each step reli
     4. persist   fsync the journal (unless durability is ``none``): only then is the batch acknowledged;
                  checkpoint when enough records piled up
 A page is visible only once its bytes are fully written; a record never points at bytes not written.
-Under ``always`` each page is its own batch. Open order: writer lock -> layout (created if needed) ->
-CONFIG -> engine -> recover -> a new journal generation (never appending to an old one) -> fold what was
-replayed; an open failing at any step releases what it took, the lock last.
+Each reserved page gets its ``seq`` in phase 1; its slot trailer (phase 2) and its PUT record (phase 3)
+carry the same one. Under ``always`` each page is its own batch. Open order: writer directory (claim +
+lock) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal generation (never
+appending to an old one) -> fold what was replayed -> lease; an open failing at any step releases what
+it took, the lock last.
 
-Close order: checkpoint -> journal -> engine (its threads end) -> devices -> writer lock, each step
+Close order: checkpoint -> lease (its thread ends) -> journal -> engine (its threads end) -> devices ->
+writer lock, each step
 attempted whatever an earlier one raised; the first failure is raised after as ``StoreCloseError``
 (``store.lifecycle``). A failed checkpoint never loses an acknowledged page: the next open replays the
 journals that the last good checkpoint does not cover.
@@ -28,10 +42,12 @@ journals that the last good checkpoint does not cover.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from typing import Any
 
 from sgl_kvtier.config import Durability, StoreConfig
 from sgl_kvtier.io.buffers import Run
@@ -39,9 +55,14 @@ from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.store import journal as jr
-from sgl_kvtier.store.layout import Layout, acquire_writer_lock, meta_dir, open_layout, release_writer_lock, save_config
+from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout, save_config
+from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
-from sgl_kvtier.store.shard import PageShard, collector_paused, open_shard_engine, own_engine
+from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
+from sgl_kvtier.store.transfer import SlotIdentity
+from sgl_kvtier.store.writers import WriterClaim, boot_id, claim_writer, machine_id
+
+TOUCH_INTERVAL_S = 60.0  # a remote page's use is journaled at most once per this many seconds
 
 
 @dataclass
@@ -49,16 +70,24 @@ class _PutBatch:
     """One put batch between its phases."""
 
     results: list[bool]
-    reserved: list[tuple[int, int]] = field(default_factory=list)  # (page index, slot) of pages to write
+    reserved: list[tuple[int, int, int]] = field(default_factory=list)  # (page index, slot, seq) to write
 
 
 class PageStore(PageShard):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
 
-    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, lock_fd: int,
-                 recovered: jr.Recovered, engine: IOEngine, journal: jr.Journal):
-        super().__init__(config, namespace, layout, recovered, layout.capacity_slots, engine)
-        self._lock_fd: int | None = lock_fd  # None once released
+    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: WriterClaim,
+                 recovered: jr.Recovered, engine: IOEngine, journal: jr.Journal, *,
+                 shared: SharedTelemetry | None = None):
+        self.incarnation = os.urandom(16)  # new per open: slot trailers and the lease name it
+        super().__init__(config, namespace, layout, recovered, layout.capacity_slots, engine,
+                         identity=SlotIdentity(namespace.digest(), self.incarnation), shared=shared)
+        self.claim = claim
+        self.wid = claim.wid
+        self.lease: Lease | None = None  # started by ``open``
+        # The other writers' leased bytes (``store.pool`` sets it); called under the lock, so it must be cheap.
+        self.peer_bytes: Callable[[], int] = lambda: 0
+        self._touched: dict[PageKey, float] = {}  # remote pages whose use was journaled, and when
         self._checkpoint_lock = threading.Lock()
         self._admission = AdmissionFilter(config.admission_threshold)
         self._inflight: set[PageKey] = set()  # reserved, not yet published: a second put of one is "present"
@@ -67,33 +96,53 @@ class PageStore(PageShard):
 
     # ------------------------------------------------------------------ open / close
     @classmethod
-    def open(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> PageStore:
-        """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as its writer.
-        ``engine`` (tests): the base engine to run IO on, the store's from this call on (closed by
-        ``close``, or here if this fails).
+    def open(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None,
+             shared: SharedTelemetry | None = None) -> PageStore:
+        """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as one of its writers,
+        in the lowest free writer directory of this host (``store.writers``). ``engine`` (tests): the base
+        engine to run IO on, the store's from this call on (closed by ``close``, or here if this fails).
+        ``shared``: counters, breakers and read rates shared with a pool's other shards.
 
-        Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError, OSError (the fold below). A
-        failed open has released everything it took, the writer lock last (``store.lifecycle``).
+        Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError (``sharing = "off"`` and the
+        directory is held), OSError (the fold below). A failed open has released everything it took, the
+        writer lock last (``store.lifecycle``).
         """
-        with Acquired(f"the writer of {namespace.dirname()}") as held:
+        with Acquired(f"a writer of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
-            meta = meta_dir(config, namespace)
-            lock_fd = acquire_writer_lock(meta)  # first file: nothing of the shard is touched without the lock
-            held.push("writer lock", partial(release_writer_lock, lock_fd))
-            layout = open_layout(config, namespace, meta, create=True)
+            ns_meta = meta_dir(config, namespace)
+            claim = claim_writer(config, ns_meta)  # first file: nothing of the directory is touched without it
+            held.push("writer lock", claim.release)
+            check_meta_present(config, namespace, claim.path, claim.wid)
+            layout = open_layout(config, namespace, ns_meta, claim.wid, create=True)
             held.push("devices", layout.close)
-            save_config(meta, config)
+            save_config(claim.path, config)
             io_engine = open_shard_engine(config, engine, held, place)
             with collector_paused():
-                recovered = jr.recover(meta)
+                recovered = jr.recover(claim.path)
+                jr.drain_touched(recovered)  # its own uses of others' pages: nothing to its own index
                 # A new generation: a torn tail of an earlier run stays where that file's replay stops.
-                journal = jr.Journal(meta, recovered.generation)
+                journal = jr.Journal(claim.path, recovered.generation)
                 held.push("journal", journal.close)
-                store = cls(config, namespace, layout, lock_fd, recovered, io_engine, journal)
+                store = cls(config, namespace, layout, claim, recovered, io_engine, journal, shared=shared)
             held.hand_over(store._release_steps())  # the store's own release steps, from here on
             if recovered.replayed_records or recovered.problems:
                 store.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
+            store._start_lease()
             return store
+
+    def _start_lease(self) -> None:
+        identity = {"wid": self.wid, "host_id": self.claim.host_id, "machine_id": machine_id(), "boot_id": boot_id(),
+                    "pid": os.getpid(), "incarnation": self.incarnation}
+        self.lease = Lease(self.claim.path / LEASE, identity, self.usage, self.config.heartbeat_s)
+        self.lease.start()
+
+    def usage(self) -> dict[str, Any]:
+        """What the lease publishes of this writer now: pages, bytes, its capacity and journal cursor."""
+        with self._lock:
+            pages = len(self._index)
+            return {"pages": pages, "bytes_used": pages * self.slot_bytes,
+                    "capacity_bytes": self._slots.capacity * self.slot_bytes,
+                    "journal": [self._journal.generation, self._journal.size], "age_hist": []}
 
     def close(self) -> None:
         """Checkpoint, close the journal, the engine and the devices, then release the writer lock: every
@@ -112,16 +161,18 @@ class PageStore(PageShard):
 
     def _release_steps(self) -> list[Step]:
         # Crash rule: the writer lock goes last, once every file of the shard is closed, so the next writer
-        # never overlaps a descriptor of this one; the journal goes first (nothing is appended after).
-        return [("journal", self._close_journal), *super()._release_steps(), ("writer lock", self._release_lock)]
+        # never overlaps a descriptor of this one; the lease thread ends first (it reads the journal), then
+        # the journal (nothing is appended after).
+        return [("lease", self._close_lease), ("journal", self._close_journal), *super()._release_steps(),
+                ("writer lock", self.claim.release)]
+
+    def _close_lease(self) -> None:
+        lease, self.lease = self.lease, None  # detached first: closed once
+        if lease is not None:
+            lease.close()
 
     def _close_journal(self) -> None:
         self._journal.close()  # late-bound: ``checkpoint`` replaces the journal
-
-    def _release_lock(self) -> None:
-        fd, self._lock_fd = self._lock_fd, None  # detached first: released once, even if that fails
-        if fd is not None:
-            release_writer_lock(fd)
 
     # ------------------------------------------------------------------ put
     def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
@@ -133,7 +184,7 @@ class PageStore(PageShard):
                     for ok in self.put(keys[i:i + 1], pages[i:i + 1], keys[i - 1] if i else parent)]
         batch = self._reserve(keys, pages)
         if batch.reserved:
-            checksums = self._write(pages, batch)
+            checksums = self._write(keys, pages, parent, batch)
             due = self._publish(keys, parent, batch, checksums)
             self._persist(due)
         return batch.results
@@ -159,18 +210,22 @@ class PageStore(PageShard):
                         continue
                     seen.add(key)
                     self._inflight.add(key)
-                    batch.reserved.append((i, slot))
+                    self._seq += 1  # the page's seq: its trailer (phase 2) and its PUT record (phase 3)
+                    batch.reserved.append((i, slot, self._seq))
             # Crash rule: a victim's DEL goes to the journal before phase 2 overwrites its slot. It is not
             # synced yet; if a crash loses it, replay maps the victim to bytes of another page, which fail
             # the victim's checksum: a miss, never wrong KV.
             self._journal.append(evicted)
         return batch
 
-    def _write(self, pages: Sequence[Sequence[Run]], batch: _PutBatch) -> list[int | None]:
-        """Phase 2 (no lock): write the reserved pages; per page its checksum, or None where it failed."""
+    def _write(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None,
+               batch: _PutBatch) -> list[int | None]:
+        """Phase 2 (no lock): write the reserved pages (each with its trailer); per page its checksum, or
+        None where it failed."""
         # Crash rule: the data is written and (durability batch/always) fdatasync'd here, before phase 3
         # appends any record naming it, so a replayed record never points at unwritten bytes.
-        return self._io.write([(pages[i], slot) for i, slot in batch.reserved])
+        return self._io.write([(pages[i], slot, keys[i], keys[i - 1] if i > 0 else parent, seq)
+                               for i, slot, seq in batch.reserved])
 
     def _publish(self, keys: Sequence[PageKey], parent: PageKey | None, batch: _PutBatch,
                  checksums: list[int | None]) -> bool:
@@ -178,7 +233,7 @@ class PageStore(PageShard):
         True when a checkpoint is due."""
         records: list[bytes] = []
         with self._lock:
-            for (i, slot), checksum in zip(batch.reserved, checksums):
+            for (i, slot, seq), checksum in zip(batch.reserved, checksums):
                 key = keys[i]
                 self._inflight.discard(key)
                 if checksum is None:
@@ -186,8 +241,7 @@ class PageStore(PageShard):
                     self._slots.release(slot)
                     continue
                 chain_parent = keys[i - 1] if i > 0 else parent
-                self._seq += 1
-                records.append(jr.put_record(self._seq, key, slot, checksum, chain_parent))
+                records.append(jr.put_record(seq, key, slot, checksum, chain_parent))
                 self._index.add(key, slot, checksum, chain_parent)
                 self.counters.put_pages += 1
                 self.counters.bytes_written += self.page_bytes
@@ -204,15 +258,30 @@ class PageStore(PageShard):
             self.checkpoint()
 
     def _reserve_slot(self, evicted: list[bytes]) -> int | None:
+        """A slot for one more page (under the lock), evicting own pages while the pool is at its cap or
+        no slot is free; None when nothing of its own is left to evict."""
+        while self._at_pool_cap():
+            if not self._evict_coldest(evicted):
+                return None
         slot = self._slots.allocate()
         while slot is None:
-            victim = self._index.victim()
-            if victim is None:
+            if not self._evict_coldest(evicted):
                 return None
-            self._drop(victim, evicted)
-            self.counters.evictions += 1
             slot = self._slots.allocate()
         return slot
+
+    def _at_pool_cap(self) -> bool:
+        """Whether one more page would take the pool (own pages + the peers' leased bytes) past its cap."""
+        own = (len(self._index) + len(self._inflight) + 1) * self.slot_bytes
+        return own + self.peer_bytes() > self._slots.capacity * self.slot_bytes
+
+    def _evict_coldest(self, evicted: list[bytes]) -> bool:
+        victim = self._index.victim()
+        if victim is None:
+            return False
+        self._drop(victim, evicted)
+        self.counters.evictions += 1
+        return True
 
     # ------------------------------------------------------------------ delete / maintenance
     def _drop(self, key: PageKey, records: list[bytes]) -> None:
@@ -229,16 +298,47 @@ class PageStore(PageShard):
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         """Drop the stored pages among ``keys``; how many were dropped (durable unless durability is none)."""
+        return self._drop_keys(keys, evicting=False)
+
+    def evict(self, keys: Sequence[PageKey]) -> int:
+        """Evict own pages by key (the pool quota's choice; others' keys are ignored); how many went."""
+        return self._drop_keys(keys, evicting=True)
+
+    def _drop_keys(self, keys: Sequence[PageKey], evicting: bool) -> int:
         self._check_open()
         records: list[bytes] = []
         with self._lock:
             for key in keys:
                 if key in self._index:
                     self._drop(key, records)
+            if evicting:
+                self.counters.evictions += len(records)
             self._journal.append(records)
         if records and self.config.durability is not Durability.NONE:
             self._journal.sync()
         return len(records)
+
+    def touch_own(self, keys: Sequence[PageKey]) -> None:
+        """Other writers used these pages of ours (their TOUCH records): as warm as our own reads."""
+        with self._lock:
+            self._index.touch(keys)
+
+    def touch_remote(self, keys: Sequence[PageKey], now: float | None = None) -> None:
+        """We read these pages from other writers: journal a TOUCH for each (at most once per key per
+        TOUCH_INTERVAL_S; not synced: a lost use costs nothing but warmth), for their owners to count."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._closed:
+                return
+            fresh = [k for k in keys if now - self._touched.get(k, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S]
+            if len(self._touched) > 1 << 16:
+                self._touched = {k: t for k, t in self._touched.items() if now - t < TOUCH_INTERVAL_S}
+            records = []
+            for key in fresh:
+                self._touched[key] = now
+                self._seq += 1
+                records.append(jr.touch_record(self._seq, key))
+            self._journal.append(records)
 
     def clear(self) -> int:
         """Drop every page; how many were dropped."""

@@ -1,9 +1,10 @@
-"""PageReader: a read-only view of a namespace shard that follows its live writer.
+"""PageReader: a read-only view of one writer's pages of a namespace shard, following that live writer.
 
-Opened without the writer lock and without creating anything: the index comes from the shard's checkpoint
-plus its journals (``journal.recover``), and ``refresh()`` replays what the writer appended since
-(``journal.follow``: a stat or two when nothing changed). Used by the MLA ranks that read the one shard
-SGLang's writer rank writes, and by ``sgl-kvtier inspect`` / ``fsck``.
+Opened without the writer lock and without creating anything: the index comes from the writer directory's
+checkpoint plus its journals (``journal.recover``), and ``refresh()`` replays what the writer appended
+since (``journal.follow``: a stat or two when nothing changed). ``wid`` picks the writer directory
+(``w-<wid>``); without one, the lowest present. Used by ``store.pool.SharedPool`` (one per other writer),
+and by ``sgl-kvtier inspect`` / ``fsck``.
 
 Rules (so that any number of readers can follow a writer, in any processes):
   * A reader never writes a file and never takes the lock: not the journal, not the checkpoint.
@@ -14,21 +15,27 @@ Rules (so that any number of readers can follow a writer, in any processes):
   * A reader never evicts or allocates a slot, so its eviction policy need not see the writer's new pages;
     pins still keep its own reads consistent.
 
+  * A reader of a peer (``follows_peer``, the pool's) re-reads the journal when a read fails its checksum,
+    and counts a page whose mapping changed meanwhile as ``remote_reuse_races``, not as corruption. A
+    writer directory that vanishes (or whose segments go) leaves an empty view: misses, never errors.
+
 Its state is one followed journal (``recovery``, whose dicts the index shares and replay updates in
-place). Following several writers' shards would give a reader one such state per writer.
+place); the pool keeps one reader per other writer.
 """
 
 from __future__ import annotations
 
 from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import DeviceError
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout, meta_dir, open_layout
 from sgl_kvtier.store.lifecycle import Acquired
-from sgl_kvtier.store.shard import PageShard, collector_paused, open_shard_engine, own_engine
+from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
 from sgl_kvtier.store.slots import SlotTable
+from sgl_kvtier.store.writers import writer_dirs
 
 
 def _capacity(layout: Layout, recovered: jr.Recovered, at_least: int = 0) -> int:
@@ -40,25 +47,40 @@ class PageReader(PageShard):
     """A read-only, following view of one namespace shard (see the module docstring)."""
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, recovered: jr.Recovered,
-                 engine: IOEngine):
-        super().__init__(config, namespace, layout, recovered, _capacity(layout, recovered), engine)
+                 engine: IOEngine, *, shared: SharedTelemetry | None = None, follows_peer: bool = False):
+        super().__init__(config, namespace, layout, recovered, _capacity(layout, recovered), engine, shared=shared)
+        self.follows_peer = follows_peer
+        self.wid = layout.wid
 
     @classmethod
-    def open(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> PageReader:
-        """Open the existing shard of ``namespace`` on ``config.devices`` read-only. ``engine`` (tests): the
-        base engine to run IO on, the reader's from this call on (closed by ``close``, or here if this fails).
+    def open(cls, config: StoreConfig, namespace: Namespace, *, wid: str | None = None,
+             engine: IOEngine | None = None, shared: SharedTelemetry | None = None,
+             follows_peer: bool = False) -> PageReader:
+        """Open writer ``wid``'s pages of the shard of ``namespace`` read-only (``wid`` None: the lowest
+        writer directory present). ``engine`` (tests): the base engine to run IO on, the reader's from this
+        call on (closed by ``close``, or here if this fails). ``shared``/``follows_peer``: a pool's.
 
-        Raises: DeviceError (no such shard yet, among others), ConfigError, StoreFormatError. A failed open
-        has released everything it took (``store.lifecycle``).
+        Raises: DeviceError (no such shard or writer yet, among others), ConfigError, StoreFormatError. A
+        failed open has released everything it took (``store.lifecycle``).
         """
         with Acquired(f"a reader of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
-            meta = meta_dir(config, namespace)
-            layout = open_layout(config, namespace, meta, create=False)
+            ns_meta = meta_dir(config, namespace)
+            if wid is None:
+                present = writer_dirs(ns_meta)
+                if not present:
+                    raise DeviceError(f"{ns_meta}: no store here (no writer has made it yet)")
+                wid = present[0][0]
+            layout = open_layout(config, namespace, ns_meta, wid, create=False)
             held.push("devices", layout.close)
             io_engine = open_shard_engine(config, engine, held, place)
             with collector_paused():
-                return cls(config, namespace, layout, jr.recover(meta), io_engine)
+                return cls(config, namespace, layout, jr.recover(layout.meta), io_engine, shared=shared,
+                           follows_peer=follows_peer)
+
+    def _before_corrupt(self) -> None:
+        if self.follows_peer:
+            self.refresh()
 
     def refresh(self) -> bool:
         """Pick up pages the live writer (another process) added or dropped since; True if anything changed."""

@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
@@ -53,7 +54,7 @@ from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired, Step, close_all
 from sgl_kvtier.store.read_rates import ReadRates
 from sgl_kvtier.store.slots import SlotTable
-from sgl_kvtier.store.transfer import PageIO, ReadVerdict
+from sgl_kvtier.store.transfer import PageIO, ReadVerdict, SlotIdentity
 from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters, StoreStats
 
 log = logging.getLogger(__name__)
@@ -106,29 +107,44 @@ def open_shard_engine(config: StoreConfig, base: IOEngine | None, held: Acquired
     return engine
 
 
+@dataclass(frozen=True)
+class SharedTelemetry:
+    """Counters, breakers and read rates that several shards of one pool share (``store.pool``): the
+    devices are the same, and a pool reports one set of figures. Each is thread-safe or bumped like
+    a shard's own counters."""
+
+    counters: StoreCounters
+    health: DeviceHealth
+    read_rates: ReadRates
+
+
 class PageShard(abc.ABC):
     """An open namespace shard: its index, slots and devices, and the verified read path (see the module
     docstring). Open one through ``PageReader.open`` or ``PageStore.open``."""
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, recovered: jr.Recovered,
-                 capacity: int, engine: IOEngine):
+                 capacity: int, engine: IOEngine, *, identity: SlotIdentity | None = None,
+                 shared: SharedTelemetry | None = None):
         self.config = config
         self.namespace = namespace
         self.layout = layout
         self.page_bytes = namespace.page_bytes
         self.slot_bytes = layout.slot_bytes
         self.recovery = recovered  # what was rebuilt from disk (problems found, records replayed)
-        self.counters = StoreCounters()
+        self.counters = StoreCounters() if shared is None else shared.counters
         self._lock = threading.Lock()
         self._closed = False
         self._errlog = RateLimitedLog(log)
         self._engine = engine  # the whole stack (``open_shard_engine``); the shard owns and closes it
-        self.health = DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
-                                   config.breaker_cooldown_s, config.slow_io_s)
         self._ndev = len(layout.arenas)
-        self.read_rates = ReadRates(self._ndev)  # moving-average read bandwidth / batch latency (cost model)
+        if shared is None:
+            shared = SharedTelemetry(self.counters, DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
+                                                                 config.breaker_cooldown_s, config.slow_io_s),
+                                     ReadRates(self._ndev))
+        self.health = shared.health
+        self.read_rates = shared.read_rates  # moving-average read bandwidth / batch latency (cost model)
         self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
-                          config.durability is not Durability.NONE, self._device_full)
+                          config.durability is not Durability.NONE, self._device_full, identity=identity)
         self._index = PageIndex(recovered, config.eviction, capacity)
         self._slots = SlotTable(capacity, self._index.slots())
 
@@ -230,6 +246,8 @@ class PageShard(abc.ABC):
         # The total on the batch's wall clock (what a load waits for); each device on its own ops' time.
         self.read_rates.record([e[0] % self._ndev for (_, e), v in zip(pinned, verdicts) if v is ReadVerdict.HIT],
                                self.page_bytes, time.perf_counter() - start, busy)
+        if ReadVerdict.CORRUPT in verdicts:
+            self._before_corrupt()
         self._settle(keys, pinned, verdicts, results)
         return results
 
@@ -268,11 +286,18 @@ class PageShard(abc.ABC):
                 self.counters.get_misses += 1
                 # Only the page that was read is dropped: if the key moved meanwhile (rewritten, or a
                 # follower refreshed), its new entry differs and stays. This also drops a key listed twice once.
-                if verdict is ReadVerdict.CORRUPT and self._index.lookup(keys[i]) == entry:
-                    self.counters.corrupt_pages += 1
-                    self._errlog.error("page %s failed its checksum or was short; dropped (a miss)", keys[i].hex()[:16])
-                    self._remove(keys[i])
-                    bad.append(keys[i])
+                if verdict is not ReadVerdict.CORRUPT:
+                    continue
+                if self._index.lookup(keys[i]) != entry:
+                    if self.follows_peer:  # its owner reused the slot since: a race, not damage
+                        self.counters.remote_reuse_races += 1
+                        log.debug("page %s of %s changed under a read (slot reused)", keys[i].hex()[:16],
+                                  self.layout.meta)
+                    continue
+                self.counters.corrupt_pages += 1
+                self._errlog.error("page %s failed its checksum or was short; dropped (a miss)", keys[i].hex()[:16])
+                self._remove(keys[i])
+                bad.append(keys[i])
             if bad:
                 self._dropped(bad)
 
@@ -280,6 +305,13 @@ class PageShard(abc.ABC):
     def _remove(self, key: PageKey) -> None:
         """Forget a page (under the lock); its slot is reused once no reader holds it."""
         self._slots.release(self._index.remove(key))
+
+    follows_peer = False  # a reader of another writer's pages (``store.pool``): classifies reuse races
+
+    def _before_corrupt(self) -> None:
+        """A read batch found pages failing their checksums; a follower re-reads its writer's journal
+        first, so a page whose slot was reused since is told from a damaged one."""
+        return None
 
     @abc.abstractmethod
     def _dropped(self, keys: list[PageKey]) -> None:

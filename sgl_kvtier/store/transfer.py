@@ -3,7 +3,17 @@
 It builds one vectored IO per page (the caller's runs straight to the slot with O_DIRECT when they are
 aligned, else through a bounce buffer: one memcpy), skips devices whose circuit is open, feeds the
 breakers, checksums every page (xxh3-64 taken before a write, checked after a read) and fdatasyncs the
-data files of a write batch unless durability is ``none``. It knows slots, not keys or the index.
+data files of a write batch unless durability is ``none``. It knows slots, not the index.
+
+Writes (format 2, ``store.format`` "Slot"): each page write is ONE IO covering its whole slot: the page at
+offset 0, its trailer (``fmt.pack_trailer``: namespace digest, key, parent key, writer incarnation, seq,
+the page's xxh3-64) at ``page_bytes``, zeros up to ``slot_bytes``. So a torn write leaves a trailer whose
+checksum the page bytes fail, and ``store.rebuild`` can skip it. An aligned page (runs aligned, page_bytes a
+multiple of 4 KiB) goes out as its runs plus one aligned tail buffer from a slab pool; any other page is
+copied with its trailer into one bounce buffer. Only a PageIO given a ``SlotIdentity`` (the writer) writes;
+one without (a reader) raises. The page's checksum is taken before its IO (the trailer carries it), in
+the calling thread. Reads move the page's bytes only (the trailer is not read) and verify them
+against the checksum the index recorded.
 
 Each page read gets a ``ReadVerdict``: ``HIT`` (verified bytes are in the caller's runs), ``CORRUPT``
 (short or failing its checksum: the caller drops the page), ``IO_ERROR`` (the IO failed; the page may
@@ -20,9 +30,24 @@ import enum
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer, BouncePool, Run, copy_runs_to, copy_to_runs, runs_aligned, view
+import xxhash
+
+from sgl_kvtier.errors import KVTierError, StoreFormatError
+from sgl_kvtier.io.buffers import (
+    ALIGN,
+    AlignedBuffer,
+    BouncePool,
+    Run,
+    copy_runs_to,
+    copy_to_runs,
+    round_up,
+    runs_aligned,
+    view,
+)
 from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest
+from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import Arena
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout
@@ -31,8 +56,22 @@ from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters
 
 log = logging.getLogger(__name__)
 
-WriteItem = tuple[Sequence[Run], int]  # (caller's runs, slot)
+# (caller's runs, global slot, key, parent key or None, seq of the write)
+WriteItem = tuple[Sequence[Run], int, bytes, bytes | None, int]
 ReadItem = tuple[Sequence[Run], tuple[int, int]]  # (caller's runs, (slot, checksum recorded at write))
+
+
+@dataclass(frozen=True)
+class SlotIdentity:
+    """Who writes a slot, as its trailer names it: the namespace digest and the writer's incarnation
+    (16 bytes each; the incarnation is new per open of a writer)."""
+
+    ns_digest: bytes
+    incarnation: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.ns_digest) != 16 or len(self.incarnation) != 16:
+            raise ValueError("SlotIdentity: ns_digest and incarnation are 16 bytes each")
 
 
 class ReadVerdict(enum.Enum):
@@ -48,15 +87,31 @@ class PageIO:
     """Vectored, verified page IO between caller runs and device slots (see the module docstring)."""
 
     def __init__(self, layout: Layout, engine: IOEngine, health: DeviceHealth, counters: StoreCounters,
-                 page_bytes: int, io_depth: int, sync_writes: bool, on_device_full: Callable[[int], None]):
+                 page_bytes: int, io_depth: int, sync_writes: bool, on_device_full: Callable[[int], None],
+                 *, identity: SlotIdentity | None = None):
+        """``identity``: the writer's (its pages' trailers name it); None for a reader, whose ``write`` raises.
+
+        Raises StoreFormatError when a writer's slots leave no room for the trailer after the page."""
         self.layout = layout
         self.engine = engine
         self.health = health
         self.counters = counters
         self.page_bytes = page_bytes
         self.slot_bytes = layout.slot_bytes
+        self.identity = identity
+        self._tail = self.slot_bytes - page_bytes  # the bytes after the page: trailer, then zeros
+        if identity is not None and self._tail < fmt.trailer_bytes(1):
+            raise StoreFormatError(
+                f"slots of {self.slot_bytes} bytes leave {self._tail} after a {page_bytes}-byte page, a slot "
+                f"trailer needs {fmt.trailer_bytes(1)}: format {fmt.FORMAT_VERSION} slots are "
+                f"{fmt.slot_bytes_for(page_bytes)} bytes (format.slot_bytes_for)")
+        self._zeros = memoryview(bytes(max(self._tail, 0)))
         self._ndev = len(layout.arenas)
         self._bounce = BouncePool(self.slot_bytes, io_depth)
+        # One slab holds the tails (trailer + zeros) of a chunk of aligned pages; made lazily, so a reader,
+        # which never writes, costs nothing.
+        self._tails_per_slab = max(64, 2 * max(1, io_depth))
+        self._tails = BouncePool(max(self._tail, 1) * self._tails_per_slab, 4)
         self._depth = max(1, io_depth)  # the engine's IOs in flight (it is built with the same depth)
         self._sync_writes = sync_writes
         self._on_device_full = on_device_full
@@ -65,42 +120,83 @@ class PageIO:
     def close(self) -> None:
         """Close the engine (its threads or rings end here) and free the bounce buffers, the buffers whatever
         the engine's close raised (then its error)."""
-        release_all([("io engine", self.engine.close), ("bounce buffers", self._bounce.close)])
+        release_all([("io engine", self.engine.close), ("bounce buffers", self._bounce.close),
+                     ("trailer slabs", self._tails.close)])
 
     def write(self, items: list[WriteItem]) -> list[int | None]:
-        """Write pages to their slots; the checksum of each written page, or None where it failed."""
+        """Write pages, each with its trailer, to their slots (one IO per slot, see the module docstring);
+        the xxh3-64 of each written page, or None where it failed.
+
+        Raises KVTierError on a PageIO without a ``SlotIdentity`` (a reader's)."""
+        if self.identity is None:
+            raise KVTierError("this PageIO has no writer identity (a reader's): it cannot write pages")
         sums: list[int | None] = [None] * len(items)
-        step = len(items) if not self._needs_bounce_any([r for r, _ in items]) else self._bounce.count
+        bounced = [self._needs_bounce(item[0]) for item in items]
+        step = self._bounce.count if any(bounced) else self._tails_per_slab
         for start in range(0, len(items), step):
-            ops: list[IOOp] = []
-            placed: list[tuple[int, AlignedBuffer | None]] = []  # (item index, bounce)
             chunk = range(start, min(start + step, len(items)))
+            # Bounce buffers first, then the slab: one order for every thread, so none holds a slab while
+            # waiting for bounce buffers another holds while waiting for a slab.
             spare = self._take_bounces([items[j][0] for j in chunk])
-            for j in chunk:
-                runs, slot = items[j]
-                if not self.health.usable(slot % self._ndev):
-                    continue  # the device's circuit is open: fail fast, no IO
-                try:
-                    op, bounce = self._make_op(OpKind.WRITE, slot, runs, spare)
-                except OSError as exc:  # a segment could not be created: the device is full
-                    self._device_full(slot, exc)
-                    continue
-                ops.append(op)
-                placed.append((j, bounce))
-            results = self._run(ops)
-            for (j, bounce), res, op in zip(placed, results, ops):
-                self.health.record(op.device, res.ok, res.seconds)
-                if res.ok:
-                    sums[j] = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
-                else:
-                    self.counters.io_errors += 1
-                    self._errlog.error("write to %s failed: %s", self._arena(items[j][1]).path, res.error)
-                if bounce is not None:
-                    self._bounce.release(bounce)
-            self._give_back(spare)
-            if self._sync_writes:
-                self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
+            slab = self._tails.acquire() if not all(bounced[j] for j in chunk) else None
+            try:
+                self._write_chunk(items, chunk, bounced, spare, slab, sums)
+            finally:
+                self._give_back(spare)
+                if slab is not None:
+                    self._tails.release(slab)
         return sums
+
+    def _write_chunk(self, items: list[WriteItem], chunk: range, bounced: list[bool], spare: list[AlignedBuffer],
+                     slab: AlignedBuffer | None, sums: list[int | None]) -> None:
+        ops: list[IOOp] = []
+        placed: list[tuple[int, int]] = []  # (item index, page checksum)
+        tails = bounces = 0  # used so far of the slab's tails and of ``spare`` (all given back by the caller)
+        for j in chunk:
+            runs, slot = items[j][0], items[j][1]
+            if not self.health.usable(slot % self._ndev):
+                continue  # the device's circuit is open: fail fast, no IO
+            try:
+                fd, offset = self._arena(slot).locate(slot // self._ndev)
+            except OSError as exc:  # a segment could not be created: the device is full
+                self._device_full(slot, exc)
+                continue
+            if bounced[j]:
+                bounce = spare[bounces]
+                bounces += 1
+                copy_runs_to(bounce.view, runs)
+                checksum = xxhash.xxh3_64_intdigest(bounce.view[:self.page_bytes])
+                self._put_tail(bounce.view[self.page_bytes:self.slot_bytes], items[j], checksum)
+                buffers = [bounce.view[:self.slot_bytes]]
+            else:
+                buffers = [view(a, n) for a, n in runs]
+                checksum = digest(buffers)
+                assert slab is not None
+                tail = slab.view[tails * self._tail:(tails + 1) * self._tail]
+                tails += 1
+                self._put_tail(tail, items[j], checksum)
+                buffers.append(tail)
+            ops.append(IOOp(OpKind.WRITE, fd, offset, buffers, checksum=False, device=slot % self._ndev))
+            placed.append((j, checksum))
+        results = self._run(ops)
+        for (j, checksum), res, op in zip(placed, results, ops):
+            self.health.record(op.device, res.ok, res.seconds)
+            if res.ok:
+                sums[j] = checksum
+            else:
+                self.counters.io_errors += 1
+                self._errlog.error("write to %s failed: %s", self._arena(items[j][1]).path, res.error)
+        if self._sync_writes:
+            self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
+
+    def _put_tail(self, tail: memoryview, item: WriteItem, checksum: int) -> None:
+        """Fill a slot's bytes after the page: the page's trailer, then zeros (the buffer is reused)."""
+        assert self.identity is not None
+        _, _, key, parent, seq = item
+        trailer = fmt.pack_trailer(self.identity.ns_digest, key, parent, self.identity.incarnation, seq, [checksum])
+        n = len(trailer)
+        tail[:n] = trailer
+        tail[n:] = self._zeros[n:]
 
     def _device_full(self, slot: int, exc: OSError) -> None:
         self.counters.io_errors += 1
@@ -115,7 +211,8 @@ class PageIO:
         return any(self._needs_bounce(runs) for runs in pages)
 
     def _needs_bounce(self, runs: Sequence[Run]) -> bool:
-        return self.layout.direct and (self.slot_bytes != self.page_bytes or not runs_aligned(runs, ALIGN))
+        """O_DIRECT needs aligned memory and lengths: a page of another shape goes through a bounce buffer."""
+        return self.layout.direct and (self.page_bytes % ALIGN != 0 or not runs_aligned(runs, ALIGN))
 
     def _take_bounces(self, pages: Sequence[Sequence[Run]]) -> list[AlignedBuffer]:
         """Every bounce buffer a chunk (at most the pool's size) needs, taken at once: taking them one by one,
@@ -127,16 +224,15 @@ class PageIO:
             self._bounce.release(buf)
         spare.clear()
 
-    def _make_op(self, kind: OpKind, slot: int, runs: Sequence[Run],
-                 spare: list[AlignedBuffer]) -> tuple[IOOp, AlignedBuffer | None]:
-        """The op for one page; a page that needs a bounce buffer takes one of ``spare``."""
+    def _read_op(self, slot: int, runs: Sequence[Run], spare: list[AlignedBuffer]) -> tuple[IOOp, AlignedBuffer | None]:
+        """The read of one page (its bytes only, not the trailer); one that needs a bounce buffer takes one
+        of ``spare`` and reads the page rounded up to the alignment."""
         fd, offset = self._arena(slot).locate(slot // self._ndev)
         if not self._needs_bounce(runs):
-            return IOOp(kind, fd, offset, [view(a, n) for a, n in runs], device=slot % self._ndev), None
+            return IOOp(OpKind.READ, fd, offset, [view(a, n) for a, n in runs], device=slot % self._ndev), None
         bounce = spare.pop()
-        if kind is OpKind.WRITE:
-            copy_runs_to(bounce.view, runs)
-        return IOOp(kind, fd, offset, [bounce.view[:self.slot_bytes]], checksum=False, device=slot % self._ndev), bounce
+        length = round_up(self.page_bytes)
+        return IOOp(OpKind.READ, fd, offset, [bounce.view[:length]], checksum=False, device=slot % self._ndev), bounce
 
     def _run(self, ops: list[IOOp]) -> list[IOResult]:
         return self.engine.run(ops)
@@ -168,7 +264,7 @@ class PageIO:
                 if not self.health.usable(slot % self._ndev):
                     continue  # the device's circuit is open: a miss, SGLang recomputes
                 try:
-                    op, bounce = self._make_op(OpKind.READ, slot, runs, spare)
+                    op, bounce = self._read_op(slot, runs, spare)
                 except OSError as exc:
                     self.counters.io_errors += 1
                     self._errlog.error("read of slot %d: %s", slot, exc)

@@ -27,6 +27,7 @@ class StoreCounters:
     get_hits: int = 0
     get_misses: int = 0
     corrupt_pages: int = 0  # failed checksum or short read: dropped, served as a miss
+    remote_reuse_races: int = 0  # another writer's page whose slot its owner reused under our read: a miss
     io_errors: int = 0
     evictions: int = 0
     bad_requests: int = 0  # wrong key length, page size mismatch

@@ -90,3 +90,44 @@ def test_admission_counts_offers():
     f.offer(k(2)), f.offer(k(3)), f.offer(k(4))  # k(1)'s count ages out of the bounded map
     assert len(f._offers) <= 2
     assert AdmissionFilter(1).offer(k(9)) is True
+
+
+def test_lru_victims_follow_its_order_and_skip_ineligible_pages():
+    p = LRUPolicy()
+    for n in range(5):
+        p.insert(n, None)
+    p.touch([1])
+    eligible = np.array([True, True, False, True, True])
+    assert p.victims(3, eligible) == [0, 3, 4]
+    assert p.victims(10, np.ones(2, bool)) == [0, 1]  # slots past the mask are not eligible
+    assert p.victims(0, eligible) == []
+    assert p.coldest_first() == [0, 2, 3, 4, 1]  # unchanged
+
+
+def test_chain_victims_replay_victim_and_remove_without_changing_anything():
+    p = ChainPolicy(8)
+    p.insert(0, None)
+    p.insert(1, 0)
+    p.insert(2, 1)
+    p.insert(3, 0)
+    p.insert(4, None)
+    p.touch([4])
+    everything = np.ones(8, bool)
+    assert p.victims(10, everything) == drain(copy_of(p), 5)
+    assert p.victims(10, everything) == [2, 1, 3, 0, 4]
+    # An ineligible page keeps its ancestors; other chains still go.
+    no_3 = everything.copy()
+    no_3[3] = False
+    assert p.victims(10, no_3) == [2, 1, 4]
+    no_0 = everything.copy()
+    no_0[0] = False
+    assert p.victims(10, no_0) == [2, 1, 3, 4]
+    assert p.victims(2, everything) == [2, 1]
+    assert p.victim() == 2 and p.coldest_first() == [0, 1, 2, 3, 4]  # unchanged
+
+
+def copy_of(p: ChainPolicy) -> ChainPolicy:
+    order = np.asarray(p.coldest_first(), np.int64)
+    q = ChainPolicy(8)
+    q.bulk_load(order, p.parent_slots(order))
+    return q

@@ -149,7 +149,7 @@ def test_a_failed_staged_read_is_read_again_on_demand(stored, tmp_path):
 
 def test_corrupt_pages_are_never_served_from_staging(stored, tmp_path):
     store, engine, expected = stored
-    (segment,) = tmp_path.glob("ns-*/seg-*.dat")
+    (segment,) = tmp_path.glob("ns-*/w-*/seg-*.dat")
     with open(segment, "r+b") as f:
         f.seek(store.slot_of(key(3)) * store.slot_bytes + 100)
         f.write(b"\xff" * 64)

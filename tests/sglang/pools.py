@@ -30,10 +30,12 @@ def mla_host_pool(layout: str = "page_first", page_size: int = 16, layers: int =
 
 
 def storage_config(extra: dict, model: str = "tiny-model", mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                   layout_page_first: bool = True) -> HiCacheStorageConfig:
+                   layout_page_first: bool = True, **fields) -> HiCacheStorageConfig:
+    """SGLang's storage config of one rank; ``fields``: any other of its fields (``dp_rank``, ``dcp_size``...)."""
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
-                                is_page_first_layout=layout_page_first, model_name=model, extra_config=extra)
+                                is_page_first_layout=layout_page_first, model_name=model, extra_config=extra,
+                                **fields)
 
 
 def fill_random(pool, seed: int = 0) -> None:

@@ -241,10 +241,13 @@ class TestOneWriterPerShard(KVTierKit, unittest.TestCase):
     cfg = RUNNABLE[1]
 
     def test_a_second_cache_on_a_held_directory_is_refused_at_attach(self):
+        """With ``sharing = "off"``; by default (``"host"``) the second one would share the pool, each in its
+        own writer directory (tests/store/test_sharing.py)."""
         storage_dir = self._make_storage_dir()
         self._l3_consumer(storage_dir)
         holder = self._holders.pop(storage_dir)  # keep the first cache attached
         cache, _, _ = kit.build_fixture(self.cfg)
         with self.assertRaises(StoreLockedError):
-            self._init_hicache(cache, storage_backend="file", storage_dir=storage_dir, prefetch_threshold=1)
+            self._init_hicache(cache, storage_backend="file", storage_dir=storage_dir, prefetch_threshold=1,
+                               storage_extra={"sharing": "off"})
         self.assertTrue(holder.cache_controller.enable_storage)  # the holder keeps serving

@@ -9,9 +9,11 @@ import pytest
 from support import HostMemory, key, open_store
 
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.store.format import slot_bytes_for
 from sgl_kvtier.store.fsck import find_shards, fsck
 
 PAGE = 16384
+SLOT = slot_bytes_for(PAGE)  # format 2: a slot is the page, then its trailer, rounded to 4 KiB
 N = 24
 
 
@@ -37,7 +39,7 @@ def served(path) -> dict[int, bytes]:
 
 
 def segment(path):
-    (seg,) = list(path.glob("ns-*/seg-*.dat"))
+    (seg,) = list(path.glob("ns-*/w-*/seg-*.dat"))
     return seg
 
 
@@ -47,7 +49,7 @@ def test_bit_flips_in_data_are_misses_and_fsck_reports_them(tmp_path):
     victims = rng.sample(range(N), 6)
     with open(segment(tmp_path), "r+b") as f:
         for n in victims:
-            pos = slots[n] * PAGE + rng.randrange(PAGE)
+            pos = slots[n] * SLOT + rng.randrange(PAGE)
             f.seek(pos)
             byte = f.read(1)[0]
             f.seek(pos)
@@ -66,11 +68,11 @@ def test_zeroed_blocks_and_truncated_segment(tmp_path):
     expected, slots, _ = populate(tmp_path)
     seg = segment(tmp_path)
     with open(seg, "r+b") as f:
-        f.seek(slots[3] * PAGE + 4096)
+        f.seek(slots[3] * SLOT + 4096)
         f.write(b"\0" * 4096)
     last = max(slots, key=slots.get)
     with open(seg, "r+b") as f:
-        f.truncate(slots[last] * PAGE + PAGE // 2)  # the last page is torn in half
+        f.truncate(slots[last] * SLOT + PAGE // 2)  # the last page is torn in half
     got = served(tmp_path)
     assert 3 not in got and last not in got
     assert all(got[n] == expected[n] for n in got)
@@ -81,10 +83,8 @@ def test_torn_and_corrupt_journal(tmp_path):
     _, _, store = populate(tmp_path, close=False)  # the pages live only in the journal: no checkpoint yet
     journal = store._journal.path
     store._journal.sync()
-    import os
-
-    os.close(store._lock_fd)
-    store._lock_fd = None
+    store._close_lease()  # the process dies: its lease thread gone, its lock released by the kernel
+    store.claim.release()
     data = bytearray(journal.read_bytes())
     cut = len(data) * 2 // 3
     data[cut] ^= 0xFF  # corrupt one record in the middle; replay must stop there
@@ -100,7 +100,7 @@ def test_torn_and_corrupt_journal(tmp_path):
 
 def test_corrupt_checkpoint_falls_back_to_journals_or_misses(tmp_path):
     expected, _, _ = populate(tmp_path)
-    (ckpt,) = list(tmp_path.glob("ns-*/checkpoint.bin"))
+    (ckpt,) = list(tmp_path.glob("ns-*/w-*/checkpoint.bin"))
     data = bytearray(ckpt.read_bytes())
     data[len(data) // 2] ^= 0x55
     ckpt.write_bytes(bytes(data))
@@ -116,7 +116,7 @@ def test_random_faults_never_serve_wrong_bytes(tmp_path, seed):
     """Many random faults anywhere in the shard's files (data and metadata)."""
     rng = np.random.default_rng(seed)
     expected, _, _ = populate(tmp_path)
-    files = [p for p in tmp_path.glob("ns-*/*") if p.name not in ("LOCK",)]
+    files = [p for p in tmp_path.glob("ns-*/w-*/*") if p.name not in ("LOCK",)]
     for _ in range(40):
         target = files[rng.integers(len(files))]
         data = bytearray(target.read_bytes())

@@ -66,3 +66,23 @@ def test_replayed_links_to_reused_slots_are_dropped(tmp_path):
     j.close()
     state = jr.recover(tmp_path)
     assert state.parent == {} and state.slot_of == {b: 1, c: 0}
+
+
+def test_slot_trailers_round_trip_and_refuse_damage():
+    ns, inc, parent = bytes(range(16)), bytes([7]) * 16, bytes([3]) * 32
+    raw = fmt.pack_trailer(ns, K, parent, inc, 41, [123456789])
+    assert len(raw) == fmt.trailer_bytes(1)
+    assert fmt.unpack_trailer(raw + bytes(100)) == fmt.Trailer(ns, K, parent, inc, 41, (123456789,))
+    assert fmt.unpack_trailer(fmt.pack_trailer(ns, K, None, inc, 1, [1, 2, 3])) == fmt.Trailer(ns, K, None, inc, 1, (1, 2, 3))
+    for at in range(len(raw)):  # any single flipped bit: refused, never decoded
+        bad = bytearray(raw)
+        bad[at] ^= 0x10
+        assert fmt.unpack_trailer(bytes(bad)) is None
+    assert fmt.unpack_trailer(raw[:-1]) is None and fmt.unpack_trailer(bytes(4096)) is None
+
+
+def test_a_slot_holds_the_page_then_its_trailer_rounded_to_4k():
+    assert fmt.slot_bytes_for(16384) == 16384 + 4096
+    assert fmt.slot_bytes_for(4096 - fmt.trailer_bytes(1)) == 4096
+    assert fmt.slot_bytes_for(4096 - fmt.trailer_bytes(1) + 1) == 8192
+    assert fmt.slot_bytes_for(3072) == 4096

@@ -26,13 +26,13 @@ from support import (
 )
 
 from sgl_kvtier.errors import StoreClosedError
-from sgl_kvtier.store import devices, layout
+from sgl_kvtier.store import devices, writers
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.lifecycle import Acquired, StoreCloseError, close_all, release_all, run_steps
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.reader import PageReader
 
-BIG_PAGE = 256 * 1024  # four to a 1 MiB segment: 16 pages fill four segment files
+BIG_PAGE = 256 * 1024 - 4096  # format 2: a 256 KiB slot with its trailer, four to a 1 MiB segment: 16 pages fill four segment files
 
 
 # ---------------------------------------------------------------------- the helpers
@@ -259,7 +259,7 @@ def test_writer_lock_close_fails(tmp_path, threads_before, monkeypatch):
     store, expected = populate(tmp_path)
     meta = store.layout.meta
     with monkeypatch.context() as m:
-        m.setattr(layout, "os", OSFaults(errno.EIO, {"close"}, "LOCK"))
+        m.setattr(writers, "os", OSFaults(errno.EIO, {"close"}, "LOCK"))
         with pytest.raises(StoreCloseError) as info:
             store.close()
     assert [s for s, _ in info.value.failures] == ["writer lock"]

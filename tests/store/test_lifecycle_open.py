@@ -33,7 +33,7 @@ from sgl_kvtier.store.lifecycle import StoreCloseError
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.reader import PageReader
 
-BIG_PAGE = 256 * 1024  # four to a 1 MiB segment
+BIG_PAGE = 256 * 1024 - 4096  # format 2: a 256 KiB slot with its trailer, four to a 1 MiB segment
 
 
 class TrackedEngine(EngineWrapper):
@@ -79,16 +79,16 @@ def assert_serves(path, expected: dict, page_bytes: int = BIG_PAGE):
         return store.recovery
 
 
-def open_writer(path, engine=None, page_bytes: int = BIG_PAGE) -> PageStore:
-    return PageStore.open(store_config(path, page_bytes=page_bytes), namespace(page_bytes), engine=engine)
+def open_writer(path, engine=None, page_bytes: int = BIG_PAGE, **config) -> PageStore:
+    return PageStore.open(store_config(path, page_bytes=page_bytes, **config), namespace(page_bytes), engine=engine)
 
 
 def test_writer_lock_taken_closes_the_injected_engine(tmp_path, threads_before):
-    with open_store(tmp_path, page_bytes=BIG_PAGE):
+    with open_store(tmp_path, page_bytes=BIG_PAGE, sharing="off"):
         held = open_fds_under(tmp_path)
         engine = TrackedEngine()
         with pytest.raises(StoreLockedError):
-            open_writer(tmp_path, engine)
+            open_writer(tmp_path, engine, sharing="off")
         assert engine.closed and open_fds_under(tmp_path) == held  # the refused open left nothing behind
     assert_released(tmp_path, threads_before)
 
@@ -102,7 +102,7 @@ def test_missing_device_closes_the_injected_engine(tmp_path):
 
 def test_a_segment_file_fails_to_open(tmp_path, threads_before, monkeypatch):
     expected = populate(tmp_path)
-    assert len(list(meta_of(tmp_path).glob("seg-*.dat"))) == 4
+    assert len(list(meta_of(tmp_path).glob("w-*/seg-*.dat"))) == 4
     faults = OSFaults(errno.EIO, {"open"}, "seg-00002")
     engine = TrackedEngine()
     with monkeypatch.context() as m:

@@ -163,8 +163,9 @@ def test_restart_without_close_replays_journal(tmp_path):
     store = open_store(tmp_path)
     _, expected = put_range(store, mem, 0, 8)
     store.delete([key(3)])
-    os.close(store._lock_fd)  # simulate the process dying: no checkpoint, lock released by the kernel
-    store._lock_fd = None
+    # Simulate the process dying: no checkpoint, its lease thread gone, its lock released by the kernel.
+    store._close_lease()
+    store.claim.release()
     with open_store(tmp_path) as again:
         assert len(again) == 7 and not again.contains(key(3))
         assert again.recovery.replayed_records == 9
@@ -173,10 +174,10 @@ def test_restart_without_close_replays_journal(tmp_path):
 
 
 def test_second_writer_is_refused(tmp_path):
-    with open_store(tmp_path):
-        with pytest.raises(StoreLockedError, match="already open for writing"):
-            open_store(tmp_path)
-    open_store(tmp_path).close()  # free again after close
+    with open_store(tmp_path, sharing="off"):
+        with pytest.raises(StoreLockedError, match=f"already open for writing by pid {os.getpid()}"):
+            open_store(tmp_path, sharing="off")
+    open_store(tmp_path, sharing="off").close()  # free again after close
 
 
 def test_namespaces_are_isolated(tmp_path):
@@ -246,7 +247,7 @@ def test_striping_over_devices_and_refusing_a_changed_device_list(tmp_path):
     with open_store(tmp_path, devices=[str(d) for d in devs], capacity_pages=12) as store:
         _, expected = put_range(store, mem, 0, 12)
     for d in devs:
-        segs = list(d.glob("ns-*/seg-*.dat"))
+        segs = list(d.glob("ns-*/w-*/seg-*.dat"))
         assert len(segs) == 1, d
     mem.clear()
     with open_store(tmp_path, devices=[str(d) for d in devs], capacity_pages=12) as store:

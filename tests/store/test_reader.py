@@ -110,9 +110,9 @@ def test_reader_never_writes_a_file_even_when_it_drops_a_corrupt_page(tmp_path):
     with open_store(tmp_path) as store:
         put_range(store, mem, 0, 4)
         slot = store.slot_of(key(2))
-    (seg,) = tmp_path.glob("ns-*/seg-*.dat")
+    (seg,) = tmp_path.glob("ns-*/w-*/seg-*.dat")
     with open(seg, "r+b") as f:
-        f.seek(slot * mem.page_bytes + 100)
+        f.seek(slot * store.slot_bytes + 100)
         f.write(b"\xff" * 8)
     before = tree(tmp_path)
     with open_reader(tmp_path) as reader:

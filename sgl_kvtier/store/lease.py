@@ -1,0 +1,110 @@
+"""A writer's lease: ``LEASE`` in its directory, rewritten every ``heartbeat_s`` (format in ``store.format``).
+
+The file holds two blocks of ``LEASE_BLOCK_BYTES``; beat ``n`` (``counter = n``) rewrites block ``n % 2``
+with ``pwrite`` + ``fdatasync``, so a beat torn by a crash leaves the other, older block valid
+(``format.unpack_lease`` picks the valid block with the higher counter). Fields: the writer's identity
+(wid, host_id, machine_id, boot_id, pid, a 16-byte ``incarnation`` fresh per open), ``counter``,
+``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages, bytes_used,
+capacity_bytes, journal ``[generation, bytes]``, age_hist).
+
+Threads: ``start`` runs the beats on one daemon thread named ``kvtier-lease``; ``close`` stops it (waits
+for a beat in progress) and closes the file. Nothing raises from that thread: a failed beat is counted
+(``failures``) and logged at a bounded rate, and the next beat tries again. Tests call ``beat()`` directly
+and never wait for the thread; ``interval_s`` and ``clock`` are injectable.
+
+Readers (``read_lease``) only read: a missing, short or torn-in-both-blocks file is ``None``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sgl_kvtier.errors import CorruptRecordError
+from sgl_kvtier.store import format as fmt
+from sgl_kvtier.telemetry.counters import RateLimitedLog
+
+log = logging.getLogger(__name__)
+LEASE = "LEASE"
+THREAD_NAME = "kvtier-lease"
+Usage = Callable[[], dict[str, Any]]
+
+
+def read_lease(path: Path) -> dict[str, Any] | None:
+    """The lease in ``path`` (a LEASE file), or None when it is missing or has no valid block."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(2 * fmt.LEASE_BLOCK_BYTES)
+    except OSError:
+        return None
+    try:
+        return fmt.unpack_lease(data, str(path))
+    except CorruptRecordError:
+        return None
+
+
+class Lease:
+    """The lease a writer beats (see the module docstring). ``identity``: the fixed fields; ``usage``:
+    called at each beat for the changing ones."""
+
+    def __init__(self, path: Path, identity: dict[str, Any], usage: Usage, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.path = path
+        self.identity = dict(identity)
+        self.usage = usage
+        self.interval_s = interval_s
+        self.clock = clock
+        self.counter = 0
+        self.failures = 0
+        self.last_beat: float | None = None  # ``clock()`` at the last good beat
+        self._lock = threading.Lock()  # one beat at a time (the thread's and a direct call)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._errlog = RateLimitedLog(log)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def beat(self) -> None:
+        """Write the next lease block now (pwrite + fdatasync). Raises OSError if that fails."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            fields = {**self.identity, **self.usage(), "counter": self.counter, "heartbeat_s": self.interval_s}
+            block = fmt.pack_lease_block(fields)
+            # Crash rule: only block ``counter % 2`` is rewritten, so a torn beat leaves the previous lease.
+            os.pwrite(self._fd, block, (self.counter % 2) * fmt.LEASE_BLOCK_BYTES)
+            os.fdatasync(self._fd)
+            self.counter += 1
+            self.last_beat = self.clock()
+
+    def start(self) -> None:
+        """Beat once now, then every ``interval_s`` on the ``kvtier-lease`` daemon thread."""
+        self._safe_beat()
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._safe_beat()
+
+    def _safe_beat(self) -> None:
+        try:
+            self.beat()
+        except Exception as exc:  # noqa: BLE001 - the thread must live on; the next beat retries
+            self.failures += 1
+            self._errlog.error("%s: lease beat failed: %r", self.path, exc)
+
+    def close(self) -> None:
+        """Stop the beat thread (waiting for a beat in progress), then close the file. Idempotent."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._lock:
+            fd, self._fd = self._fd, -1  # detached first: closed once
+        if fd >= 0:
+            os.close(fd)

@@ -1,0 +1,447 @@
+"""SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds).
+
+A namespace shard's pool (format 2, ``store.format``) has one directory per writer process, ``w-<wid>``.
+A pool opened as a writer (``open_writer``) claims one of them and opens its ``PageStore`` (``own``); one
+opened as a reader (``open_reader``: MLA ranks that only read) has none. Either way it follows every
+OTHER writer directory through a read-only ``PageReader`` (a *peer*), discovered lazily: directories
+that appear later are picked up on refresh. All shards of a pool share one set of counters, breakers
+and read rates (``shard.SharedTelemetry``): the devices are the same.
+
+API (keys, pages and results as ``PageShard``'s):
+    open_writer(config, namespace, *, engine=None) / open_reader(config, namespace, *, engine=None)
+    get(keys, pages) -> [bool]        own pages from own slots; others from the peer holding each key
+    longest_prefix(keys) -> int       own index, then the peers' (a chain may mix writers)
+    put(keys, pages, parent=None)     keys any peer holds are not stored again (True, counted present)
+    delete / evict / clear / checkpoint      own pages only (a reader pool: nothing to do)
+    contains, slot_of, parent_of, keys, __len__, stats(), refresh(), peers(), leases(), peer_alive(wid),
+    close(), a context manager
+    counters, health, read_rates, layout, writer, wid, own, config, namespace, page_bytes, slot_bytes
+
+Rules:
+  * Never wrong bytes: a peer's page is read through the same verified ``PageIO`` path as own pages,
+    against the checksum its owner journaled. A stale mapping (the owner reused the slot since) is a
+    miss; the peer re-reads that journal and counts it as ``remote_reuse_races``, not as corruption.
+  * Never an exception from a peer into callers: a peer whose directory vanishes or whose files go
+    ENOENT serves misses; a peer that fails to open is retried on a later refresh. A SIGKILLed writer's
+    pages stay readable (its files are intact; nobody reuses its slots).
+  * Refresh (journal follow of every peer, new directories, the peers' leases) runs at most every
+    ``follow_interval_s`` from the calls themselves (there is no thread), and again on a
+    ``longest_prefix`` shortfall at most every quarter of that. One refresh at a time; a call finding
+    one in progress goes on without waiting.
+  * Pool-wide cap: the own store is told the peers' last leased ``bytes_used`` (``PageStore.peer_bytes``,
+    a number kept here, so the store's reserve path never reads a file). Dead writers count until
+    their pages are removed.
+  * Uses: a hit on a peer's page is journaled as a TOUCH record by the own store (once a minute per
+    key); TOUCH records in the peers' journals naming own pages warm them in the own eviction order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import DeviceError, KVTierError, StoreClosedError
+from sgl_kvtier.io.buffers import Run
+from sgl_kvtier.io.engine import IOEngine
+from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
+from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.health import DeviceHealth
+from sgl_kvtier.store.layout import Layout, meta_dir
+from sgl_kvtier.store.lease import LEASE, read_lease
+from sgl_kvtier.store.lifecycle import Step, StoreCloseError, run_steps
+from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.read_rates import ReadRates
+from sgl_kvtier.store.reader import PageReader
+from sgl_kvtier.store.shard import PageShard, SharedTelemetry
+from sgl_kvtier.store.writers import host_id, writer_alive, writer_dirs
+from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters, StoreStats
+
+log = logging.getLogger(__name__)
+PEER_RETRY_S = 5.0  # a writer directory that failed to open is tried again after this long
+_PEER_ERRORS = (OSError, KVTierError)
+_T = TypeVar("_T")
+
+
+class SharedPool:
+    """The merged view over every writer of one namespace shard (see the module docstring)."""
+
+    def __init__(self, config: StoreConfig, namespace: Namespace, ns_meta: Path, own: PageStore | None,
+                 shared: SharedTelemetry, *, engine: IOEngine | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.namespace = namespace
+        self.ns_meta = ns_meta
+        self.own = own
+        self.page_bytes = namespace.page_bytes
+        self.counters: StoreCounters = shared.counters
+        self.health: DeviceHealth = shared.health
+        self._read_rates = shared.read_rates
+        self.clock = clock
+        self._shared = shared
+        self._engine = engine  # a reader pool's injected engine, for its first peer
+        self._peers: dict[str, PageReader] = {}
+        self._retry_at: dict[str, float] = {}  # wid -> when a failed open is tried again
+        self._peer_bytes = 0
+        self._leases: dict[str, dict[str, Any]] = {}
+        self._refreshing = threading.Lock()
+        self._last_refresh = -float("inf")
+        self._last_shortfall = -float("inf")
+        self._closed = False
+        self._errlog = RateLimitedLog(log)
+        if own is not None:
+            own.peer_bytes = self._leased_peer_bytes
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    def open_writer(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> SharedPool:
+        """Claim a writer directory of ``namespace`` (``store.writers``), open its ``PageStore`` and follow
+        the other writers. Raises what ``PageStore.open`` raises; peers that fail to open are retried later."""
+        shared = _telemetry(config)
+        own = PageStore.open(config, namespace, engine=engine, shared=shared)
+        pool = cls(config, namespace, own.layout.ns_meta, own, shared)
+        pool.refresh(force=True)
+        return pool
+
+    @classmethod
+    def open_reader(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> SharedPool:
+        """Follow every writer of ``namespace`` read-only. Raises DeviceError while no writer has made its
+        directory (or none can be opened yet): retry later."""
+        ns_meta = meta_dir(config, namespace)
+        if not writer_dirs(ns_meta):
+            if engine is not None:
+                engine.close()
+            raise DeviceError(f"{ns_meta}: no store here (no writer has made it yet)")
+        pool = cls(config, namespace, ns_meta, None, _telemetry(config), engine=engine)
+        pool.refresh(force=True)
+        if not pool._peers:
+            pool.close()
+            raise DeviceError(f"{ns_meta}: no writer directory can be opened yet")
+        return pool
+
+    def close(self) -> None:
+        """Close every peer, then the own store (its checkpoint first), each whatever the others raise.
+        The own store's ``StoreCloseError`` is raised as it is when it is the only failure; otherwise one
+        ``StoreCloseError`` names every failed step. Idempotent."""
+        with self._refreshing:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+            own, engine, self._engine = self.own, self._engine, None
+        steps: list[Step] = [(f"peer {p.wid}", p.close) for p in peers]
+        if engine is not None:
+            steps.append(("unused io engine", engine.close))
+        if own is not None:
+            steps.append(("writer", own.close))
+        failures = run_steps(steps)
+        if not failures:
+            return
+        interrupt = next((e for _, e in failures if not isinstance(e, Exception)), None)
+        if interrupt is not None:
+            raise interrupt
+        if len(failures) == 1:
+            raise failures[0][1]
+        raise StoreCloseError(f"the pool of {self.namespace.dirname()}", failures) from failures[0][1]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:  # the block's own error is the one to see
+            exc.add_note(f"closing the pool failed too: {close_error!r}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("page store is closed")
+
+    @property
+    def read_rates(self) -> ReadRates:
+        """The measured read rates of every shard of the pool (one set: the devices are the same)."""
+        return self._read_rates
+
+    @read_rates.setter
+    def read_rates(self, rates: ReadRates) -> None:
+        """Measure from here on into ``rates`` (every shard, peers opened later too)."""
+        self._read_rates = rates
+        self._shared = dataclasses.replace(self._shared, read_rates=rates)
+        for shard in self._shards():
+            shard.read_rates = rates
+
+    # ------------------------------------------------------------------ who is in the pool
+    @property
+    def writer(self) -> bool:
+        """Whether this pool has a writer of its own (``put`` stores pages)."""
+        return self.own is not None
+
+    @property
+    def wid(self) -> str | None:
+        """The own writer's id, or None for a reader pool."""
+        return None if self.own is None else self.own.wid
+
+    @property
+    def layout(self) -> Layout:
+        """The own writer's layout (a reader pool: its first peer's)."""
+        return self._first().layout
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._first().slot_bytes
+
+    def _first(self) -> PageShard:
+        if self.own is not None:
+            return self.own
+        peers = list(self._peers.values())
+        if not peers:
+            raise StoreClosedError("page store is closed")
+        return peers[0]
+
+    def peers(self) -> dict[str, PageReader]:
+        """The other writers followed now, by wid."""
+        return dict(self._peers)
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """The peers' last leases read, by wid (refreshed with the journals)."""
+        return dict(self._leases)
+
+    def peer_alive(self, wid: str) -> bool | None:
+        """Whether peer ``wid``'s writer is alive (``writers.writer_alive``; None: unknown here)."""
+        return writer_alive(self.ns_meta / f"w-{wid}", self._leases.get(wid), host_id(self.config))
+
+    def _shards(self) -> list[PageShard]:
+        own: list[PageShard] = [] if self.own is None else [self.own]
+        return own + list(self._peers.values())
+
+    def _leased_peer_bytes(self) -> int:
+        return self._peer_bytes
+
+    # ------------------------------------------------------------------ refresh
+    def refresh(self, force: bool = False) -> bool:
+        """Follow every peer's journal, open new writer directories, read the leases; at most every
+        ``follow_interval_s`` unless ``force``. True if any peer's pages changed. Never raises."""
+        now = self.clock()
+        if not force and now - self._last_refresh < self.config.follow_interval_s:
+            return False
+        if not self._refreshing.acquire(blocking=False):
+            return False  # another thread is refreshing right now
+        try:
+            if self._closed:
+                return False
+            self._last_refresh = now
+            changed = self._discover(now)
+            for wid, peer in list(self._peers.items()):
+                try:
+                    changed = peer.refresh() or changed
+                except _PEER_ERRORS as exc:
+                    self._errlog.error("following writer %s of %s failed: %r", wid, self.ns_meta, exc)
+            self._read_leases()
+            self._take_touches()
+            return changed
+        finally:
+            self._refreshing.release()
+
+    def _discover(self, now: float) -> bool:
+        found = False
+        own = self.wid
+        for wid, _ in writer_dirs(self.ns_meta):
+            if wid == own or wid in self._peers or now < self._retry_at.get(wid, -float("inf")):
+                continue
+            engine, self._engine = self._engine, None
+            try:
+                self._peers[wid] = PageReader.open(self.config, self.namespace, wid=wid, engine=engine,
+                                                   shared=self._shared, follows_peer=True)
+                self._retry_at.pop(wid, None)
+                found = True
+            except _PEER_ERRORS as exc:  # being created right now, or damaged: tried again later
+                self._retry_at[wid] = now + PEER_RETRY_S
+                log.debug("writer %s of %s not readable yet: %r", wid, self.ns_meta, exc)
+        return found
+
+    def _read_leases(self) -> None:
+        leases = {wid: lease for wid in self._peers
+                  if (lease := read_lease(self.ns_meta / f"w-{wid}" / LEASE)) is not None}
+        self._leases = leases
+        self._peer_bytes = sum(int(lease.get("bytes_used", 0)) for lease in leases.values())
+
+    def _take_touches(self) -> None:
+        for peer in self._peers.values():
+            keys = jr.drain_touched(peer.recovery)
+            if self.own is not None and keys:
+                self.own.touch_own([k for k in keys if self.own.contains(k)])
+
+    def _shortfall_refresh(self) -> bool:
+        now = self.clock()
+        if now - self._last_shortfall < self.config.follow_interval_s / 4:
+            return False
+        self._last_shortfall = now
+        return self.refresh(force=True)
+
+    # ------------------------------------------------------------------ queries
+    def longest_prefix(self, keys: Sequence[PageKey]) -> int:
+        """How many leading ``keys`` some writer of the pool holds readable now (re-reading the peers'
+        journals once, rate-limited, when the answer falls short)."""
+        self._check_open()
+        self.refresh()
+        n = self._prefix(keys)
+        if n < len(keys) and self._shortfall_refresh():
+            n = self._prefix(keys)
+        return n
+
+    def _prefix(self, keys: Sequence[PageKey]) -> int:
+        keys = list(keys)
+        pos = 0
+        while pos < len(keys):
+            step = 0
+            for shard in self._shards():
+                step = self._call(shard, partial(shard.longest_prefix, keys[pos:]), 0)
+                if step:
+                    break
+            if not step:
+                break
+            pos += step
+        return pos
+
+    def _call(self, shard: PageShard, call: Callable[[], _T], fallback: _T) -> _T:
+        """``call()`` on ``shard``; for a peer, ``fallback`` where its files failed under it."""
+        if shard is self.own:
+            return call()
+        try:
+            return call()
+        except _PEER_ERRORS as exc:  # StoreClosedError included: the pool is closing under the call
+            log.debug("a read of %s failed: %r", shard.layout.meta, exc)
+            return fallback
+
+    def _holder(self, key: PageKey) -> PageShard | None:
+        for shard in self._shards():
+            if shard.contains(key):
+                return shard
+        return None
+
+    def contains(self, key: PageKey) -> bool:
+        """Whether some writer of the pool has ``key`` in its index."""
+        return _valid_key(key) and self._holder(key) is not None
+
+    def slot_of(self, key: PageKey) -> int | None:
+        """The global slot holding ``key`` in ``layout`` (the own writer's; a reader pool's first peer's)."""
+        return self._first().slot_of(key)
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        """The page ``key`` chains on, as its holder recorded it, or None."""
+        holder = self._holder(key) if _valid_key(key) else None
+        return None if holder is None else holder.parent_of(key)
+
+    def keys(self) -> list[PageKey]:
+        """Every stored key, own first (a key two writers hold is listed once)."""
+        seen: dict[PageKey, None] = {}
+        for shard in self._shards():
+            seen.update(dict.fromkeys(shard.keys()))
+        return list(seen)
+
+    def __len__(self) -> int:
+        """Pages over all writers (a page two writers both hold counts twice)."""
+        return sum(len(shard) for shard in self._shards())
+
+    def stats(self) -> StoreStats:
+        """The own store's stats (a reader pool: its first peer's) with the pool's pages and bytes."""
+        base = self._first().stats()
+        pages = len(self)
+        base.pages, base.bytes_used = pages, pages * base.slot_bytes
+        base.counters = self.counters.snapshot()
+        return base
+
+    # ------------------------------------------------------------------ reads
+    def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
+        """Read pages into the caller's runs, each from the writer holding it; False for a miss or a page
+        failing verification (never an error from a peer)."""
+        self._check_open()
+        self.refresh()
+        results = [False] * len(keys)
+        routes: dict[int, tuple[PageShard, list[int]]] = {}
+        for i, key in enumerate(keys):
+            valid = _valid_key(key)
+            holder = self._holder(key) if valid else self.own  # the own store counts a bad request
+            if holder is None:
+                if valid:
+                    self.counters.get_misses += 1
+                else:
+                    self.counters.bad_requests += 1
+                continue
+            routes.setdefault(id(holder), (holder, []))[1].append(i)
+        remote_hits: list[PageKey] = []
+        for shard, picked in routes.values():
+            call = partial(shard.get, [keys[i] for i in picked], [pages[i] for i in picked])
+            for i, ok in zip(picked, self._call(shard, call, [False] * len(picked))):
+                results[i] = ok
+                if ok and shard is not self.own:
+                    remote_hits.append(keys[i])
+        if remote_hits and self.own is not None:
+            self.own.touch_remote(remote_hits)
+        return results
+
+    # ------------------------------------------------------------------ writes (own pages only)
+    def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
+        """Store pages as ``PageStore.put`` does, except those some peer holds already (True, counted as
+        ``put_present``): the pool keeps one copy of a page. Raises KVTierError on a reader pool."""
+        self._check_open()
+        if self.own is None:
+            raise KVTierError(f"shard {self.namespace.dirname()} is open read-only here")
+        self.refresh()
+        peers = list(self._peers.values())
+        held = [_valid_key(k) and any(p.contains(k) for p in peers) for k in keys]
+        results = [True] * len(keys)
+        start = 0
+        while start < len(keys):
+            if held[start]:
+                self.counters.put_present += 1
+                start += 1
+                continue
+            end = start
+            while end < len(keys) and not held[end]:
+                end += 1
+            # The run chains on the key before it, whoever holds that one.
+            chain = keys[start - 1] if start > 0 else parent
+            results[start:end] = self.own.put(keys[start:end], pages[start:end], chain)
+            start = end
+        return results
+
+    def delete(self, keys: Sequence[PageKey]) -> int:
+        """Drop own pages among ``keys`` (others' are theirs); how many."""
+        return 0 if self.own is None else self.own.delete(keys)
+
+    def evict(self, keys: Sequence[PageKey]) -> int:
+        """Evict own pages among ``keys`` (the pool quota's choice); how many."""
+        return 0 if self.own is None else self.own.evict(keys)
+
+    def clear(self) -> int:
+        """Drop every own page; how many."""
+        return 0 if self.own is None else self.own.clear()
+
+    def checkpoint(self) -> None:
+        """Checkpoint the own store (a reader pool has nothing to checkpoint)."""
+        if self.own is not None:
+            self.own.checkpoint()
+
+
+def _telemetry(config: StoreConfig) -> SharedTelemetry:
+    return SharedTelemetry(StoreCounters(), DeviceHealth(list(config.devices), config.breaker_failures,
+                                                         config.breaker_cooldown_s, config.slow_io_s),
+                           ReadRates(len(config.devices)))
+
+
+def _valid_key(key: object) -> bool:
+    return isinstance(key, bytes) and len(key) == KEY_BYTES
+
+

@@ -1,0 +1,177 @@
+"""Writer identity: which ``w-<wid>`` directory of a namespace a writer process owns, and who is alive.
+
+A namespace's meta directory ``<meta>/ns-<digest>/`` holds one directory per writer (format 2, see
+``store.format``): ``w-<wid>/`` with ``wid = <host_id>-<k>``. ``host_id`` is the config's, or the hostname
+with every character outside ``[A-Za-z0-9._]`` replaced by ``_`` (so ``-`` only ever separates ``k``).
+
+Claim (``claim_writer``): a starting writer takes the LOWEST ``k`` whose ``w-<host_id>-<k>/LOCK`` it can
+``flock(LOCK_EX | LOCK_NB)`` (creating the directory and the file if needed) and holds that descriptor
+until its close. So:
+  * a restarted instance adopts a free directory, usually its own (a warm restart: its journal and pages);
+  * N writers starting at once never fail: the loser of ``k`` moves on to ``k + 1``;
+  * with ``sharing = "off"`` only ``k = 0`` is tried, and a held lock is ``StoreLockedError`` naming the
+    holder's pid (written into ``LOCK`` by the holder).
+Hosts never contend for a name: claims only touch the host's own directories, and ``flock`` between
+processes of one host is reliable.
+
+Liveness (``writer_alive``, same host only): a ``LOCK`` nobody holds means the writer is dead at once.
+The probe takes a shared ``flock`` for an instant, so a writer starting in that instant may skip that
+``k`` and take the next one: a cold start in a fresh directory, never an error. A lease naming this host
+(``host_id``) with another ``boot_id`` is dead too (its host rebooted since). A writer of another host is
+``None``: unknown (cross-host liveness is the lease counter's job, watched over time).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import socket
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from sgl_kvtier.config import Sharing, StoreConfig
+from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.store.lifecycle import abandon, release_all
+
+WRITER_PREFIX = "w-"
+MAX_WRITERS_PER_HOST = 4096  # claim gives up past this many held directories (a runaway, not a real host)
+_NOT_HOST = re.compile(r"[^A-Za-z0-9._]")
+
+
+def host_id(config: StoreConfig) -> str:
+    """This host's name in writer ids: ``config.host_id``, or the hostname sanitised to ``[A-Za-z0-9._]``."""
+    if config.host_id is not None:
+        return config.host_id
+    return _NOT_HOST.sub("_", socket.gethostname())[:64] or "host"
+
+
+def writer_dirname(wid: str) -> str:
+    """The directory name of writer ``wid`` (``w-<wid>``)."""
+    return WRITER_PREFIX + wid
+
+
+def writer_dirs(ns_meta: Path) -> list[tuple[str, Path]]:
+    """``(wid, directory)`` of every writer directory of a namespace, sorted by wid; [] when none (or no
+    namespace directory at all)."""
+    try:
+        entries = list(ns_meta.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(p.name[len(WRITER_PREFIX):], p) for p in entries
+             if p.name.startswith(WRITER_PREFIX) and p.is_dir()]
+    return sorted(found)
+
+
+@dataclass
+class WriterClaim:
+    """A claimed writer directory: its wid, path and the ``LOCK`` descriptor held until ``release``."""
+
+    wid: str
+    host_id: str
+    k: int
+    path: Path
+    lock_fd: int | None
+
+    def release(self) -> None:
+        """Give the lock up and close its descriptor (both attempted). Idempotent.
+
+        The explicit unlock frees the lock even where a forked child still shares the descriptor (a flock
+        belongs to the open file, not the process). Called last by a writer's close: crash rule, the next
+        writer may adopt the directory only once every file of this one is closed."""
+        fd, self.lock_fd = self.lock_fd, None  # detached first: released once, even if that fails
+        if fd is not None:
+            release_all([("unlock", partial(fcntl.flock, fd, fcntl.LOCK_UN)), ("close", partial(os.close, fd))])
+
+
+def claim_writer(config: StoreConfig, ns_meta: Path) -> WriterClaim:
+    """Claim the lowest free ``w-<host_id>-<k>`` of the namespace (see the module docstring).
+
+    Raises DeviceError (the meta directory is not writable) or StoreLockedError (``sharing = "off"`` and
+    ``k = 0`` is held; or, absurdly, every one of MAX_WRITERS_PER_HOST directories is held)."""
+    host = host_id(config)
+    try:
+        ns_meta.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise DeviceError(f"{ns_meta.parent}: not writable ({exc.strerror})") from None
+    last = 1 if config.sharing is Sharing.OFF else MAX_WRITERS_PER_HOST
+    for k in range(last):
+        wid = f"{host}-{k}"
+        path = ns_meta / writer_dirname(wid)
+        fd = _lock_file(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            if config.sharing is Sharing.OFF:
+                raise StoreLockedError(f"{path}: already open for writing by pid {holder}; one writer process "
+                                       "per namespace shard (sharing = \"off\")") from None
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except BaseException as exc:
+            abandon(exc, str(path), [("writer lock", WriterClaim(wid, host, k, path, fd).release)])
+            raise
+        return WriterClaim(wid, host, k, path, fd)
+    raise StoreLockedError(f"{ns_meta}: all {last} writer directories of host {host} are held")
+
+
+def _lock_file(path: Path) -> int:
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        return os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise DeviceError(f"{path.parent}: not writable ({exc.strerror})") from None
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``), or "" where there is none."""
+    return _read_id("/proc/sys/kernel/random/boot_id")
+
+
+def machine_id() -> str:
+    """This machine's id (``/etc/machine-id``), or "" where it is not readable."""
+    return _read_id("/etc/machine-id")
+
+
+def _read_id(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def writer_alive(path: Path, lease: dict[str, object] | None, this_host: str) -> bool | None:
+    """Whether the writer of directory ``path`` is alive: True / False on this host, None for a writer
+    of another host (unknown here). ``lease``: its last lease (``lease.read_lease``), if any."""
+    if lease is not None and lease.get("host_id") not in (None, this_host):
+        return None
+    if lease is not None and lease.get("boot_id") and boot_id() and lease.get("boot_id") != boot_id():
+        return False  # its host (this one) rebooted since it last beat
+    try:
+        fd = os.open(path / "LOCK", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock, if it was taken
+    return False
