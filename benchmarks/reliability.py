@@ -94,7 +94,7 @@ def corrupt(args: argparse.Namespace, work: Path, console: Console) -> dict:
             with open_small(path, capacity_pages=64, checkpoint_interval=16) as store:
                 for first in range(0, n_pages, 8):  # several batches: journal + checkpoints on disk
                     store.put([key(n) for n in range(first, first + 8)], [mem.runs(n) for n in range(first, first + 8)])
-            files = [p for p in path.glob("ns-*/*") if p.name != "LOCK"]
+            files = [p for p in sorted(path.glob("ns-*/**/*")) if p.is_file() and p.name != "LOCK"]
             for kind, count in inject(files, rng, per_round).items():
                 totals[kind] += count
             try:

@@ -1,7 +1,10 @@
 """``sgl-kvtier``: operator commands. ``main(argv) -> exit code`` is the only reader of ``sys.argv``.
 
-    sgl-kvtier inspect PATH [--json]          namespaces, pages, bytes used/limit, devices, format
-    sgl-kvtier fsck PATH [--repair] [--json]  verify every record and page checksum; repair drops bad ones
+    sgl-kvtier inspect PATH [--json]          per namespace: the pool (pages, bytes used of the capacity,
+                                              writers live/dead) and every writer (host, pid, state, lease
+                                              age, pages, bytes, share of the capacity, journal cursor)
+    sgl-kvtier fsck PATH [--repair] [--json]  verify every writer's records and page checksums; repair
+                                              drops bad ones (dead writers of this host only)
     sgl-kvtier fsck PATH --rebuild [--json]   rebuild each writer's index from its pages' slot trailers
     sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.serving.launch)
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
@@ -16,7 +19,7 @@ import functools
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress, TaskID
@@ -42,8 +45,22 @@ def _human(n: int | None) -> str:
     return f"{size:.1f} {unit}"
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 600 else f"{seconds / 3600:.1f} h" if seconds >= 3600 else \
+        f"{seconds / 60:.0f} min"
+
+
+def _state(w: dict[str, Any]) -> str:
+    if w["state"] == "unknown":
+        return "unknown (other host" + (", lease stale)" if w["lease_stale"] else ")")
+    return str(w["state"])
+
+
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
-    """``sgl-kvtier inspect``: the shards under a path, as a table or JSON."""
+    """``sgl-kvtier inspect``: every namespace's pool under a path and each of its writers, as tables or
+    JSON (``store.pool_view``); reads only."""
     from sgl_kvtier.store.fsck import find_shards, shard_summary
 
     shards = find_shards(args.path)
@@ -54,14 +71,25 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     if not rows:
         console.print(f"no sgl-kvtier store at {args.path}")
         return 1
-    table = Table(title=f"sgl-kvtier store at {args.path}")
-    for col in ("namespace", "pages", "used / limit", "devices", "format", "O_DIRECT", "writer pid", "problems"):
-        table.add_column(col)
     for r in rows:
-        table.add_row(r["namespace"], str(r["pages"]), f"{_human(r['bytes_used'])} / {_human(r['capacity_bytes'])}",
-                      "\n".join(r["devices"]), str(r["format_version"]), "yes" if r["direct_io"] else "no",
-                      str(r["locked_by_writer"] or "-"), "\n".join(r["problems"]) or "none")
-    console.print(table)
+        share = "" if not r["capacity_bytes"] else f" ({100 * r['bytes_used'] / r['capacity_bytes']:.1f}%)"
+        console.print(f"[bold]{r['namespace']}[/bold]  ns-{r['digest']}  format {r['format_version']}")
+        console.print(f"  pool: {r['pages']} pages, {_human(r['bytes_used'])} of {_human(r['capacity_bytes'])}"
+                      f"{share}; writers: {r['writers_live']} live, {r['writers_dead']} dead, "
+                      f"{r['writers_unknown']} unknown; devices: {', '.join(r['devices'])}; "
+                      f"O_DIRECT: {'yes' if r['direct_io'] else 'no'}")
+        table = Table(title=f"writers of ns-{r['digest'][:12]} (lease age: since its {r['lease_age_from']})")
+        for col in ("wid", "host", "pid", "state", "lease age", "pages", "bytes used", "share", "journal"):
+            table.add_column(col, no_wrap=True)
+        for w in r["writers"]:
+            journal = "-" if w["journal"] is None else f"{w['journal'][0]}:{w['journal'][1]}"
+            share_pct = "-" if w["share_pct"] is None else f"{w['share_pct']:.1f}%"
+            table.add_row(w["wid"], str(w["host"] or "-"), str(w["pid"] or "-"), _state(w), _age(w["lease_age_s"]),
+                          str(w["pages"]) + ("" if w["source"] == "index" else " (lease)"),
+                          _human(w["bytes_used"]), share_pct, journal)
+        console.print(table)
+        for problem in r["problems"]:
+            console.print(f"  [yellow]problem:[/yellow] {problem}")
     return 0
 
 
@@ -72,7 +100,7 @@ def _advance(progress: Progress, task: TaskID, pages: int) -> None:
 def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
     """``sgl-kvtier fsck``: verify (and with ``--repair`` fix) every shard; 1 if any stays bad. With
     ``--rebuild``: rebuild every writer's index from its pages; 1 if any writer could not be rebuilt."""
-    from sgl_kvtier.store.fsck import find_shards, fsck, open_shard
+    from sgl_kvtier.store.fsck import find_shards, fsck_pool
 
     shards = find_shards(args.path)
     if not shards:
@@ -82,20 +110,21 @@ def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
         return _rebuild(args, console, shards)
     reports = []
     with Progress(console=console, transient=True, disable=args.json) as progress:
+        def start(label: str, total: int) -> functools.partial[None]:
+            return functools.partial(_advance, progress, progress.add_task(f"verifying {label}", total=total))
+
         for shard in shards:
-            with open_shard(shard) as s:
-                total = len(s)
-            task = progress.add_task(f"verifying {shard.namespace.model}", total=total)
-            reports.append(fsck(shard, repair=args.repair, progress=functools.partial(_advance, progress, task)))
+            reports += fsck_pool(shard, repair=args.repair, progress=start)
     if args.json:
         print(json.dumps([r.__dict__ for r in reports], indent=2))
     else:
         table = Table(title="fsck")
-        for col in ("namespace", "pages checked", "bad pages", "journal/checkpoint problems", "repaired"):
+        for col in ("namespace", "writer", "pages checked", "bad pages", "journal/checkpoint problems", "repaired"):
             table.add_column(col)
         for r in reports:
-            table.add_row(r.namespace, str(r.pages_checked), str(len(r.bad_pages)), "\n".join(r.problems) or "none",
-                          "yes" if r.repaired else "no")
+            repaired = "yes" if r.repaired else f"skipped: {r.skipped}" if r.skipped else "no"
+            table.add_row(r.namespace, r.wid or "-", str(r.pages_checked), str(len(r.bad_pages)),
+                          "\n".join(r.problems) or "none", repaired)
         console.print(table)
     return 0 if all(r.clean or r.repaired for r in reports) else 1
 

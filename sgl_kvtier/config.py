@@ -104,6 +104,12 @@ class StoreConfig:
     heartbeat_s: float = 2.0
     # Other writers' journals and leases are re-read at most this often (and on a lookup that falls short).
     follow_interval_s: float = 0.2
+    # Pool quota (``policy.quota``): once every writer's bytes together pass ``quota_high * capacity_bytes``,
+    # the writers evict their oldest pages (dead writers' first) down to ``quota_low * capacity_bytes``;
+    # each live writer keeps its youngest ``min_share_bytes`` (a newcomer may grow to it).
+    quota_high: float = 0.95
+    quota_low: float = 0.90
+    min_share_bytes: int = 0
     # Identity of the model's weights in the namespace. None: a fingerprint of the model files, computed
     # at start-up (config, tokenizer, weight index, sizes and sampled bytes); a string: used as is.
     model_fingerprint: str | None = None
@@ -142,6 +148,12 @@ class StoreConfig:
             raise ConfigError("heartbeat_s", f"must be in [0.05, 600] seconds, got {self.heartbeat_s}")
         if not 0 <= self.follow_interval_s <= 600:
             raise ConfigError("follow_interval_s", f"must be in [0, 600] seconds, got {self.follow_interval_s}")
+        if not 0 < self.quota_high <= 1:
+            raise ConfigError("quota_high", f"must be in (0, 1], got {self.quota_high}")
+        if not 0 < self.quota_low <= self.quota_high:
+            raise ConfigError("quota_low", f"must be in (0, quota_high = {self.quota_high}], got {self.quota_low}")
+        if self.min_share_bytes < 0:
+            raise ConfigError("min_share_bytes", f"must be 0 or a byte count, got {self.min_share_bytes}")
         if self.host_id is not None and not _HOST_ID.fullmatch(self.host_id):
             raise ConfigError("host_id", f"must be 1-64 of [A-Za-z0-9._] (no '-'), got {self.host_id!r}")
         self.throttle_spec()

@@ -1,14 +1,24 @@
-"""The operator CLI: inspect, fsck and fsck --rebuild on a real store, exit codes, bad paths."""
+"""The operator CLI: inspect, fsck and fsck --rebuild on a real store, exit codes, bad paths; a pool shared by
+writers in this process and a SIGKILLed writer process (synchronised on its replies, never on time)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from support import HostMemory, key, open_store
+import xxhash
+from support import HostMemory, key, namespace, open_store, store_config
 
 from sgl_kvtier.cli import main
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.pool import SharedPool
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_store(path, n=6):
@@ -93,3 +103,145 @@ def test_fsck_rebuild_and_repair_are_exclusive(tmp_path, capsys):
 def test_no_store_here(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 1
     assert "no sgl-kvtier store" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- shared pools
+SHARED_PAGE = 16 * 1024 - 4096  # a 16 KiB slot with its trailer (as tests/store/sharing_worker.py)
+CAPACITY_PAGES = 256
+WORKER = Path(__file__).parent / "store" / "sharing_worker.py"
+
+
+def pool_config(path):
+    # No beat during a test but the one at open and the ones it asks for: the files stay put while inspected.
+    return store_config(path, CAPACITY_PAGES, SHARED_PAGE, follow_interval_s=0.0, heartbeat_s=600.0)
+
+
+def put(pool, numbers):
+    mem = HostMemory(len(numbers), SHARED_PAGE)
+    for j, n in enumerate(numbers):
+        mem.fill(j, n)
+    assert pool.put([key(n) for n in numbers], [mem.runs(j) for j in range(len(numbers))]) == [True] * len(numbers)
+
+
+def call(proc, op, **fields):
+    proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+    proc.stdin.flush()
+    out = json.loads(proc.stdout.readline())
+    assert "error" not in out, out
+    return out
+
+
+def killed_writer(tmp_path):
+    """A writer process that stored pages 100..107, beat its lease, and was SIGKILLed: (wid, pid). Started
+    after the test's own writers (a writer opened later would adopt its free directory)."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        info = call(proc, "open", path=str(tmp_path), role="writer", page_bytes=SHARED_PAGE,
+                    capacity_pages=CAPACITY_PAGES, config={"follow_interval_s": 0.0, "heartbeat_s": 600.0})
+        assert call(proc, "put", keys=list(range(100, 108)))["ok"] == [True] * 8
+        call(proc, "beat")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return info["wid"], info["pid"]
+
+
+def tree(root):
+    """Every file under ``root``: (size, mtime_ns, xxh3 of its bytes), by path."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns, xxhash.xxh3_64_intdigest(p.read_bytes()))
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_inspect_shows_every_writer_of_a_pool(tmp_path, capsys):
+    ns = namespace(SHARED_PAGE)
+    with SharedPool.open_writer(pool_config(tmp_path), ns) as a, SharedPool.open_writer(pool_config(tmp_path), ns) as b:
+        dead_wid, dead_pid = killed_writer(tmp_path)
+        put(a, list(range(16)))
+        put(b, list(range(200, 204)))
+        a.own.lease.beat()
+        b.own.lease.beat()
+        before = tree(tmp_path)
+        capsys.readouterr()
+        assert main(["inspect", str(tmp_path), "--json"]) == 0
+        (pool,) = json.loads(capsys.readouterr().out)
+        assert main(["inspect", str(tmp_path)]) == 0
+        text = capsys.readouterr().out
+        assert tree(tmp_path) == before  # inspect wrote nothing, not even a LOCK
+        wids = {a.wid: 16, b.wid: 4, dead_wid: 8}
+    slot = a.slot_bytes
+    assert pool["pages"] == 28 and pool["bytes_used"] == 28 * slot and pool["capacity_bytes"] == CAPACITY_PAGES * slot
+    assert (pool["writers_live"], pool["writers_dead"], pool["writers_unknown"]) == (2, 1, 0)
+    assert pool["lease_age_from"] == "LEASE mtime" and pool["problems"] == []
+    rows = {w["wid"]: w for w in pool["writers"]}
+    assert set(rows) == set(wids)
+    for wid, pages in wids.items():
+        w = rows[wid]
+        assert w["state"] == ("dead" if wid == dead_wid else "live")
+        assert w["pid"] == (dead_pid if wid == dead_wid else os.getpid())
+        assert w["pages"] == pages and w["bytes_used"] == pages * slot and w["source"] == "index"
+        assert w["leased_bytes_used"] == pages * slot  # each beat after its puts
+        assert w["share_pct"] == round(100 * pages / CAPACITY_PAGES, 2)
+        assert w["host"] == wid.rpartition("-")[0] and 0 <= w["lease_age_s"] < 600 and not w["lease_stale"]
+        assert w["journal"][0] >= 0 and w["journal"][1] > 0 and w["beats"] >= 2
+    assert pool["locked_by_writer"] == os.getpid()
+    for word in ("28 pages", "2 live, 1 dead", "lease age", dead_wid, "dead", "6.2%"):
+        assert word in text, (word, text)
+    # Offline (every writer closed or killed): all dead, same pages.
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    (offline,) = json.loads(capsys.readouterr().out)
+    assert (offline["writers_live"], offline["writers_dead"], offline["pages"]) == (0, 3, 28)
+    assert offline["locked_by_writer"] is None
+
+
+def corrupt(root, wid, slot_bytes, slot):
+    (seg,) = root.glob(f"ns-*/w-{wid}/seg-*.dat")
+    with open(seg, "r+b") as f:
+        f.seek(slot * slot_bytes + 10)
+        f.write(b"\xff\xfe")
+
+
+def test_fsck_verifies_every_writer_and_repairs_only_dead_ones(tmp_path, capsys):
+    ns = namespace(SHARED_PAGE)
+    with SharedPool.open_writer(pool_config(tmp_path), ns) as live:
+        dead_wid, _ = killed_writer(tmp_path)
+        put(live, list(range(16)))
+        assert main(["fsck", str(tmp_path), "--json"]) == 0
+        reports = {r["wid"]: r for r in json.loads(capsys.readouterr().out)}
+        assert {w: r["pages_checked"] for w, r in reports.items()} == {live.wid: 16, dead_wid: 8}
+        with SharedPool.open_reader(pool_config(tmp_path), ns) as view:
+            dead_slot = view.peers()[dead_wid].slot_of(key(103))
+        corrupt(tmp_path, dead_wid, live.slot_bytes, dead_slot)
+        corrupt(tmp_path, live.wid, live.slot_bytes, live.own.slot_of(key(5)))
+        assert main(["fsck", str(tmp_path), "--repair", "--json"]) == 1  # the live writer stays damaged
+        reports = {r["wid"]: r for r in json.loads(capsys.readouterr().out)}
+        assert reports[dead_wid]["bad_pages"] == [key(103).hex()] and reports[dead_wid]["repaired"]
+        assert reports[live.wid]["bad_pages"] == [key(5).hex()] and not reports[live.wid]["repaired"]
+        assert reports[live.wid]["skipped"] == f"writer {live.wid} is live"
+        assert main(["fsck", str(tmp_path), "--json"]) == 1
+        reports = {r["wid"]: r for r in json.loads(capsys.readouterr().out)}
+        assert reports[dead_wid]["bad_pages"] == [] and reports[dead_wid]["pages_checked"] == 7
+    assert main(["fsck", str(tmp_path), "--repair"]) == 0  # now it is dead too
+    assert main(["fsck", str(tmp_path)]) == 0
+
+
+def test_repair_opens_the_damaged_writer_not_a_lower_free_one(tmp_path, capsys):
+    """A claim takes the lowest free directory: repair of ``<host>-1`` holds ``<host>-0`` meanwhile."""
+    ns = namespace(SHARED_PAGE)
+    with SharedPool.open_writer(pool_config(tmp_path), ns) as first, \
+            SharedPool.open_writer(pool_config(tmp_path), ns) as second:
+        put(first, list(range(4)))
+        put(second, list(range(10, 16)))
+        victim, slot = second.wid, second.own.slot_of(key(12))
+        slot_bytes = second.slot_bytes
+    assert victim.endswith("-1")
+    corrupt(tmp_path, victim, slot_bytes, slot)
+    dirs = sorted(p.name for p in tmp_path.glob("ns-*/w-*"))
+    assert main(["fsck", str(tmp_path), "--repair", "--json"]) == 0
+    reports = {r["wid"]: r for r in json.loads(capsys.readouterr().out)}
+    assert reports[victim]["repaired"] and not reports[first.wid]["repaired"]
+    assert sorted(p.name for p in tmp_path.glob("ns-*/w-*")) == dirs  # no writer directory made
+    assert main(["fsck", str(tmp_path), "--json"]) == 0
+    reports = {r["wid"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {w: r["pages_checked"] for w, r in reports.items()} == {first.wid: 4, victim: 5}

@@ -12,6 +12,7 @@ import pytest
 from support import HostMemory, open_store
 
 from sgl_kvtier.errors import StoreLockedError
+from sgl_kvtier.store.writers import host_id
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_kvtier"
 
@@ -40,20 +41,22 @@ def test_keys_never_become_paths(tmp_path):
     names = {p.name for p in tmp_path.rglob("*")}
     assert all("passwd" not in n and ".." not in n for n in names)
     assert not Path("/etc/passwd\0").exists()
-    assert {n for n in names if not n.startswith("ns-")} <= {"HEADER", "LOCK", "CONFIG", "checkpoint.bin",
-                                                            "seg-00000.dat"} | {n for n in names if n.startswith("journal-")}
+    assert {n for n in names if not n.startswith(("ns-", "w-"))} <= {
+        "HEADER", "LOCK", "LEASE", "CONFIG", "checkpoint.bin", "seg-00000.dat"} | {n for n in names if n.startswith("journal-")}
+    assert {n for n in names if n.startswith("w-")} == {f"w-{host_id(store.config)}-0"}
 
 
 def test_second_writer_process_is_refused(tmp_path):
-    """Two processes opening one shard for writing: the second gets a clear error naming the holder."""
-    with open_store(tmp_path):
+    """Under ``sharing = "off"``, two processes opening one shard for writing: the second gets a clear error
+    naming the holder (with the default ``host`` it becomes a second writer: tests/store/test_sharing.py)."""
+    with open_store(tmp_path, sharing="off"):
         code = textwrap.dedent(f"""
             import sys
             sys.path[:0] = {[str(Path(__file__).parent)]!r}
             from support import open_store
             from sgl_kvtier.errors import StoreLockedError
             try:
-                open_store({str(tmp_path)!r})
+                open_store({str(tmp_path)!r}, sharing="off")
             except StoreLockedError as exc:
                 print("refused:", exc)
                 sys.exit(3)
@@ -62,6 +65,6 @@ def test_second_writer_process_is_refused(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "already open for writing by pid" in proc.stdout and "one writer process per namespace shard" in proc.stdout
     with pytest.raises(StoreLockedError):
-        with open_store(tmp_path):
-            open_store(tmp_path)
-    open_store(tmp_path).close()  # usable again once the holder closes
+        with open_store(tmp_path, sharing="off"):
+            open_store(tmp_path, sharing="off")
+    open_store(tmp_path, sharing="off").close()  # usable again once the holder closes

@@ -33,7 +33,7 @@ class IndexFixture:
 
     cfg: StoreConfig
     ns: Namespace
-    meta: Path  # the shard's directory: journal and checkpoint
+    meta: Path  # the writer's directory: journal and checkpoint
     n: int
     keys: list[bytes]
     sums: list[int]
@@ -44,9 +44,11 @@ class IndexFixture:
         path.mkdir()
         ns = namespace(INDEX_PAGE, page_tokens=1, model="bench-index")
         cfg = store_config(path, -(-n * INDEX_PAGE // GiB) * GiB, io_depth=ctx.args.io_depth)
-        PageStore.open(cfg, ns).close()  # creates HEADER, LOCK, a journal and an empty checkpoint
+        store = PageStore.open(cfg, ns)  # creates HEADER, its writer directory, a journal and an empty checkpoint
+        meta = store.layout.meta
+        store.close()
         blob = os.urandom(32 * n)
-        return cls(cfg, ns, path / ns.dirname(), n, [blob[i * 32:(i + 1) * 32] for i in range(n)],
+        return cls(cfg, ns, meta, n, [blob[i * 32:(i + 1) * 32] for i in range(n)],
                    ctx.rng.integers(0, 1 << 63, size=n, dtype=np.uint64).tolist())
 
     def columns(self, start: int = 0, stop: int | None = None):

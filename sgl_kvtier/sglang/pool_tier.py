@@ -9,6 +9,11 @@ it read-only, lazily: no writer may have created it yet, so a failed open is ret
 (``config.readahead_bytes``; 0 = none): ``stage`` starts the reads of pages an exists query found, and
 every read of this tier goes through it.
 
+``snapshot`` lists every writer of the pool: the own one from its usage now, the others from the leases
+the pool last read (``SharedPool.leases``, refreshed with the journals) with their liveness
+(``SharedPool.peer_alive``: a shared ``flock`` probe of each one's LOCK) and lease age (its LEASE mtime):
+one stat and one probe per other writer, at most once per metrics interval.
+
 ``close`` stops the read-ahead and closes the store, both whatever the other raises, each detached from
 the tier before it is released (a failed release is reported, never retried); the first failure is
 raised, the other as its note (``store.lifecycle.release_all``).
@@ -34,6 +39,7 @@ from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tenso
 from sgl_kvtier.sglang.settings import namespace_for
 from sgl_kvtier.store.lifecycle import release_all
 from sgl_kvtier.store.pool import SharedPool
+from sgl_kvtier.store.pool_view import lease_age
 from sgl_kvtier.store.read_rates import TransferEstimator
 from sgl_kvtier.telemetry.snapshot import (
     Breaker,
@@ -42,6 +48,8 @@ from sgl_kvtier.telemetry.snapshot import (
     RateSnapshot,
     ReadAheadSnapshot,
     StoreSnapshot,
+    WriterSnapshot,
+    WriterState,
     frozen_counts,
 )
 
@@ -232,8 +240,32 @@ def _store_snapshot(store: SharedPool) -> StoreSnapshot:
     stats, rates = store.stats(), store.read_rates
     devices = tuple(DeviceSnapshot(h["device"], _rate(est), Breaker(h["state"]), int(h["trips"]))
                     for h, est in zip(store.health.summary(), rates.devices))
+    writers = _writers(store)
+    own = sum(w.bytes_used for w in writers if w.own)
+    cap = store.config.capacity_bytes
     return StoreSnapshot(stats.pages, stats.bytes_used, stats.capacity_bytes, _rate(rates.total), devices,
-                         frozen_counts(stats.counters))
+                         frozen_counts(stats.counters), store.namespace.digest().hex(), writers,
+                         own + sum(int(lease.get("bytes_used", 0)) for lease in store.leases().values()),
+                         stats.capacity_bytes if cap is None else cap)
+
+
+def _writers(store: SharedPool) -> tuple[WriterSnapshot, ...]:
+    """The own writer (its usage now, its last beat's age) and every other one from its last lease."""
+    rows = []
+    own = store.own
+    if own is not None:
+        usage = own.usage()
+        beat = None if own.lease is None else own.lease.last_beat
+        age = None if own.lease is None or beat is None else max(0.0, own.lease.clock() - beat)
+        rows.append(WriterSnapshot(own.wid, own.claim.host_id, WriterState.LIVE, int(usage["pages"]), int(usage["bytes_used"]),
+                                   age, own=True))
+    now = time.time()
+    for wid, lease in sorted(store.leases().items()):
+        alive = store.peer_alive(wid)
+        state = WriterState.UNKNOWN if alive is None else WriterState.LIVE if alive else WriterState.DEAD
+        rows.append(WriterSnapshot(wid, str(lease.get("host_id", "")), state, int(lease.get("pages", 0)),
+                                   int(lease.get("bytes_used", 0)), lease_age(store.ns_meta / f"w-{wid}", now)))
+    return tuple(rows)
 
 
 def _check(host_indices: Any, n_keys: int, page_tokens: int) -> None:

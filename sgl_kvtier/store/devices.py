@@ -40,6 +40,7 @@ from typing import Any
 from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store import holes
 from sgl_kvtier.store.lifecycle import abandon, release_all
 
 log = logging.getLogger(__name__)
@@ -97,11 +98,24 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory: the entries created, renamed or removed in it are durable once this returns."""
+    dfd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def make_dir(path: Path) -> None:
+    """``mkdir`` (0700) if missing, then fsync its parent, always: also where an earlier process that
+    crashed made it without syncing. Crash rule: a directory the store relies on is durable before
+    anything is written into it (a power cut would otherwise take its synced files with it)."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    fsync_dir(path.parent)
 
 
 def create_once(path: Path, data: bytes) -> None:
@@ -122,11 +136,7 @@ def create_once(path: Path, data: bytes) -> None:
             os.link(tmp, path)
         except FileExistsError:
             return  # another process made it first: theirs is the one
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -165,6 +175,13 @@ class Arena:
         """The open file descriptors behind the arena's slots."""
         raise NotImplementedError
 
+    def punch_free(self, local_slots: list[int]) -> int:
+        """Give the space of these free local slots back to the filesystem (``holes.punch``, one call per run
+        of consecutive slots in one segment); how many bytes were punched. The caller guarantees they are
+        free and pinned by no reader. Never raises. A raw block device punches nothing (returns 0): a
+        BLKDISCARD would be possible but is not done."""
+        return 0
+
     def close(self) -> None:
         """Close every file of the arena."""
         raise NotImplementedError
@@ -186,8 +203,8 @@ class DirectoryArena(Arena):
             raise DeviceError(f"{root}: not a directory")
         if create:
             try:
-                self.ns_dir.mkdir(mode=0o700, exist_ok=True)
-                self.dir.mkdir(mode=0o700, exist_ok=True)
+                make_dir(self.ns_dir)
+                make_dir(self.dir)
             except OSError as exc:
                 raise DeviceError(f"{root}: cannot create {self.dir.relative_to(root)}: {exc.strerror}") from None
             if not os.access(self.dir, os.W_OK):
@@ -239,6 +256,9 @@ class DirectoryArena(Arena):
             size = min(self.slots_per_segment, self.capacity_slots - seg * self.slots_per_segment) * self.slot_bytes
             try:
                 os.posix_fallocate(fd, 0, size)
+                # Crash rule: the segment's name is durable before any page in it is acknowledged; an
+                # fdatasync of its data alone would not bring back its directory entry after a power cut.
+                fsync_dir(self.dir)
             except OSError:
                 os.close(fd)
                 path.unlink(missing_ok=True)
@@ -255,6 +275,20 @@ class DirectoryArena(Arena):
 
     def fds(self) -> list[int]:
         return list(self._fds.values())
+
+    def punch_free(self, local_slots: list[int]) -> int:
+        done = 0
+        per_seg = self.slots_per_segment
+        for first, count in holes.runs(local_slots):
+            slot = first
+            while slot < first + count:  # a run may cross a segment boundary: one punch per segment
+                seg, index = divmod(slot, per_seg)
+                n = min(first + count - slot, per_seg - index)
+                fd = self._fds.get(seg)  # a segment never made holds no blocks to free
+                if fd is not None and self.writable and holes.punch(fd, index * self.slot_bytes, n * self.slot_bytes):
+                    done += n * self.slot_bytes
+                slot += n
+        return done
 
     def close(self) -> None:
         """Close every segment file, each whatever the others raise (then the first error). Idempotent."""

@@ -3,10 +3,13 @@
 ``find_shards(path)`` finds the namespace shards reachable from a path: a directory device (or meta dir)
 holds ``ns-*/HEADER``; a raw block device's region table names each shard's meta directory.
 
-``fsck`` reads every indexed page and checks it against its recorded checksum, and reports journal or
-checkpoint damage found by recovery. With ``repair`` it opens the shard as the writer: recovery already
+``fsck`` reads every indexed page of one writer (``fsck_pool``: of every writer directory of the
+namespace, each opened read-only) and checks it against its recorded checksum, and reports journal or
+checkpoint damage found by recovery. With ``repair`` a damaged writer is opened as that writer: recovery
 folds the readable journal into a fresh checkpoint and discards torn tails, and every page that fails
-verification is dropped (journaled as deleted). Without ``repair`` nothing on disk changes.
+verification is dropped (journaled as deleted). Only a writer of this host whose ``LOCK`` is free is
+opened so (``open_writer_at``); a live one, or one of another host, is reported skipped and left alone.
+Without ``repair`` nothing on disk changes.
 
 ``rebuild_shard`` (``fsck --rebuild``) rebuilds the index of each writer of a shard from its pages alone
 (``store.rebuild``): the writers are those with a directory in the namespace's meta directory, a
@@ -20,24 +23,28 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.config import StoreConfig
-from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.config import Sharing, StoreConfig
+from sgl_kvtier.errors import KVTierError, StoreLockedError
 from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import is_block_like
 from sgl_kvtier.store.layout import load_config, open_layout
+from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.pool_view import DEAD, pool_summary, state_of
 from sgl_kvtier.store.reader import PageReader
 from sgl_kvtier.store.rebuild import RebuildReport, rebuild, slots_to_scan
 from sgl_kvtier.store.writers import WRITER_PREFIX, writer_dirname, writer_dirs
 
 VERIFY_BATCH = 32
+_WID = re.compile(r"([A-Za-z0-9._]{1,64})-([0-9]+)")
 
 
 @dataclass
@@ -55,10 +62,12 @@ class FsckReport:
 
     namespace: str
     meta: str
+    wid: str | None = None  # the writer verified
     pages_checked: int = 0
     bad_pages: list[str] = field(default_factory=list)  # hex keys
     problems: list[str] = field(default_factory=list)  # journal / checkpoint damage
     repaired: bool = False
+    skipped: str | None = None  # why ``repair`` left a damaged writer alone (live, another host)
 
     @property
     def clean(self) -> bool:
@@ -86,9 +95,10 @@ def find_shards(path: str) -> list[Shard]:
     return shards
 
 
-def open_shard(shard: Shard) -> PageReader:
-    """A read-only view of ``shard``, with the config its writer recorded (changes nothing on disk)."""
-    return PageReader.open(load_config(shard.meta), shard.namespace)
+def open_shard(shard: Shard, wid: str | None = None) -> PageReader:
+    """A read-only view of writer ``wid`` of ``shard`` (None: the lowest), with the config that writer
+    recorded (changes nothing on disk)."""
+    return PageReader.open(shard_config(shard, wid), shard.namespace, wid=wid)
 
 
 def open_writer(shard: Shard) -> PageStore:
@@ -96,12 +106,61 @@ def open_writer(shard: Shard) -> PageStore:
     return PageStore.open(load_config(shard.meta), shard.namespace)
 
 
-def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] | None = None) -> FsckReport:
-    """Verify every page and the journal of ``shard``; with ``repair``, drop what is bad (as its writer).
+def open_writer_at(shard: Shard, wid: str) -> PageStore:
+    """Open writer directory ``w-<wid>`` of ``shard`` as its writer (recovery folds its journal into a new
+    checkpoint). Raises StoreLockedError when its lock is held (or was taken meanwhile).
+
+    A writer claims the lowest free ``w-<host>-<k>`` (``store.writers``), so the directories below ``k``
+    are held here for the instant of the open (a shared-nothing ``flock``; one missing is made and
+    removed again), and the claim lands on ``k`` unless a writer took it meanwhile."""
+    match = _WID.fullmatch(wid)
+    if match is None:
+        raise StoreLockedError(f"{wid}: not a writer id of the form <host>-<k>")
+    host, k = match.group(1), int(match.group(2))
+    config = replace(shard_config(shard, wid), host_id=host, sharing=Sharing.HOST)
+    held: list[tuple[int, Path | None]] = []
+    try:
+        for j in range(k):
+            held.append(_hold(shard.meta / writer_dirname(f"{host}-{j}")))
+        store = PageStore.open(config, shard.namespace)
+    finally:
+        for fd, made in held:
+            if fd >= 0:
+                os.close(fd)  # drops the lock
+            if made is not None:
+                (made / "LOCK").unlink(missing_ok=True)
+                made.rmdir()
+    if store.wid != wid:
+        store.close()
+        raise StoreLockedError(f"{shard.meta / writer_dirname(wid)}: taken by a writer meanwhile")
+    return store
+
+
+def _hold(path: Path) -> tuple[int, Path | None]:
+    """Lock ``path/LOCK`` so that a claim skips it: (fd, or -1 where a live writer holds it; the
+    directory if it was made here)."""
+    made = None
+    if not path.is_dir():
+        path.mkdir(mode=0o700)
+        made = path
+    fd = os.open(path / "LOCK", os.O_RDONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1, made  # held by a live writer: the claim skips it anyway
+    return fd, made
+
+
+def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] | None = None,
+         wid: str | None = None) -> FsckReport:
+    """Verify every page and the journal of writer ``wid`` of ``shard`` (None: the lowest); with
+    ``repair``, drop what is bad as that writer, if its lock is free (else ``skipped`` says why).
     ``progress`` is called with the number of pages checked after each batch."""
     report = FsckReport(shard.namespace.describe(), str(shard.meta))
     # ``with``: an error of the body is the one raised; a failing close rides along as its note.
-    with open_shard(shard) as store:
+    with open_shard(shard, wid) as store:
+        report.wid = store.wid
         report.problems = list(store.recovery.problems)
         keys = store.keys()
         scratch = AlignedBuffer(VERIFY_BATCH * store.slot_bytes)
@@ -118,52 +177,50 @@ def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] |
         finally:
             scratch.close()
     if repair and not report.clean:
-        with open_writer(shard) as writer:  # recovery folds the journal and drops torn tails
-            writer.delete([PageKey(bytes.fromhex(k)) for k in report.bad_pages])
-        report.repaired = True
+        _repair(shard, report)
     return report
 
 
+def _repair(shard: Shard, report: FsckReport) -> None:
+    assert report.wid is not None
+    path = shard.meta / writer_dirname(report.wid)
+    config = shard_config(shard, report.wid)
+    state = state_of(path, read_lease(path / LEASE), config)
+    if state != DEAD:
+        report.skipped = f"writer {report.wid} is {state}" + ("" if state == "live" else " (another host)")
+        return
+    try:
+        writer = open_writer_at(shard, report.wid)
+    except StoreLockedError as exc:
+        report.skipped = str(exc)
+        return
+    with writer:  # recovery folded the journal and dropped torn tails
+        writer.delete([PageKey(bytes.fromhex(k)) for k in report.bad_pages])
+    report.repaired = True
+
+
+def fsck_pool(shard: Shard, repair: bool = False,
+              progress: Callable[[str, int], Callable[[int], object]] | None = None) -> list[FsckReport]:
+    """``fsck`` of every writer directory of ``shard``, in wid order. ``progress(label, pages)`` is
+    called as each writer starts and returns its per-batch callback."""
+    reports = []
+    for wid, _ in writer_dirs(shard.meta):
+        try:
+            step = None
+            if progress is not None:
+                with open_shard(shard, wid) as view:
+                    step = progress(f"{shard.namespace.model} {wid}", len(view))
+            reports.append(fsck(shard, repair, step, wid))
+        except (KVTierError, OSError) as exc:  # a directory being made, or damaged beyond opening
+            reports.append(FsckReport(shard.namespace.describe(), str(shard.meta), wid,
+                                      problems=[f"writer {wid} not readable: {exc}"]))
+    return reports
+
+
 def shard_summary(shard: Shard) -> dict[str, Any]:
-    """What ``sgl-kvtier inspect`` shows of ``shard`` (JSON-ready), read without changing anything."""
-    with open_shard(shard) as store:
-        stats = store.stats()
-        return {
-            "namespace": shard.namespace.describe(), "meta": str(shard.meta), "pages": stats.pages,
-            "bytes_used": stats.bytes_used, "capacity_bytes": _configured_capacity(shard, stats.capacity_bytes),
-            "devices": stats.devices, "format_version": shard.header.get("format_version"),
-            "direct_io": stats.direct_io, "problems": list(store.recovery.problems),
-            "locked_by_writer": _writer_pid(shard.meta),
-        }
-
-
-def _configured_capacity(shard: Shard, fallback: int) -> int:
-    cfg = load_config(shard.meta)
-    return cfg.capacity_bytes if cfg.capacity_bytes is not None else fallback
-
-
-def _writer_pid(meta: Path) -> int | None:
-    """The pid of a live writer of the namespace in ``meta`` (the first found holding its ``LOCK``)."""
-    for _, path in writer_dirs(meta):
-        pid = _lock_holder(path)
-        if pid is not None:
-            return pid
-    return None
-
-
-def _lock_holder(meta: Path) -> int | None:
-    try:
-        fd = os.open(meta / "LOCK", os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except BlockingIOError:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        return int(text) if text.isdigit() else -1
-    finally:
-        os.close(fd)
+    """What ``sgl-kvtier inspect`` shows of ``shard``'s pool (JSON-ready, ``store.pool_view``), read
+    without changing anything."""
+    return pool_summary(shard.meta, shard.namespace, shard.header, lambda wid: shard_config(shard, wid))
 
 
 # ------------------------------------------------------------------------------------------- rebuild

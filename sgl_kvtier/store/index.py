@@ -68,6 +68,12 @@ class PageIndex:
         self._used_at = np.full(max(size, 16), np.nan, dtype=np.float64)
         self._used_at[slots] = self._clock()
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read last-use times from ``clock`` from now on (a store opened with an injected clock; tests);
+        every stored page is stamped with its now, as ``load`` does."""
+        self._clock = clock
+        self._used_at[~np.isnan(self._used_at)] = clock()
+
     def __contains__(self, key: PageKey) -> bool:
         return key in self.slot_of
 

@@ -7,6 +7,9 @@ with ``pwrite`` + ``fdatasync``, so a beat torn by a crash leaves the other, old
 ``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages, bytes_used,
 capacity_bytes, journal ``[generation, bytes]``, age_hist).
 
+After each good beat, ``after_beat`` (if set: the pool's quota step, ``store.quota_loop``) runs on the same
+thread, outside the beat's lock, so the quota plans with exactly what was just published.
+
 Threads: ``start`` runs the beats on one daemon thread named ``kvtier-lease``; ``close`` stops it (waits
 for a beat in progress) and closes the file. Nothing raises from that thread: a failed beat is counted
 (``failures``) and logged at a bounded rate, and the next beat tries again. Tests call ``beat()`` directly
@@ -62,6 +65,7 @@ class Lease:
         self.counter = 0
         self.failures = 0
         self.last_beat: float | None = None  # ``clock()`` at the last good beat
+        self.after_beat: Callable[[], None] | None = None  # run after each good beat (see the module docstring)
         self._lock = threading.Lock()  # one beat at a time (the thread's and a direct call)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -69,10 +73,15 @@ class Lease:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     def beat(self) -> None:
-        """Write the next lease block now (pwrite + fdatasync). Raises OSError if that fails."""
+        """Write the next lease block now (pwrite + fdatasync), then run ``after_beat``. Raises OSError if
+        the write fails (``after_beat`` is then skipped), or what ``after_beat`` raises."""
+        if self._write_beat() and self.after_beat is not None:
+            self.after_beat()
+
+    def _write_beat(self) -> bool:
         with self._lock:
             if self._fd < 0:
-                return
+                return False
             fields = {**self.identity, **self.usage(), "counter": self.counter, "heartbeat_s": self.interval_s}
             block = fmt.pack_lease_block(fields)
             # Crash rule: only block ``counter % 2`` is rewritten, so a torn beat leaves the previous lease.
@@ -80,6 +89,7 @@ class Lease:
             os.fdatasync(self._fd)
             self.counter += 1
             self.last_beat = self.clock()
+            return True
 
     def start(self) -> None:
         """Beat once now, then every ``interval_s`` on the ``kvtier-lease`` daemon thread."""

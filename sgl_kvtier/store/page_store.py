@@ -10,12 +10,16 @@ Pool-wide cap: ``capacity_bytes`` limits the namespace shard over all its writer
 for a new page, a writer checks its own pages (stored and being stored) plus the other writers' last
 leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it evicts its own coldest
 pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
-growing at once may overshoot by what they store in that time.
+growing at once may overshoot by what they store in that time. On top of that hard cap the pool quota
+(``store.quota_loop``, run after each lease beat) sets ``grow_limit_bytes`` (None: grow to the cap; a
+number: at it, a new page replaces an own one) and evicts the writer's old pages with
+``evict_older_than``, which punches holes (``store.holes``) over the slots it frees.
 
 API (used by the SGLang adapter; pages are lists of ``(address, length)`` runs in caller memory; keys are
 valid ``PageKey``s):
     put(keys, pages, parent=None) -> [bool]   True: stored, already stored, or declined by admission
     delete(keys) -> int, evict(keys) -> int, clear() -> int, checkpoint(), close()
+    usage() (what the lease publishes; ``published`` keeps the last), evict_older_than(age_s, now, bytes)
     touch_remote(keys), touch_own(keys)     uses of other writers' pages (TOUCH records) / of own ones
     (and everything a PageShard serves)
 
@@ -78,13 +82,18 @@ class PageStore(PageShard):
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: WriterClaim,
                  recovered: jr.Recovered, engine: IOEngine, journal: jr.Journal, *,
-                 shared: SharedTelemetry | None = None):
+                 shared: SharedTelemetry | None = None, clock: Callable[[], float] | None = None):
         self.incarnation = os.urandom(16)  # new per open: slot trailers and the lease name it
         super().__init__(config, namespace, layout, recovered, layout.capacity_slots, engine,
                          identity=SlotIdentity(namespace.digest(), self.incarnation), shared=shared)
         self.claim = claim
         self.wid = claim.wid
         self.lease: Lease | None = None  # started by ``open``
+        self.clock: Callable[[], float] = time.monotonic if clock is None else clock  # page ages, the quota
+        if clock is not None:
+            self._index.use_clock(clock)
+        self.grow_limit_bytes: int | None = None  # the quota's growth limit (``store.quota_loop``)
+        self.published: tuple[float, dict[str, Any]] | None = None  # (clock, fields) of the last ``usage()``
         # The other writers' leased bytes (``store.pool`` sets it); called under the lock, so it must be cheap.
         self.peer_bytes: Callable[[], int] = lambda: 0
         self._touched: dict[PageKey, float] = {}  # remote pages whose use was journaled, and when
@@ -97,11 +106,14 @@ class PageStore(PageShard):
     # ------------------------------------------------------------------ open / close
     @classmethod
     def open(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None,
-             shared: SharedTelemetry | None = None) -> PageStore:
+             shared: SharedTelemetry | None = None, wid: str | None = None,
+             clock: Callable[[], float] | None = None) -> PageStore:
         """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as one of its writers,
         in the lowest free writer directory of this host (``store.writers``). ``engine`` (tests): the base
         engine to run IO on, the store's from this call on (closed by ``close``, or here if this fails).
-        ``shared``: counters, breakers and read rates shared with a pool's other shards.
+        ``shared``: counters, breakers and read rates shared with a pool's other shards. ``wid``: open that
+        existing writer directory of this host only (a dead writer's, to reclaim its space; StoreLockedError
+        if its lock is held). ``clock``: the clock of page ages (tests inject one; default monotonic).
 
         Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError (``sharing = "off"`` and the
         directory is held), OSError (the fold below). A failed open has released everything it took, the
@@ -110,7 +122,7 @@ class PageStore(PageShard):
         with Acquired(f"a writer of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
             ns_meta = meta_dir(config, namespace)
-            claim = claim_writer(config, ns_meta)  # first file: nothing of the directory is touched without it
+            claim = claim_writer(config, ns_meta, wid)  # first file: nothing of the directory is touched without it
             held.push("writer lock", claim.release)
             check_meta_present(config, namespace, claim.path, claim.wid)
             layout = open_layout(config, namespace, ns_meta, claim.wid, create=True)
@@ -123,7 +135,8 @@ class PageStore(PageShard):
                 # A new generation: a torn tail of an earlier run stays where that file's replay stops.
                 journal = jr.Journal(claim.path, recovered.generation)
                 held.push("journal", journal.close)
-                store = cls(config, namespace, layout, claim, recovered, io_engine, journal, shared=shared)
+                store = cls(config, namespace, layout, claim, recovered, io_engine, journal, shared=shared,
+                            clock=clock)
             held.hand_over(store._release_steps())  # the store's own release steps, from here on
             if recovered.replayed_records or recovered.problems:
                 store.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
@@ -137,12 +150,26 @@ class PageStore(PageShard):
         self.lease.start()
 
     def usage(self) -> dict[str, Any]:
-        """What the lease publishes of this writer now: pages, bytes, its capacity and journal cursor."""
+        """What the lease publishes of this writer now: pages, bytes, its capacity, journal cursor and the
+        bytes per page-age bucket (``index.age_histogram``, trailing empty buckets left out). Kept as
+        ``published`` with the clock's now, so the quota plans with exactly what the lease said."""
         with self._lock:
+            now = self.clock()
             pages = len(self._index)
-            return {"pages": pages, "bytes_used": pages * self.slot_bytes,
-                    "capacity_bytes": self._slots.capacity * self.slot_bytes,
-                    "journal": [self._journal.generation, self._journal.size], "age_hist": []}
+            hist = list(self._index.age_histogram(now, self.slot_bytes))
+            fields = {"pages": pages, "bytes_used": pages * self.slot_bytes,
+                      "capacity_bytes": self._slots.capacity * self.slot_bytes,
+                      "journal": [self._journal.generation, self._journal.size]}
+        while hist and not hist[-1]:
+            hist.pop()
+        fields["age_hist"] = hist
+        self.published = (now, fields)
+        return fields
+
+    def pool_capacity_bytes(self) -> int:
+        """The pool-wide byte limit the quota keeps: ``capacity_bytes``, or (None) this layout's capacity."""
+        layout_bytes = self._slots.capacity * self.slot_bytes
+        return layout_bytes if self.config.capacity_bytes is None else min(self.config.capacity_bytes, layout_bytes)
 
     def close(self) -> None:
         """Checkpoint, close the journal, the engine and the devices, then release the writer lock: every
@@ -271,9 +298,11 @@ class PageStore(PageShard):
         return slot
 
     def _at_pool_cap(self) -> bool:
-        """Whether one more page would take the pool (own pages + the peers' leased bytes) past its cap."""
+        """Whether one more page would take the pool (own pages + the peers' leased bytes) past its cap, or
+        this writer past the quota's growth limit."""
         own = (len(self._index) + len(self._inflight) + 1) * self.slot_bytes
-        return own + self.peer_bytes() > self._slots.capacity * self.slot_bytes
+        limit = self.grow_limit_bytes
+        return own + self.peer_bytes() > self._slots.capacity * self.slot_bytes or (limit is not None and own > limit)
 
     def _evict_coldest(self, evicted: list[bytes]) -> bool:
         victim = self._index.victim()
@@ -317,6 +346,33 @@ class PageStore(PageShard):
         if records and self.config.durability is not Durability.NONE:
             self._journal.sync()
         return len(records)
+
+    def evict_older_than(self, age_s: float, now: float, limit_bytes: int) -> tuple[int, int]:
+        """The quota's eviction: own pages at least ``age_s`` old at ``now`` (the clock's, as ``usage``
+        published them), in the policy's drop order (chain: deepest first), until ``limit_bytes``; then
+        holes over the freed slots no reader pins. Returns (pages evicted, bytes punched)."""
+        self._check_open()
+        records: list[bytes] = []
+        with self._lock:
+            victims = self._index.victims_older_than(age_s, now, limit_bytes, self.slot_bytes)
+            slots = [s for s in (self._index.slot_of[k] for k in victims) if not self._slots.pinned(s)]
+            for key in victims:
+                self._drop(key, records)
+            self.counters.evictions += len(records)
+            self._journal.append(records)
+            # Crash rule: the DELs are appended before their slots are punched (and the punch is under the
+            # lock, so no put can take a slot in between). A crash losing the unsynced DELs replays a page
+            # over zeros: its checksum fails, a miss, never wrong KV.
+            punched = self._punch(slots)
+        if records and self.config.durability is not Durability.NONE:
+            self._journal.sync()
+        return len(records), punched
+
+    def _punch(self, slots: list[int]) -> int:
+        by_arena: dict[int, list[int]] = {}
+        for slot in slots:
+            by_arena.setdefault(slot % self._ndev, []).append(slot // self._ndev)
+        return sum(self.layout.arenas[a].punch_free(local) for a, local in by_arena.items())
 
     def touch_own(self, keys: Sequence[PageKey]) -> None:
         """Other writers used these pages of ours (their TOUCH records): as warm as our own reads."""

@@ -23,16 +23,15 @@ Rules:
     miss; the peer re-reads that journal and counts it as ``remote_reuse_races``, not as corruption.
   * Never an exception from a peer into callers: a peer whose directory vanishes or whose files go
     ENOENT serves misses; a peer that fails to open is retried on a later refresh. A SIGKILLed writer's
-    pages stay readable (its files are intact; nobody reuses its slots).
+    pages stay readable (its files are intact) until a live writer reclaims its space.
   * Refresh (journal follow of every peer, new directories, the peers' leases) runs at most every
     ``follow_interval_s`` from the calls themselves (there is no thread), and again on a
     ``longest_prefix`` shortfall at most every quarter of that. One refresh at a time; a call finding
     one in progress goes on without waiting.
-  * Pool-wide cap: the own store is told the peers' last leased ``bytes_used`` (``PageStore.peer_bytes``,
-    a number kept here, so the store's reserve path never reads a file). Dead writers count until
-    their pages are removed.
-  * Uses: a hit on a peer's page is journaled as a TOUCH record by the own store (once a minute per
-    key); TOUCH records in the peers' journals naming own pages warm them in the own eviction order.
+  * Pool-wide cap: the own store is told the peers' last leased ``bytes_used`` (``PageStore.peer_bytes``),
+    dead writers' until reclaimed; the quota on top (``quota``, ``store.quota_loop``) runs after each beat.
+  * Uses: a hit on a peer's page is journaled as a TOUCH by the own store (once a minute per key); peers'
+    TOUCHes of own pages stamp them used now (eviction order and the quota's page ages).
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from sgl_kvtier.store.layout import Layout, meta_dir
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.lifecycle import Step, StoreCloseError, run_steps
 from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.quota_loop import QuotaLoop
 from sgl_kvtier.store.read_rates import ReadRates
 from sgl_kvtier.store.reader import PageReader
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
@@ -96,16 +96,17 @@ class SharedPool:
         self._last_shortfall = -float("inf")
         self._closed = False
         self._errlog = RateLimitedLog(log)
-        if own is not None:
-            own.peer_bytes = self._leased_peer_bytes
+        self.quota: QuotaLoop | None = None if own is None else QuotaLoop(own, ns_meta, self._leased_peer_bytes)
 
     # ------------------------------------------------------------------ open / close
     @classmethod
-    def open_writer(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> SharedPool:
-        """Claim a writer directory of ``namespace`` (``store.writers``), open its ``PageStore`` and follow
-        the other writers. Raises what ``PageStore.open`` raises; peers that fail to open are retried later."""
+    def open_writer(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None,
+                    clock: Callable[[], float] | None = None) -> SharedPool:
+        """Claim a writer directory of ``namespace`` (``store.writers``), open its ``PageStore`` (``clock``:
+        its page-age clock) and follow the other writers; the quota runs after each lease beat from here on.
+        Raises what ``PageStore.open`` raises; peers that fail to open are retried later."""
         shared = _telemetry(config)
-        own = PageStore.open(config, namespace, engine=engine, shared=shared)
+        own = PageStore.open(config, namespace, engine=engine, shared=shared, clock=clock)
         pool = cls(config, namespace, own.layout.ns_meta, own, shared)
         pool.refresh(force=True)
         return pool
@@ -136,6 +137,8 @@ class SharedPool:
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
             own, engine, self._engine = self.own, self._engine, None
+        if self.quota is not None:
+            self.quota.stop()  # no quota step while the pool closes
         steps: list[Step] = [(f"peer {p.wid}", p.close) for p in peers]
         if engine is not None:
             steps.append(("unused io engine", engine.close))
@@ -436,9 +439,8 @@ class SharedPool:
 
 
 def _telemetry(config: StoreConfig) -> SharedTelemetry:
-    return SharedTelemetry(StoreCounters(), DeviceHealth(list(config.devices), config.breaker_failures,
-                                                         config.breaker_cooldown_s, config.slow_io_s),
-                           ReadRates(len(config.devices)))
+    health = DeviceHealth(list(config.devices), config.breaker_failures, config.breaker_cooldown_s, config.slow_io_s)
+    return SharedTelemetry(StoreCounters(), health, ReadRates(len(config.devices)))
 
 
 def _valid_key(key: object) -> bool:

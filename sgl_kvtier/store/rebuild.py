@@ -82,7 +82,10 @@ def lock_writer(meta: Path) -> int:
 
     Raises StoreLockedError (a live writer holds it) or DeviceError (not writable)."""
     try:
+        made = [p for p in (meta, *meta.parents) if not p.exists()]
         meta.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for parent in reversed([p.parent for p in made]):
+            _fsync_dir(parent)  # crash rule: a directory made here survives a power cut (its parent synced)
         fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise DeviceError(f"{meta}: not writable ({exc.strerror})") from None
@@ -98,6 +101,14 @@ def lock_writer(meta: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def unlock_writer(fd: int) -> None:

@@ -62,6 +62,10 @@ class SlotTable:
             self._zombies.discard(slot)
             self.release(slot)
 
+    def pinned(self, slot: int) -> bool:
+        """Whether a reader holds ``slot`` now."""
+        return slot in self._pins
+
     def carry_pins(self, old: SlotTable) -> None:
         """Take over ``old``'s pins: this table replaces it while reads still hold slots of it."""
         for slot, count in old._pins.items():

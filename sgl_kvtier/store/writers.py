@@ -11,6 +11,10 @@ until its close. So:
   * N writers starting at once never fail: the loser of ``k`` moves on to ``k + 1``;
   * with ``sharing = "off"`` only ``k = 0`` is tried, and a held lock is ``StoreLockedError`` naming the
     holder's pid (written into ``LOCK`` by the holder).
+A live writer reclaiming a dead one's space (``store.quota_loop``) claims that SPECIFIC wid
+(``claim_writer(..., wid=...)``): the same non-blocking ``flock``, a held lock is ``StoreLockedError`` (the
+writer restarted, or another live writer is reclaiming it). The reclaimer holds it only briefly; a
+restarted instance whose claim races a reclaim simply takes the next free ``k`` (a cold start: fine).
 Hosts never contend for a name: claims only touch the host's own directories, and ``flock`` between
 processes of one host is reliable.
 
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.store.devices import make_dir
 from sgl_kvtier.store.lifecycle import abandon, release_all
 
 WRITER_PREFIX = "w-"
@@ -85,14 +90,18 @@ class WriterClaim:
             release_all([("unlock", partial(fcntl.flock, fd, fcntl.LOCK_UN)), ("close", partial(os.close, fd))])
 
 
-def claim_writer(config: StoreConfig, ns_meta: Path) -> WriterClaim:
-    """Claim the lowest free ``w-<host_id>-<k>`` of the namespace (see the module docstring).
+def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None) -> WriterClaim:
+    """Claim the lowest free ``w-<host_id>-<k>`` of the namespace (see the module docstring), or with
+    ``wid`` that existing writer directory only (a reclaim of a dead writer of this host).
 
-    Raises DeviceError (the meta directory is not writable) or StoreLockedError (``sharing = "off"`` and
-    ``k = 0`` is held; or, absurdly, every one of MAX_WRITERS_PER_HOST directories is held)."""
+    Raises DeviceError (the meta directory is not writable; ``wid``'s directory is not there or not of this
+    host) or StoreLockedError (``sharing = "off"`` and ``k = 0`` is held; ``wid`` is held; or, absurdly,
+    every one of MAX_WRITERS_PER_HOST directories is held)."""
     host = host_id(config)
+    if wid is not None:
+        return _claim_exact(host, ns_meta, wid)
     try:
-        ns_meta.mkdir(mode=0o700, exist_ok=True)
+        make_dir(ns_meta)  # crash rule: durable in its parent before a writer directory is made in it
     except OSError as exc:
         raise DeviceError(f"{ns_meta.parent}: not writable ({exc.strerror})") from None
     last = 1 if config.sharing is Sharing.OFF else MAX_WRITERS_PER_HOST
@@ -122,9 +131,37 @@ def claim_writer(config: StoreConfig, ns_meta: Path) -> WriterClaim:
     raise StoreLockedError(f"{ns_meta}: all {last} writer directories of host {host} are held")
 
 
+def _claim_exact(host: str, ns_meta: Path, wid: str) -> WriterClaim:
+    owner, _, k = wid.rpartition("-")
+    path = ns_meta / writer_dirname(wid)
+    if owner != host or not k.isdigit() or not path.is_dir():
+        raise DeviceError(f"{path}: no writer directory of host {host} to claim")
+    try:
+        fd = os.open(path / "LOCK", os.O_RDWR)
+    except OSError as exc:
+        raise DeviceError(f"{path}: cannot open its LOCK ({exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise StoreLockedError(f"{path}: held by pid {holder}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    claim = WriterClaim(wid, host, int(k), path, fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException as exc:
+        abandon(exc, str(path), [("writer lock", claim.release)])
+        raise
+    return claim
+
+
 def _lock_file(path: Path) -> int:
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
+        make_dir(path)  # crash rule: a second writer's directory survives a power cut with its files
         return os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise DeviceError(f"{path.parent}: not writable ({exc.strerror})") from None

@@ -14,6 +14,12 @@ plus ``device`` (index) and ``path`` for per-device series):
 - the store: pages, bytes used, capacity bytes, each ``StoreCounters`` field as a gauge of its running
   total (``kvtier_store_<field>``), and per device the circuit breaker (0 closed, 0.5 half open: probing,
   1 open) and how often it tripped; read-ahead counters (``kvtier_readahead_<field>``, buffers in use);
+- the shared pool (labels ``pool``, ranks, ``namespace``: the digest of its ``ns-<digest>`` directory):
+  the bytes its pool-wide cap counts and that cap, writers by ``state`` (live / dead / unknown: another
+  host's), and per writer (plus ``wid``, ``host``) its pages, bytes used, lease age and ``live`` (1 / 0;
+  no series for another host's writer, whose liveness is unknown here). The state is no label of the
+  per-writer series: a writer that dies would leave its ``live``-labelled series behind in SGLang's
+  multiprocess files. A writer directory removed since keeps its last values until the process restarts;
 - the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``).
 
 Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
@@ -45,7 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_kvtier.telemetry.counters import ErrorBoundary, ErrorKind, StoreCounters
-from sgl_kvtier.telemetry.snapshot import Breaker, StoreSnapshot, TelemetrySnapshot
+from sgl_kvtier.telemetry.snapshot import Breaker, StoreSnapshot, TelemetrySnapshot, WriterState
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,8 @@ DEFAULT_INTERVAL_S = 1.0
 RANKS = ("tp_rank", "pp_rank", "dp_rank")
 POOL = ("pool", *RANKS)
 DEVICE = (*POOL, "device", "path")
+SHARED = (*POOL, "namespace")
+WRITER = (*SHARED, "wid", "host")
 BREAKER_VALUE = {Breaker.CLOSED: 0.0, Breaker.HALF_OPEN: 0.5, Breaker.OPEN: 1.0}
 COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters))
 # The fields of ``prefetch.ReadAheadCounters`` (a higher layer: named here, checked equal by the tests).
@@ -75,6 +83,13 @@ _GAUGES = (
     *((f"store_{c}", f"StoreCounters.{c}: running total since the store opened", POOL) for c in COUNTERS),
     *((f"readahead_{c}", f"ReadAheadCounters.{c}: pages, running total since the store opened", POOL)
       for c in READAHEAD),
+    ("pool_bytes_used", "Bytes the shared pool's cap counts: own pages + the other writers' leased bytes", SHARED),
+    ("pool_capacity_bytes", "Pool-wide byte cap of the namespace shard, over all its writers", SHARED),
+    ("pool_writers", "Writers of the shared pool by state (live, dead; unknown: another host's)", (*SHARED, "state")),
+    ("writer_pages", "Pages of one writer of the pool (another writer's: its last lease)", WRITER),
+    ("writer_bytes_used", "Bytes of one writer of the pool (another writer's: its last lease)", WRITER),
+    ("writer_lease_age_seconds", "Seconds since one writer's last lease beat (another's: its LEASE mtime)", WRITER),
+    ("writer_live", "1: the writer holds its lock (alive), 0: dead; no series for another host's writer", WRITER),
     ("readahead_buffers_in_use", "Read-ahead staging buffers (one page each) held now", POOL),
     ("prefill_per_token_seconds", "Prefill model: seconds per new token", RANKS),
     ("prefill_per_token_kctx_seconds", "Prefill model: seconds per new token per 1000 tokens of attention span",
@@ -136,6 +151,20 @@ class Exporter:
             self._set("device_read_batch_latency_seconds", device, dev.read.batch_latency_s)
             self._set("device_breaker_state", device, BREAKER_VALUE[dev.breaker])
             self._set("device_breaker_trips", device, dev.trips)
+        if store.namespace:
+            self._update_writers((*pool, store.namespace), store)
+
+    def _update_writers(self, shared: tuple[object, ...], store: StoreSnapshot) -> None:
+        self._set("pool_bytes_used", shared, store.pool_bytes_used)
+        self._set("pool_capacity_bytes", shared, store.pool_capacity_bytes)
+        for state in WriterState:
+            self._set("pool_writers", (*shared, state.value), sum(w.state is state for w in store.writers))
+        for w in store.writers:
+            labels = (*shared, w.wid, w.host)
+            self._set("writer_pages", labels, w.pages)
+            self._set("writer_bytes_used", labels, w.bytes_used)
+            self._set("writer_lease_age_seconds", labels, w.lease_age_s)
+            self._set("writer_live", labels, None if w.state is WriterState.UNKNOWN else w.state is WriterState.LIVE)
 
 
 class ProcessGauges:

@@ -1,8 +1,9 @@
 """A typed, immutable picture of one backend's L3 tier at one moment: what exporters and logs read.
 
 ``KVTierStorage.telemetry()`` builds one ``TelemetrySnapshot`` per call (per pool: the store's occupancy,
-counters, read rates and circuit breakers, and its read-ahead counters; the prefill model; the policy
-switch; the adapter's caught exceptions; the rank labels). Consumers (the Prometheus exporter, the cost
+counters, read rates and circuit breakers, every writer of its shared pool (the own one's usage now, the
+others' from their last leases) and its read-ahead counters; the prefill model; the policy switch; the
+adapter's caught exceptions; the rank labels). Consumers (the Prometheus exporter, the cost
 inputs log line, tests) read only this, never the backend's attributes.
 
 Invariants: frozen dataclasses, counters held as read-only mappings copied at build time; a figure not
@@ -59,9 +60,31 @@ class DeviceSnapshot:
     trips: int
 
 
+class WriterState(enum.Enum):
+    """A writer of a shared pool as seen from this process (``store.writers.writer_alive``)."""
+
+    LIVE = "live"  # its LOCK is held (this host)
+    DEAD = "dead"  # its LOCK is free, or its host rebooted since its lease (this host); its pages stay readable
+    UNKNOWN = "unknown"  # a writer of another host
+
+
+@dataclass(frozen=True)
+class WriterSnapshot:
+    """One writer of the pool: the own one's usage now, another's from its last lease."""
+
+    wid: str
+    host: str
+    state: WriterState
+    pages: int
+    bytes_used: int
+    lease_age_s: float | None = None  # since its last beat (another writer's: its LEASE file's mtime); None: none yet
+    own: bool = False  # this process's writer
+
+
 @dataclass(frozen=True)
 class StoreSnapshot:
-    """One open page-store shard: occupancy, running counters, and read rates (all devices and each)."""
+    """One open page-store shard: occupancy, running counters, and read rates (all devices and each); the
+    shared pool's writers and what its pool-wide cap counts (own usage + the others' leased bytes)."""
 
     pages: int
     bytes_used: int
@@ -69,6 +92,10 @@ class StoreSnapshot:
     read: RateSnapshot
     devices: tuple[DeviceSnapshot, ...] = ()
     counters: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # StoreCounters field -> running total
+    namespace: str = ""  # the namespace digest (hex): the ``ns-<digest>`` directory of the pool
+    writers: tuple[WriterSnapshot, ...] = ()
+    pool_bytes_used: int | None = None  # own bytes + every other writer's leased bytes_used (dead ones too)
+    pool_capacity_bytes: int | None = None  # the pool-wide cap (``capacity_bytes``)
 
 
 @dataclass(frozen=True)
@@ -146,5 +173,5 @@ class TelemetrySnapshot:
                 "pools": pools}
 
 
-__all__ = ["Breaker", "RateSnapshot", "DeviceSnapshot", "StoreSnapshot", "ReadAheadSnapshot", "PoolSnapshot", "PrefillSource",
+__all__ = ["Breaker", "RateSnapshot", "DeviceSnapshot", "WriterState", "WriterSnapshot", "StoreSnapshot", "ReadAheadSnapshot", "PoolSnapshot", "PrefillSource",
            "PrefillSnapshot", "RankLabels", "TelemetrySnapshot", "frozen_counts"]

@@ -38,7 +38,22 @@ def test_shipped_configs_are_valid(path):
 
 def test_expected_configs_exist():
     assert {p.name for p in CONFIGS} >= {"cpu-demo.toml", "nvme-local.toml", "nvmeof-4ns.toml",
-                                          "qwen3-coder-480b-tp8.toml"}
+                                          "qwen3-coder-480b-tp8.toml", "shared-host.toml"}
+
+
+def test_the_shared_host_example_launches_two_servers_on_one_pool():
+    """Both command lines of its comment: one store, one pool-wide cap, sharing on; the two-hosts note says
+    that case is not supported (and ships no config that would look as if it were)."""
+    path = ROOT / "configs" / "shared-host.toml"
+    text = path.read_text()
+    cmds = [line.split("#", 1)[1].strip() for line in text.splitlines() if "sgl-kvtier launch" in line]
+    assert len(cmds) == 2 and len({c.split(" -- ", 1)[1] for c in cmds}) == 2  # ports / GPUs differ
+    doc = load(path)
+    extras = [extra_of(build_command(doc, c.split(" -- ", 1)[1].split(), gpu=True, make_model=False)[0]) for c in cmds]
+    assert extras[0] == extras[1] and extras[0]["sharing"] == "host" and extras[0]["capacity_bytes"] > 0
+    note = (ROOT / "configs" / "two-hosts.md").read_text()
+    assert "NOT SUPPORTED" in note and "shared-host.toml" in note
+    assert not any("two-host" in p.name for p in CONFIGS)
 
 
 def test_cpu_flags_and_flag_spelling(tmp_path):

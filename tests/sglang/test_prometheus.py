@@ -29,22 +29,28 @@ RANKS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
 KV = {"pool": "kv", **RANKS}
 
 
+def make_backend(tmp_path, seed: int = 21) -> KVTierStorage:
+    """Our backend on a real host pool, its shard striped over ``tmp_path``/d0 and d1 (made if missing)."""
+    devices = [tmp_path / "d0", tmp_path / "d1"]
+    for d in devices:
+        d.mkdir(exist_ok=True)
+    pool = mha_host_pool("page_first")
+    fill_random(pool, seed=seed)
+    page_bytes = pool.get_dummy_flat_data_page().numel() * 2
+    cfg = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
+           "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes,
+           "readahead_bytes": 256 << 20, "follow_interval_s": 0.0}  # read-ahead is off by default; tested here
+    b = KVTierStorage(storage_config(cfg), {})
+    b.register_mem_pool_host(pool)
+    b.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
+    return b
+
+
 @pytest.fixture
 def backend(tmp_path, monkeypatch):
     """Our backend on a real host pool, its shard striped over two directories, the cost policy off."""
     monkeypatch.delenv(ENV_POLICY, raising=False)
-    devices = [tmp_path / "d0", tmp_path / "d1"]
-    for d in devices:
-        d.mkdir()
-    pool = mha_host_pool("page_first")
-    fill_random(pool, seed=21)
-    page_bytes = pool.get_dummy_flat_data_page().numel() * 2
-    cfg = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-           "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes,
-           "readahead_bytes": 256 << 20}  # read-ahead is off by default; its gauges are tested here
-    b = KVTierStorage(storage_config(cfg), {})
-    b.register_mem_pool_host(pool)
-    b.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
+    b = make_backend(tmp_path)
     b.cost.prefill = PrefillSampler(estimator=PrefillEstimator(min_samples=2))
     yield b
     b.close()
@@ -104,6 +110,44 @@ def test_gauges_show_the_store_and_the_measured_inputs(backend):
     assert value("kvtier_prefill_samples", RANKS) == 2
     assert value("kvtier_prefill_per_token_seconds", RANKS) == pytest.approx(1e-4)
     assert value("kvtier_boundary_errors", {**RANKS, "kind": "expected"}) == 1
+
+
+def test_gauges_show_every_writer_of_the_shared_pool(backend, tmp_path):
+    """A second backend on the same devices (another server on this host) shares the pool: each writer
+    has its series, the other one's from its lease; once it closes it is dead (live 0), its pages stay."""
+    registry = CollectorRegistry()
+    exporter = prometheus.Exporter(registry)
+    value = registry.get_sample_value
+    other = make_backend(tmp_path, seed=22)
+    try:
+        fill(backend, 8)
+        peer_keys = [f"{i + 100:064x}" for i in range(4)]
+        assert other.batch_set_v1(peer_keys, slots(range(4))) == [True] * 4
+        other.kv.store.own.lease.beat()  # its lease now says 4 pages (beats run every heartbeat_s otherwise)
+        store = backend.kv.store
+        assert store.refresh(force=True)
+        exporter.update(backend.telemetry())
+        shared = {**KV, "namespace": store.namespace.digest().hex()}
+        slot, cap = store.slot_bytes, store.config.capacity_bytes
+        mine = {**shared, "wid": store.wid, "host": store.own.claim.host_id}
+        theirs = {**shared, "wid": other.kv.store.wid, "host": other.kv.store.own.claim.host_id}
+        assert store.wid != other.kv.store.wid
+        assert value("kvtier_writer_pages", mine) == 8 and value("kvtier_writer_pages", theirs) == 4
+        assert value("kvtier_writer_bytes_used", mine) == 8 * slot and value("kvtier_writer_bytes_used", theirs) == 4 * slot
+        assert value("kvtier_writer_live", mine) == value("kvtier_writer_live", theirs) == 1
+        assert 0 <= value("kvtier_writer_lease_age_seconds", theirs) < 600
+        assert value("kvtier_writer_lease_age_seconds", mine) >= 0
+        assert value("kvtier_pool_bytes_used", shared) == 12 * slot
+        assert value("kvtier_pool_capacity_bytes", shared) == cap > 0
+        assert value("kvtier_pool_writers", {**shared, "state": "live"}) == 2
+        assert value("kvtier_pool_writers", {**shared, "state": "dead"}) == 0
+    finally:
+        other.close()
+    store.refresh(force=True)
+    exporter.update(backend.telemetry())
+    assert value("kvtier_writer_live", theirs) == 0 and value("kvtier_writer_pages", theirs) == 4
+    assert value("kvtier_pool_writers", {**shared, "state": "live"}) == 1
+    assert value("kvtier_pool_writers", {**shared, "state": "dead"}) == 1
 
 
 def test_get_stats_refreshes_the_gauges_once_per_interval(backend, monkeypatch, tmp_path):

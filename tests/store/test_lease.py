@@ -66,7 +66,7 @@ def test_the_store_beats_on_its_thread_and_stops_it_at_close(tmp_path):
     store.lease.beat()
     got = read_lease(store.layout.meta / "LEASE")
     assert got is not None and got["pages"] == 1 and got["bytes_used"] == store.slot_bytes
-    assert got["capacity_bytes"] == store.stats().capacity_bytes and got["age_hist"] == []
+    assert got["capacity_bytes"] == store.stats().capacity_bytes and got["age_hist"] == [store.slot_bytes]  # one page, age bucket 0
     gen, size = got["journal"]
     assert gen == store._journal.generation and size == store._journal.path.stat().st_size
     store.close()

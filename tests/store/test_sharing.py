@@ -146,8 +146,9 @@ def test_put_skips_keys_a_peer_holds(tmp_path, procs):
 
 def test_the_pool_cap_is_held_by_two_writers(tmp_path, procs):
     a, b = procs(2)
-    opened(a, tmp_path, capacity_pages=16, eviction="lru")
-    opened(b, tmp_path, capacity_pages=16, eviction="lru")
+    quota_off = {"quota_high": 1.0, "quota_low": 1.0}  # the hard cap alone (the quota: test_quota_pool.py)
+    opened(a, tmp_path, capacity_pages=16, eviction="lru", **quota_off)
+    opened(b, tmp_path, capacity_pages=16, eviction="lru", **quota_off)
     assert a.call("put", keys=list(range(12)))["ok"] == [True] * 12
     a.call("beat")  # A's lease now says 12 pages
     b.call("refresh")

@@ -27,6 +27,8 @@ from sgl_kvtier.telemetry.snapshot import (
     ReadAheadSnapshot,
     StoreSnapshot,
     TelemetrySnapshot,
+    WriterSnapshot,
+    WriterState,
     frozen_counts,
 )
 
@@ -44,6 +46,9 @@ NAMES = {
     *(f"readahead_{c}" for c in ("staged", "served", "joined", "failed", "dropped", "skipped_full")),
     "readahead_buffers_in_use", "prefill_per_token_seconds", "prefill_per_token_kctx_seconds",
     "prefill_fixed_seconds", "prefill_samples", "cost_policy_enabled", "boundary_errors",
+    # the shared pool (#12)
+    "pool_bytes_used", "pool_capacity_bytes", "pool_writers", "writer_pages", "writer_bytes_used",
+    "writer_lease_age_seconds", "writer_live",
 }
 
 
@@ -73,6 +78,8 @@ def test_every_gauge_keeps_its_name_and_labels():
     assert labels["device_breaker_state"] == ("pool", "tp_rank", "pp_rank", "dp_rank", "device", "path")
     assert labels["prefill_samples"] == ("tp_rank", "pp_rank", "dp_rank")
     assert labels["boundary_errors"] == ("tp_rank", "pp_rank", "dp_rank", "kind")
+    assert labels["writer_live"] == ("pool", "tp_rank", "pp_rank", "dp_rank", "namespace", "wid", "host")
+    assert labels["pool_writers"] == ("pool", "tp_rank", "pp_rank", "dp_rank", "namespace", "state")
 
 
 def test_gauges_show_the_snapshot():
@@ -99,6 +106,31 @@ def test_gauges_show_the_snapshot():
     assert value("kvtier_cost_policy_enabled", RANKS) == 1
     assert value("kvtier_boundary_errors", {**RANKS, "kind": "expected"}) == 3
     assert value("kvtier_boundary_errors", {**RANKS, "kind": "unexpected"}) == 1
+
+
+def test_gauges_show_every_writer_of_the_shared_pool():
+    writers = (WriterSnapshot("a-0", "a", WriterState.LIVE, 8, 8 * PAGE, 0.5, own=True),
+               WriterSnapshot("a-1", "a", WriterState.DEAD, 3, 3 * PAGE, 40.0),
+               WriterSnapshot("b-0", "b", WriterState.UNKNOWN, 5, 5 * PAGE, None))
+    base = snapshot()
+    store = dataclasses.replace(base.pools[0].store, namespace="ab" * 16, writers=writers,
+                                pool_bytes_used=16 * PAGE, pool_capacity_bytes=32 * PAGE)
+    registry = CollectorRegistry()
+    prometheus.Exporter(registry).update(dataclasses.replace(base, pools=(PoolSnapshot("kv", PAGE, store),)))
+    value = registry.get_sample_value
+    shared = {**KV, "namespace": "ab" * 16}
+    assert value("kvtier_pool_bytes_used", shared) == 16 * PAGE
+    assert value("kvtier_pool_capacity_bytes", shared) == 32 * PAGE
+    assert [value("kvtier_pool_writers", {**shared, "state": s}) for s in ("live", "dead", "unknown")] == [1, 1, 1]
+    a0, a1, b0 = ({**shared, "wid": w, "host": h} for w, h in (("a-0", "a"), ("a-1", "a"), ("b-0", "b")))
+    assert [value("kvtier_writer_pages", w) for w in (a0, a1, b0)] == [8, 3, 5]
+    assert [value("kvtier_writer_bytes_used", w) for w in (a0, a1, b0)] == [8 * PAGE, 3 * PAGE, 5 * PAGE]
+    assert [value("kvtier_writer_lease_age_seconds", w) for w in (a0, a1, b0)] == [0.5, 40.0, None]
+    assert [value("kvtier_writer_live", w) for w in (a0, a1, b0)] == [1, 0, None]  # another host's: unknown
+    # A snapshot without a shared pool (no namespace) exports none of these.
+    empty = CollectorRegistry()
+    prometheus.Exporter(empty).update(snapshot())
+    assert empty.get_sample_value("kvtier_pool_writers", {**KV, "namespace": "", "state": "live"}) is None
 
 
 def test_an_unmeasured_prefill_model_has_no_series():

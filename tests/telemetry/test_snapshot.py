@@ -17,6 +17,8 @@ from sgl_kvtier.telemetry.snapshot import (
     RateSnapshot,
     StoreSnapshot,
     TelemetrySnapshot,
+    WriterSnapshot,
+    WriterState,
     frozen_counts,
 )
 
@@ -49,3 +51,15 @@ def test_cost_inputs_list_open_pools_only():
                                      {"path": "/d1", "bandwidth_Bps": None, "batch_latency_s": None, "samples": 0}]}},
     }
     json.dumps(snap.cost_inputs())  # log- and JSON-ready
+
+
+def test_a_store_snapshot_carries_the_pools_writers():
+    writers = (WriterSnapshot("h-0", "h", WriterState.LIVE, 2, 8192, 0.1, own=True),
+               WriterSnapshot("h-1", "h", WriterState.DEAD, 1, 4096))
+    store = StoreSnapshot(3, 3 * 4096, 8 * 4096, RateSnapshot(), namespace="ab" * 16, writers=writers,
+                          pool_bytes_used=3 * 4096, pool_capacity_bytes=8 * 4096)
+    assert [w.wid for w in store.writers if w.own] == ["h-0"] and store.writers[1].lease_age_s is None
+    assert {s.value for s in WriterState} == {"live", "dead", "unknown"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        writers[0].pages = 5  # type: ignore[misc]
+    assert StoreSnapshot(0, 0, 0, RateSnapshot()).writers == ()  # a snapshot without a pool: no writers
