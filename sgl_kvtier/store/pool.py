@@ -65,7 +65,7 @@ from sgl_kvtier.store.writers import host_id, writer_alive, writer_dirs
 from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters, StoreStats
 
 log = logging.getLogger(__name__)
-PEER_RETRY_S = 5.0  # a writer directory that failed to open is tried again after this long
+PEER_RETRY_S, SHORTFALL_WAIT_S = 5.0, 1.0  # a peer failing to open is retried after; a shortfall waits
 _PEER_ERRORS = (OSError, KVTierError)
 _T = TypeVar("_T")
 
@@ -232,14 +232,14 @@ class SharedPool:
         return self._peer_bytes
 
     # ------------------------------------------------------------------ refresh
-    def refresh(self, force: bool = False) -> bool:
+    def refresh(self, force: bool = False, wait_s: float = 0.0) -> bool:
         """Follow every peer's journal, open new writer directories, read the leases; at most every
-        ``follow_interval_s`` unless ``force``. True if any peer's pages changed. Never raises."""
+        ``follow_interval_s`` unless ``force``; ``wait_s``: wait that long for another thread's refresh.
+        True if any peer's pages changed. Never raises."""
         now = self.clock()
-        if not force and now - self._last_refresh < self.config.follow_interval_s:
-            return False
-        if not self._refreshing.acquire(blocking=False):
-            return False  # another thread is refreshing right now
+        if (not force and now - self._last_refresh < self.config.follow_interval_s) or not \
+                self._refreshing.acquire(timeout=wait_s if wait_s > 0 else -1, blocking=wait_s > 0):
+            return False  # fresh enough, or another thread is refreshing right now
         try:
             if self._closed:
                 return False
@@ -290,7 +290,8 @@ class SharedPool:
         if now - self._last_shortfall < self.config.follow_interval_s / 4:
             return False
         self._last_shortfall = now
-        return self.refresh(force=True)
+        # A lookup that falls short must see the peers as of now: wait for a refresh in flight elsewhere.
+        return self.refresh(force=True, wait_s=SHORTFALL_WAIT_S)
 
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
