@@ -34,7 +34,7 @@ import numpy as np
 from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.keys import KEY_BYTES, PageKey
 from sgl_kvtier.store import format as fmt
-from sgl_kvtier.store.devices import write_file_atomic
+from sgl_kvtier.store.devices import fsync_dir, write_file_atomic
 from sgl_kvtier.store.lifecycle import Step, abandon
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class Journal:
             if fresh:
                 os.write(self._fd, fmt.journal_file_header(generation))
                 os.fsync(self._fd)
-                _fsync_dir(meta)
+                fsync_dir(meta)
                 self.size = fmt.JOURNAL_FILE_HEADER_BYTES
         except BaseException as exc:
             # Crash rule: a journal whose header did not make it (ENOSPC, EIO) holds no record; it is removed
@@ -322,12 +322,5 @@ def write_checkpoint(meta: Path, keys: list[PageKey], slots: np.ndarray, checksu
     for gen in journal_generations(meta):
         if gen < generation:
             journal_path(meta, gen).unlink(missing_ok=True)
-    _fsync_dir(meta)
+    fsync_dir(meta)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -43,7 +43,7 @@ from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
-from sgl_kvtier.store.devices import Arena, DirectoryArena
+from sgl_kvtier.store.devices import Arena, DirectoryArena, fsync_dir
 from sgl_kvtier.store.layout import Layout, save_config
 from sgl_kvtier.store.lifecycle import release_all
 
@@ -85,7 +85,7 @@ def lock_writer(meta: Path) -> int:
         made = [p for p in (meta, *meta.parents) if not p.exists()]
         meta.mkdir(mode=0o700, parents=True, exist_ok=True)
         for parent in reversed([p.parent for p in made]):
-            _fsync_dir(parent)  # crash rule: a directory made here survives a power cut (its parent synced)
+            fsync_dir(parent)  # crash rule: a directory made here survives a power cut (its parent synced)
         fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise DeviceError(f"{meta}: not writable ({exc.strerror})") from None
@@ -102,13 +102,6 @@ def lock_writer(meta: Path) -> int:
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def unlock_writer(fd: int) -> None:
