@@ -13,7 +13,8 @@ hard-linked into place), so two writers opening a new namespace at the same mome
 
 Refusals (``StoreFormatError``): a format-1 store (its pages are a cache: remove them), a header whose
 ``parts`` is not one part per page, and a writer directory whose metadata is gone (segments holding data
-but neither ``checkpoint.bin`` nor any journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
+(or, on a raw device, a region whose first slot holds a page) but neither ``checkpoint.bin`` nor any
+journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
 a new writer would otherwise overwrite pages it does not know about). The writer lock itself is
 ``store.writers``.
 """
@@ -115,11 +116,42 @@ def check_meta_present(config: StoreConfig, namespace: Namespace, meta: Path, wi
         return
     for dev in config.devices:
         seg_dir = Path(dev) / namespace.dirname() / writer_dirname(wid)
-        if os.path.isdir(dev) and any(p.stat().st_size > 0 for p in seg_dir.glob("seg-*.dat")):
+        if os.path.isdir(dev):
+            held = any(p.stat().st_size > 0 for p in seg_dir.glob("seg-*.dat"))
+        else:
+            held, seg_dir = _region_holds_pages(dev, namespace, wid), Path(f"{dev} (region of writer {wid})")
+        if held:
             raise StoreFormatError(
                 f"{meta}: the journal and checkpoint of writer {wid} are gone but {seg_dir} still holds pages; "
                 f"rebuild its index from the pages with `sgl-kvtier fsck --rebuild {meta.parent}`, "
                 f"or remove {seg_dir} (its pages are a cache)")
+
+
+def _region_holds_pages(dev: str, namespace: Namespace, wid: str) -> bool:
+    """Whether a raw device has a region of writer ``wid`` whose first slot carries one of the namespace's
+    trailers. Slots are handed out lowest first and raw devices keep their bytes, so a region that ever
+    held a page holds a trailer there; a region claimed by a writer that crashed before its first page
+    (claimed before its first journal existed) holds none and is not refused."""
+    try:
+        fd = os.open(dev, os.O_RDONLY)
+    except OSError:
+        return False  # open_layout reports the device itself
+    try:
+        head = os.pread(fd, fmt.BLOCK_HEADER_BYTES, 0)
+        if head[:len(fmt.REGION_MAGIC)] != fmt.REGION_MAGIC:
+            return False
+        table = fmt.unpack_header(fmt.REGION_MAGIC, head, dev)
+        digest = namespace.digest()
+        for region in table.get("regions", []):
+            if region.get("ns") == digest and region.get("wid") == wid:
+                slot = os.pread(fd, fmt.slot_bytes_for(namespace.page_bytes), region["offset"])
+                trailer = fmt.unpack_trailer(slot[namespace.page_bytes:])
+                return trailer is not None and trailer.ns_digest == digest
+        return False
+    except (OSError, CorruptRecordError, KeyError, TypeError):
+        return False  # a damaged table is refused by open_layout with its own message
+    finally:
+        os.close(fd)
 
 
 def _read_header(path: Path) -> dict[str, Any]:

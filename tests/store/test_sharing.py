@@ -314,6 +314,38 @@ def test_meta_gone_is_refused_naming_fsck_rebuild(tmp_path, separate_meta):
         SharedPool.open_writer(config, ns)
 
 
+def test_meta_gone_on_a_raw_device_is_refused_naming_fsck_rebuild_and_rebuilt(tmp_path):
+    """A raw device keeps its journal in ``meta_dir``: with that gone, the writer's region still holds
+    pages, so the open is refused; ``fsck --rebuild`` indexes them again and every page reads back exact.
+    A region claimed by a writer that stored nothing is not refused."""
+    from sgl_kvtier.store.fsck import find_shards, rebuild_shard
+
+    ns = namespace(PAGE)
+    disk = tmp_path / "disk.img"
+    with open(disk, "wb") as f:
+        f.truncate(8 << 20)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    config = store_config(disk, page_bytes=PAGE, meta_dir=str(meta), capacity_pages=16)
+    wid = _write_pages(config, ns, 8)
+    shutil.rmtree(meta / ns.dirname() / f"w-{wid}")
+    with pytest.raises(StoreFormatError, match=r"region of writer .*sgl-kvtier fsck --rebuild "):
+        SharedPool.open_writer(config, ns)
+    (meta / ns.dirname() / f"w-{wid}").mkdir(exist_ok=True)  # what the refused open left: an empty directory
+    for shard in find_shards(meta):
+        rebuild_shard(shard)
+    mem = HostMemory(8, PAGE)
+    with SharedPool.open_writer(config, ns) as pool:
+        assert pool.get([key(n) for n in range(8)], [mem.runs(n) for n in range(8)]) == [True] * 8
+    expected = HostMemory(8, PAGE)
+    assert [mem.page(n).tobytes() for n in range(8)] == [expected.fill(n, n) for n in range(8)]
+    empty = namespace(PAGE, model="claimed-but-empty")
+    with SharedPool.open_writer(config, empty) as pool:
+        empty_wid = pool.wid
+    shutil.rmtree(meta / empty.dirname() / f"w-{empty_wid}")
+    SharedPool.open_writer(config, empty).close()  # its region holds no page: nothing to lose, opens
+
+
 def test_a_reader_pool_waits_for_a_first_writer(tmp_path):
     with pytest.raises(DeviceError, match="no store here"):
         SharedPool.open_reader(store_config(tmp_path, page_bytes=PAGE), namespace(PAGE))
