@@ -58,8 +58,10 @@ def test_a_failing_beat_never_raises_from_the_thread(tmp_path):
 
 def test_the_store_beats_on_its_thread_and_stops_it_at_close(tmp_path):
     mem = HostMemory(2)
+    before = {t for t in threading.enumerate() if t.name == THREAD_NAME}  # other tests' open stores, if any
     store = open_store(tmp_path, heartbeat_s=600.0)  # the thread never beats on its own during the test
-    assert any(t.name == THREAD_NAME for t in threading.enumerate())
+    mine = {t for t in threading.enumerate() if t.name == THREAD_NAME} - before
+    assert len(mine) == 1
     mem.fill(0, 1)
     assert store.put([key(1)], [mem.runs(0)]) == [True]
     assert store.lease is not None
@@ -70,4 +72,4 @@ def test_the_store_beats_on_its_thread_and_stops_it_at_close(tmp_path):
     gen, size = got["journal"]
     assert gen == store._journal.generation and size == store._journal.path.stat().st_size
     store.close()
-    assert not any(t.name == THREAD_NAME for t in threading.enumerate())
+    assert not any(t.is_alive() for t in mine)
