@@ -97,6 +97,15 @@ def generate_on(srv: SGLangServer, text: str, dp_rank: int) -> dict[str, Any]:
     return out
 
 
+def why_no_hit(srv: SGLangServer, log: Path) -> str:
+    """What a failed storage-hit assertion shows: the server's prefetch and pool figures, its kvtier log."""
+    status, raw = srv.request("GET", "/metrics")
+    figures = [line for line in raw.decode(errors="replace").splitlines()
+               if not line.startswith("#") and ("prefetch" in line or "kvtier_pool" in line or "kvtier_writer" in line)]
+    kvtier = [line for line in read(log).splitlines() if "kvtier" in line.lower()]
+    return "\n".join([f"/metrics {status}:", *figures, "log:", *kvtier[-40:]])
+
+
 def read(log: Path) -> str:
     return log.read_text(errors="replace")
 
@@ -114,7 +123,7 @@ def test_two_servers_share_one_store_and_a_killed_writer_leaves_the_other_correc
         assert storage(a_cold) == 0 and a_cold["meta_info"]["cached_tokens"] == 0
         assert a.wait_metric(BACKED_UP, HIT, timeout_s=180) == HIT
         b_warm = b.generate(p)
-        assert details(b_warm) == {**details(b_warm), "device": 0, "host": 0, "storage": HIT}, details(b_warm)
+        assert details(b_warm) == {**details(b_warm), "device": 0, "host": 0, "storage": HIT}, why_no_hit(b, logs[1])
         assert b_warm["output_ids"] == a_cold["output_ids"] and b_warm["text"] == a_cold["text"]
 
         # (d) A dies while it writes: four backup ops queued, at least one done, not all.
