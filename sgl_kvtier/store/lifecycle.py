@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
+from typing import Self
 
 from sgl_kvtier.errors import KVTierError
 
@@ -104,6 +105,30 @@ def abandon(error: BaseException, what: str, steps: Iterable[Step]) -> None:
     interrupt = _first_interrupt(failures)
     if interrupt is not None:
         raise interrupt
+
+
+class ClosedOnExit:
+    """``close`` as a context manager: a clean exit closes; an exit by an error closes too and keeps that
+    error, the close's own failure riding along as its note (and logged). ``CLOSING`` names the thing."""
+
+    CLOSING = "the resource"
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:  # the block's own error is the one to see; this one rides along
+            exc.add_note(f"closing {self.CLOSING} failed too: {close_error!r}")
+            log.warning("closing %s after an error failed too: %r", self.CLOSING, close_error)
 
 
 class Acquired:

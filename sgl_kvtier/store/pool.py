@@ -43,8 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, KVTierError, StoreClosedError
@@ -55,7 +54,7 @@ from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout, meta_dir
 from sgl_kvtier.store.lease import LEASE, read_lease
-from sgl_kvtier.store.lifecycle import Step, StoreCloseError, run_steps
+from sgl_kvtier.store.lifecycle import ClosedOnExit, Step, StoreCloseError, run_steps
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.quota_loop import QuotaLoop
 from sgl_kvtier.store.read_rates import ReadRates
@@ -70,8 +69,10 @@ _PEER_ERRORS = (OSError, KVTierError)
 _T = TypeVar("_T")
 
 
-class SharedPool:
+class SharedPool(ClosedOnExit):
     """The merged view over every writer of one namespace shard (see the module docstring)."""
+
+    CLOSING = "the pool"
 
     def __init__(self, config: StoreConfig, namespace: Namespace, ns_meta: Path, own: PageStore | None,
                  shared: SharedTelemetry, *, engine: IOEngine | None = None,
@@ -153,19 +154,6 @@ class SharedPool:
         if len(failures) == 1:
             raise failures[0][1]
         raise StoreCloseError(f"the pool of {self.namespace.dirname()}", failures) from failures[0][1]
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as close_error:  # the block's own error is the one to see
-            exc.add_note(f"closing the pool failed too: {close_error!r}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -38,8 +38,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Self
 
 from sgl_kvtier.config import Durability, StoreConfig
 from sgl_kvtier.errors import StoreClosedError
@@ -51,7 +49,7 @@ from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout
-from sgl_kvtier.store.lifecycle import Acquired, Step, close_all
+from sgl_kvtier.store.lifecycle import Acquired, ClosedOnExit, Step, close_all
 from sgl_kvtier.store.read_rates import ReadRates
 from sgl_kvtier.store.slots import SlotTable
 from sgl_kvtier.store.transfer import PageIO, ReadVerdict, SlotIdentity
@@ -118,9 +116,11 @@ class SharedTelemetry:
     read_rates: ReadRates
 
 
-class PageShard(abc.ABC):
+class PageShard(ClosedOnExit, abc.ABC):
     """An open namespace shard: its index, slots and devices, and the verified read path (see the module
     docstring). Open one through ``PageReader.open`` or ``PageStore.open``."""
+
+    CLOSING = "the shard"
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, recovered: jr.Recovered,
                  capacity: int, engine: IOEngine, *, identity: SlotIdentity | None = None,
@@ -169,20 +169,6 @@ class PageShard(abc.ABC):
     def _release_steps(self) -> list[Step]:
         """What releases everything the shard holds, newest first (also a failed open's clean-up)."""
         return [("io engine", self._io.close), ("devices", self.layout.close)]
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as close_error:  # the block's own error is the one to see; this one rides along
-            exc.add_note(f"closing the shard failed too: {close_error!r}")
-            log.warning("closing %s after an error failed too: %r", self.layout.meta, close_error)
 
     def _check_open(self) -> None:
         if self._closed:
