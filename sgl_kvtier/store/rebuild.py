@@ -46,6 +46,7 @@ from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.devices import Arena, DirectoryArena, fsync_dir
 from sgl_kvtier.store.layout import Layout, save_config
 from sgl_kvtier.store.lifecycle import release_all
+from sgl_kvtier.store.writers import try_lock
 
 log = logging.getLogger(__name__)
 READ_BYTES = 8 << 20  # bytes per sequential read
@@ -89,19 +90,10 @@ def lock_writer(meta: Path) -> int:
         fd = os.open(meta / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise DeviceError(f"{meta}: not writable ({exc.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreLockedError(f"{meta}: open for writing by pid {holder}; stop that writer to rebuild it") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    holder = try_lock(fd, meta)
+    if holder is not None:
+        raise StoreLockedError(f"{meta}: open for writing by pid {holder}; stop that writer to rebuild it")
     return fd
-
 
 
 def unlock_writer(fd: int) -> None:

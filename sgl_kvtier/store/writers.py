@@ -109,25 +109,12 @@ def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None) -> 
         wid = f"{host}-{k}"
         path = ns_meta / writer_dirname(wid)
         fd = _lock_file(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            if config.sharing is Sharing.OFF:
-                raise StoreLockedError(f"{path}: already open for writing by pid {holder}; one writer process "
-                                       "per namespace shard (sharing = \"off\")") from None
-            continue
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except BaseException as exc:
-            abandon(exc, str(path), [("writer lock", WriterClaim(wid, host, k, path, fd).release)])
-            raise
-        return WriterClaim(wid, host, k, path, fd)
+        holder = try_lock(fd, path)
+        if holder is None:
+            return WriterClaim(wid, host, k, path, fd)
+        if config.sharing is Sharing.OFF:
+            raise StoreLockedError(f"{path}: already open for writing by pid {holder}; one writer process "
+                                   "per namespace shard (sharing = \"off\")")
     raise StoreLockedError(f"{ns_meta}: all {last} writer directories of host {host} are held")
 
 
@@ -140,23 +127,32 @@ def _claim_exact(host: str, ns_meta: Path, wid: str) -> WriterClaim:
         fd = os.open(path / "LOCK", os.O_RDWR)
     except OSError as exc:
         raise DeviceError(f"{path}: cannot open its LOCK ({exc.strerror})") from None
+    holder = try_lock(fd, path)
+    if holder is not None:
+        raise StoreLockedError(f"{path}: held by pid {holder}")
+    return WriterClaim(wid, host, int(k), path, fd)
+
+
+def try_lock(fd: int, where: Path) -> str | None:
+    """Take the writer lock on ``fd`` (an open ``LOCK``: ``flock`` exclusive, non-blocking) and record
+    this pid in it. None once taken; where another process holds it, that process's pid as recorded (or
+    "another process"), with ``fd`` closed. A failure after the lock was taken releases it and ``fd``."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise StoreLockedError(f"{path}: held by pid {holder}") from None
+        return holder
     except BaseException:
         os.close(fd)
         raise
-    claim = WriterClaim(wid, host, int(k), path, fd)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
     except BaseException as exc:
-        abandon(exc, str(path), [("writer lock", claim.release)])
+        abandon(exc, str(where), [("writer lock", WriterClaim("", "", 0, where, fd).release)])
         raise
-    return claim
+    return None
 
 
 def _lock_file(path: Path) -> int:
