@@ -54,6 +54,10 @@ class Sharing(str, enum.Enum):
     """Whether several writer processes may share one namespace's pool."""
 
     HOST = "host"  # any number of writers on this host (servers, DP replicas): each its own segments and journal
+    # Writers on several hosts over one shared filesystem (NFSv4.1+, Lustre, GPFS, CephFS, 3FS): as "host",
+    # plus liveness of other hosts' writers by their lease counters on the observer's clock, retirement of
+    # dead ones, journal reads bounded by what each lease announced, O_DIRECT data (see store.liveness).
+    CLUSTER = "cluster"
     OFF = "off"  # one writer per namespace shard; a second one fails at start-up naming the holder
 
 
@@ -96,7 +100,8 @@ class StoreConfig:
     breaker_cooldown_s: float = 5.0
     # An IO slower than this counts as a failure for the breaker.
     slow_io_s: float = 2.0
-    # Many writers on one pool: "host" (default) or "off" (see ``Sharing``).
+    # Many writers on one pool: "host" (default), "cluster" (several hosts on a shared filesystem) or "off"
+    # (see ``Sharing``).
     sharing: Sharing = Sharing.HOST
     # This host's name in writer ids (``w-<host_id>-<k>``); unique per host. None: the hostname.
     host_id: str | None = None
@@ -104,6 +109,15 @@ class StoreConfig:
     heartbeat_s: float = 2.0
     # Other writers' journals and leases are re-read at most this often (and on a lookup that falls short).
     follow_interval_s: float = 0.2
+    # sharing = "cluster": a writer of another host whose lease has not advanced for this long, on the
+    # observer's own clock, is dead (its pages stay readable; its bytes stop counting as live).
+    dead_after_s: float = 60.0
+    # sharing = "cluster": a writer of another host dead this long is retired by a live writer (fenced, its
+    # files deleted), or sooner when the pool quota needs its bytes.
+    reclaim_after_s: float = 900.0
+    # sharing = "cluster" on a filesystem that only one host may mount (ext4, XFS, btrfs, tmpfs, ...) is
+    # refused at open unless this is true (one host trying cluster mode out; never for two hosts).
+    allow_local_fs: bool = False
     # Pool quota (``policy.quota``): once every writer's bytes together pass ``quota_high * capacity_bytes``,
     # the writers evict their oldest pages (dead writers' first) down to ``quota_low * capacity_bytes``;
     # each live writer keeps its youngest ``min_share_bytes`` (a newcomer may grow to it).
@@ -154,6 +168,15 @@ class StoreConfig:
             raise ConfigError("quota_low", f"must be in (0, quota_high = {self.quota_high}], got {self.quota_low}")
         if self.min_share_bytes < 0:
             raise ConfigError("min_share_bytes", f"must be 0 or a byte count, got {self.min_share_bytes}")
+        if not (3 * self.heartbeat_s if self.sharing is Sharing.CLUSTER else 0) < self.dead_after_s <= 86_400:
+            raise ConfigError("dead_after_s", f"must be at least 3 heartbeats ({3 * self.heartbeat_s:g} s) and at "
+                                              f"most a day, got {self.dead_after_s}")
+        if not self.dead_after_s <= self.reclaim_after_s <= 30 * 86_400:
+            raise ConfigError("reclaim_after_s", f"must be in [dead_after_s = {self.dead_after_s:g}, 30 days] "
+                                                 f"seconds, got {self.reclaim_after_s}")
+        if self.sharing is Sharing.CLUSTER and self.direct_io is DirectIO.OFF:
+            raise ConfigError("direct_io", 'must be "on" or "auto" (meaning "on") with sharing = "cluster": another '
+                                           "host's writes are only seen past the page cache")
         if self.host_id is not None and not _HOST_ID.fullmatch(self.host_id):
             raise ConfigError("host_id", f"must be 1-64 of [A-Za-z0-9._] (no '-'), got {self.host_id!r}")
         self.throttle_spec()
@@ -208,6 +231,10 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
         except ValueError:
             choices = ", ".join(m.value for m in enum_type)
             raise ConfigError(name, f"expected one of {choices}, got {raw!r}") from None
+    if kind == "bool":
+        if not isinstance(raw, bool):
+            raise ConfigError(name, f"expected true or false, got {raw!r}")
+        return raw
     if kind.startswith("int"):
         if raw is None and "None" in kind:
             return None

@@ -27,6 +27,15 @@ Lease ``LEASE`` (in a writer's directory): two blocks of LEASE_BLOCK_BYTES at of
     pages, bytes_used, capacity_bytes, age_hist (bytes of pages per age bucket), journal [generation, bytes].
     The valid block with the higher counter is the lease; a torn block is simply the older one.
 
+Fence ``FENCE`` (in a writer's directory; ``sharing = "cluster"``): created empty by the owner at open. A
+    live writer of another host that retires this (dead) writer writes ONE block of LEASE_BLOCK_BYTES at
+    offset 0, a header (FENCE_MAGIC) zero-padded: incarnation (the retired one, from its last lease), by (the
+    retiring wid), by_host, at (wall-clock seconds, informative only). Written with pwrite + fsync BEFORE any
+    of the writer's files is deleted (crash rule: a directory with files missing always carries its fence).
+    The owner reads it (O_DIRECT where possible: an open file, so no attribute cache hides it) at every
+    beat; a fence naming its own incarnation means it stops writing there. Readers drop a fenced writer.
+    An empty, short or torn fence is no fence.
+
 Journal file ``journal-<generation:08d>.log`` (one writer's):
     file header:  JOURNAL_MAGIC (8) | u32 FORMAT_VERSION | u64 generation
     records:      u32 payload length | u32 xxh32 of payload | payload (msgpack array)
@@ -76,6 +85,7 @@ JOURNAL_MAGIC = b"KVTIERJ1"
 CHECKPOINT_MAGIC = b"KVTIERC1"
 LEASE_MAGIC = b"KVTIERL2"
 TRAILER_MAGIC = b"KVTIERS2"
+FENCE_MAGIC = b"KVTIERF2"
 LEASE_BLOCK_BYTES = 4096
 
 _HEADER = struct.Struct("<8sIQ")
@@ -181,7 +191,20 @@ def unpack_checkpoint(data: bytes, what: str) -> dict[str, Any]:
     return fields
 
 
-# ---------------------------------------------------------------------------------------------- lease
+# ---------------------------------------------------------------------------------------------- lease, fence
+def pack_fence_block(fields: dict[str, Any]) -> bytes:
+    """The one FENCE block (FENCE_MAGIC header, zero-padded to LEASE_BLOCK_BYTES)."""
+    return pack_header(FENCE_MAGIC, fields).ljust(LEASE_BLOCK_BYTES, b"\0")
+
+
+def unpack_fence(data: bytes, what: str) -> dict[str, Any] | None:
+    """The fence in a FENCE file's first bytes, or None when there is none (empty, short, torn, zeros)."""
+    try:
+        return unpack_header(FENCE_MAGIC, data[:LEASE_BLOCK_BYTES], what)
+    except CorruptRecordError:
+        return None
+
+
 def pack_lease_block(fields: dict[str, Any]) -> bytes:
     """One lease block (LEASE_MAGIC header, zero-padded to LEASE_BLOCK_BYTES)."""
     data = pack_header(LEASE_MAGIC, fields)

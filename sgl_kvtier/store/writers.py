@@ -170,9 +170,13 @@ def _holder(fd: int) -> str:
         return "another process"
 
 
+BOOT_ID_ENV = "KVTIER_BOOT_ID"  # tests only: processes of one kernel that stand for different machines
+
+
 def boot_id() -> str:
-    """This boot's id (``/proc/sys/kernel/random/boot_id``), or "" where there is none."""
-    return _read_id("/proc/sys/kernel/random/boot_id")
+    """This boot's id (``/proc/sys/kernel/random/boot_id``; the ``KVTIER_BOOT_ID`` environment variable
+    instead where set: tests simulating other machines), or "" where there is none."""
+    return os.environ.get(BOOT_ID_ENV) or _read_id("/proc/sys/kernel/random/boot_id")
 
 
 def machine_id() -> str:

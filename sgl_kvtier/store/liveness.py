@@ -1,0 +1,148 @@
+"""Who is alive: one verdict per writer directory of a namespace, for the pool, the quota and ``inspect``.
+
+A ``LeaseWatch`` belongs to one observer process and remembers, per writer, when that writer's lease mark
+``(counter, incarnation)`` last changed ON THE OBSERVER'S OWN MONOTONIC CLOCK. No clock of another host
+is ever compared with ours (file mtimes and the lease's own times are never used for a verdict).
+
+Verdicts (``Verdict``), first rule that applies:
+  1. ``RETIRED``: the directory's ``FENCE`` names the incarnation of its last lease (or there is no lease):
+     a live writer of another host retired it; its files are going. Never read from again.
+  2. Same host (no lease yet, or the lease's ``host_id`` is this host's and its ``boot_id`` this boot's):
+     the ``LOCK`` flock (``writers.writer_alive``): held is ``LIVE``, free is ``DEAD`` at once.
+  3. The lease's ``host_id`` is this host's but its ``boot_id`` another: ``DEAD`` (an earlier boot of this
+     host) -- unless its mark changes under our watch, then ``LIVE``: another machine is using our
+     ``host_id`` (the claim refuses to start in that case, ``store.writers``).
+  4. Another host: ``LIVE`` until its mark has stayed unchanged for ``dead_after_s`` of our watching (the
+     config's; so an observer started a moment ago presumes it live), then ``DEAD``. A mark that changes
+     again makes it ``LIVE`` again (a paused writer that resumed; if it was retired meanwhile it finds its
+     fence and stops writing there).
+  A directory with no readable lease and no LOCK is ``UNKNOWN`` (being created, or damaged).
+
+``FENCE`` (format in ``store.format``) is read with O_DIRECT where the filesystem allows it (it is an open
+file that already exists, so no attribute or negative-lookup cache of a network filesystem hides a new
+fence), else buffered.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.writers import boot_id, host_id, writer_alive
+
+FENCE = "FENCE"
+
+
+class Verdict(str, enum.Enum):
+    """What an observer concludes about one writer."""
+
+    LIVE = "live"
+    DEAD = "dead"
+    RETIRED = "retired"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One verdict with its grounds: ``same_host`` (judged by flock), ``unchanged_s`` (how long this observer
+    has seen the lease mark unchanged; 0 at first sight), ``reason`` (a few words for logs and inspect)."""
+
+    verdict: Verdict
+    same_host: bool
+    unchanged_s: float
+    reason: str
+
+
+def read_fence(directory: Path) -> dict[str, Any] | None:
+    """The fence in writer directory ``directory`` (``FENCE``), or None when there is none (no file, empty,
+    torn, unreadable)."""
+    path = directory / FENCE
+    data = _read_direct(path, fmt.LEASE_BLOCK_BYTES)
+    return None if data is None else fmt.unpack_fence(data, str(path))
+
+
+def _read_direct(path: Path, size: int) -> bytes | None:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    for attempt_flags in (flags, os.O_RDONLY) if flags != os.O_RDONLY else (os.O_RDONLY,):
+        try:
+            fd = os.open(path, attempt_flags)
+        except OSError:
+            if attempt_flags == os.O_RDONLY:
+                return None
+            continue
+        try:
+            buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+            try:
+                got = os.preadv(fd, [buf], 0)
+                return bytes(buf[:got])
+            finally:
+                buf.close()
+        except OSError:
+            if attempt_flags == os.O_RDONLY:
+                return None
+        finally:
+            os.close(fd)
+    return None
+
+
+class LeaseWatch:
+    """One observer's watch over the writers of its pools (see the module docstring). Thread-safe."""
+
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.host = host_id(config)
+        # directory -> (lease mark, when it last changed on our clock, whether we ever saw it change)
+        self._seen: dict[str, tuple[Any, float, bool]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, directory: Path, lease: dict[str, Any] | None) -> tuple[float, bool]:
+        """Record ``lease``'s mark; how long this observer has seen it unchanged (0: first sight, or it just
+        changed) and whether it has ever changed under this watch."""
+        mark = None if lease is None else (lease.get("counter"), lease.get("incarnation"))
+        now = self.clock()
+        with self._lock:
+            seen = self._seen.get(str(directory))
+            if seen is None or seen[0] != mark:
+                self._seen[str(directory)] = (mark, now, seen is not None)
+                return 0.0, seen is not None
+            return max(0.0, now - seen[1]), seen[2]
+
+    def judge(self, directory: Path, lease: dict[str, Any] | None) -> Judged:
+        """The verdict on the writer of ``directory`` whose last lease read is ``lease`` (None: none)."""
+        unchanged, changed = self.watch(directory, lease)
+        fence = read_fence(directory)
+        if fence is not None and (lease is None or fence.get("incarnation") == lease.get("incarnation")):
+            return Judged(Verdict.RETIRED, False, unchanged, f"retired by {fence.get('by')}")
+        here = lease is None or lease.get("host_id") == self.host
+        this_boot = lease is None or not lease.get("boot_id") or not boot_id() or lease.get("boot_id") == boot_id()
+        if here and this_boot:
+            alive = writer_alive(directory, lease, self.host)
+            if alive is None:
+                return Judged(Verdict.UNKNOWN, True, unchanged, "no lease, LOCK unreadable")
+            return Judged(Verdict.LIVE if alive else Verdict.DEAD, True, unchanged,
+                          "LOCK held" if alive else "LOCK free")
+        advancing = changed and unchanged < self.config.dead_after_s
+        if here:  # our host_id, another boot
+            if advancing:
+                return Judged(Verdict.LIVE, False, unchanged,
+                              "a lease of another boot is advancing: another machine uses this host_id")
+            return Judged(Verdict.DEAD, True, unchanged, "this host rebooted since its last beat")
+        if unchanged >= self.config.dead_after_s:
+            return Judged(Verdict.DEAD, False, unchanged, f"lease unchanged for {unchanged:.0f} s")
+        return Judged(Verdict.LIVE, False, unchanged, "lease advancing" if advancing else
+                      f"lease unchanged for {unchanged:.1f} s (dead after {self.config.dead_after_s:g} s)")
+
+    def forget(self, directory: Path) -> None:
+        """Stop remembering ``directory`` (it was removed)."""
+        with self._lock:
+            self._seen.pop(str(directory), None)
