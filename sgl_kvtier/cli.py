@@ -6,6 +6,9 @@
     sgl-kvtier fsck PATH [--repair] [--json]  verify every writer's records and page checksums; repair
                                               drops bad ones (dead writers of this host only)
     sgl-kvtier fsck PATH --rebuild [--json]   rebuild each writer's index from its pages' slot trailers
+    sgl-kvtier check-shared DIR [--peer-wait S] [--json]   is DIR fit for sharing = "cluster": filesystem type
+                                              and class, O_DIRECT, create-once, rename, fsync; with
+                                              --peer-wait, another host running it at once seen there
     sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.serving.launch)
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
 
@@ -159,6 +162,40 @@ def _rebuild(args: argparse.Namespace, console: Console, shards: list[Shard]) ->
     return 0 if outcomes and all(o.error is None for o in outcomes) else 1
 
 
+def cmd_check_shared(args: argparse.Namespace, console: Console) -> int:
+    """``sgl-kvtier check-shared``: ``store.fs_check.check_shared`` on a directory; 0 when it is fit for
+    ``sharing = "cluster"``, 1 otherwise (each reason printed)."""
+    from sgl_kvtier.store.fs_check import check_shared
+
+    if args.peer_wait is not None and args.peer_wait < 0:
+        console.print("[red]error:[/red] --peer-wait: must be >= 0 seconds")
+        return 2
+    report = check_shared(args.path, peer_wait_s=args.peer_wait)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0 if report.fit else 1
+    fs = report.fs
+    console.print(f"[bold]{report.path}[/bold]: {fs.fstype or 'unknown'} ({fs.fs_class.value.replace('_', ' ')}), "
+                  f"mounted at {fs.mount_point} from {fs.source or '-'}{', read-only' if fs.read_only else ''}",
+                  highlight=False, soft_wrap=True)
+    for probe in report.probes:
+        verdict = "yes" if probe.ok else f"[red]no[/red]: {probe.detail}"
+        console.print(f"  {probe.name}: {verdict}", highlight=False, soft_wrap=True)
+    if args.peer_wait is not None:
+        peer = report.peer
+        seen = "not seen" if peer is None else f"{peer.get('host')} (boot_id {peer.get('boot_id')}, pid {peer.get('pid')})"
+        console.print(f"  another host: {seen}", highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"  [yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
+    if report.fit:
+        console.print('fit for sharing = "cluster"', highlight=False, soft_wrap=True)
+        return 0
+    console.print('[red]not fit for sharing = "cluster"[/red]:', highlight=False, soft_wrap=True)
+    for problem in report.problems:
+        console.print(f"  - {problem}", highlight=False, soft_wrap=True)
+    return 1
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     """``sgl-kvtier demo``: see ``sgl_kvtier.serving.demo``."""
     from sgl_kvtier.serving.demo import main as demo_main
@@ -182,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rebuild each writer's index (journal + checkpoint) from its pages alone")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fsck)
+    p = sub.add_parser("check-shared", help='check that a directory is fit for sharing = "cluster"')
+    p.add_argument("path", help="a directory on the filesystem the pool's hosts share")
+    p.add_argument("--peer-wait", type=float, default=None, metavar="S",
+                   help="leave a probe and wait up to S seconds for one of another host running this at once")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check_shared)
     p = sub.add_parser("demo", help="the README's main job: real SGLang on CPU, flush, restart, hits from flash")
     p.add_argument("--dir", default=".kvtier-demo", help="directory used as the flash device (wiped first)")
     p.add_argument("--turns", type=int, default=3, help="turns of the conversation")

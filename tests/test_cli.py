@@ -245,3 +245,70 @@ def test_repair_opens_the_damaged_writer_not_a_lower_free_one(tmp_path, capsys):
     assert main(["fsck", str(tmp_path), "--json"]) == 0
     reports = {r["wid"]: r for r in json.loads(capsys.readouterr().out)}
     assert {w: r["pages_checked"] for w, r in reports.items()} == {first.wid: 4, victim: 5}
+
+
+# ---------------------------------------------------------------------------------------------- check-shared
+def fake_mounts(monkeypatch, tmp_path, fstype):
+    """``/proc/self/mountinfo`` reads as: / on ext4, ``tmp_path/pool`` on ``fstype``; that directory."""
+    from sgl_kvtier.store import fs_check
+
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    info = tmp_path / "mountinfo"
+    info.write_text(f"1 0 999:999 / / rw - ext4 /dev/vda rw\n2 1 999:2 / {pool} rw - {fstype} array:/kv rw\n")
+    monkeypatch.setattr(fs_check, "MOUNTINFO", str(info))
+    return pool
+
+
+def test_check_shared_on_a_shared_filesystem(tmp_path, monkeypatch, capsys):
+    pool = fake_mounts(monkeypatch, tmp_path, "nfs4")
+    code = main(["check-shared", str(pool), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    if not report["probes"][0]["ok"]:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert code == 0 and report["fit"] is True and report["problems"] == []
+    assert (report["fs"]["fstype"], report["fs"]["fs_class"], report["fs"]["source"]) == ("nfs4", "shared", "array:/kv")
+    assert main(["check-shared", str(pool)]) == 0
+    out = capsys.readouterr().out
+    assert "nfs4 (shared)" in out and "O_DIRECT: yes" in out and 'fit for sharing = "cluster"' in out
+    assert list(pool.iterdir()) == []
+
+
+def test_check_shared_on_a_local_filesystem_says_why_not(tmp_path, monkeypatch, capsys):
+    pool = fake_mounts(monkeypatch, tmp_path, "xfs")
+    assert main(["check-shared", str(pool)]) == 1
+    out = capsys.readouterr().out
+    assert "xfs (local only)" in out and 'not fit for sharing = "cluster"' in out
+    assert "a filesystem only one host may mount" in out
+    assert main(["check-shared", str(pool), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fs"]["fs_class"] == "local_only"
+    assert main(["check-shared", str(tmp_path / "missing")]) == 1
+    assert "not a directory" in capsys.readouterr().out
+
+
+def test_check_shared_with_no_peer_is_unfit(tmp_path, monkeypatch, capsys):
+    pool = fake_mounts(monkeypatch, tmp_path, "lustre")
+    assert main(["check-shared", str(pool), "--peer-wait", "0", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["peer"] is None and any("no other host's probe appeared in 0 s" in p for p in report["problems"])
+    assert list(pool.iterdir()) == []
+
+
+def test_check_shared_on_two_hosts_at_once_sees_the_other(tmp_path, monkeypatch, capsys):
+    """Two checks at once, one a process standing for another machine (``KVTIER_BOOT_ID``): each sees the
+    other's probe (synchronised by the probes themselves; each waits up to 60 s)."""
+    pool = fake_mounts(monkeypatch, tmp_path, "nfs4")
+    env = {**os.environ, "KVTIER_BOOT_ID": "machine-two", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "sgl_kvtier", "check-shared", str(pool), "--peer-wait", "60",
+                             "--json"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        code = main(["check-shared", str(pool), "--peer-wait", "60", "--json"])
+        theirs = json.loads(proc.communicate(timeout=90)[0])
+    finally:
+        proc.kill()
+        proc.wait()
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["peer"]["boot_id"] == "machine-two" and theirs["peer"] is not None
+    assert theirs["peer"]["pid"] == os.getpid()
+    assert code == (0 if ours["probes"][0]["ok"] else 1)
+    assert list(pool.iterdir()) == []

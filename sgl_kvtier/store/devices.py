@@ -18,7 +18,8 @@ it opens segments ``O_RDONLY`` as it first needs them; one that is not there (no
 is an ``OSError`` for that read, which the read path turns into a miss.
 
 Files and directories are created 0600/0700. O_DIRECT is probed per file: a filesystem that refuses it
-(tmpfs) gets buffered IO and the store fdatasyncs instead, with one warning.
+(tmpfs) gets buffered IO and the store fdatasyncs instead, with one warning; under ``sharing = "cluster"``
+(``DIRECT_CLUSTER``) it fails the open instead.
 
 Descriptors: every one an arena opens is closed by its ``close`` (each whatever the others raise, then the
 first error; idempotent: each is detached before it is closed, so none is closed twice) or, when the
@@ -47,8 +48,14 @@ log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
 
 
+DIRECT_CLUSTER = "cluster"  # the ``direct`` mode of ``direct_io = "auto"`` under ``sharing = "cluster"``
+
+
 def open_file(path: str, flags: int, direct: str) -> tuple[int, bool]:
-    """Open with O_DIRECT when ``direct`` allows and the filesystem accepts it; returns (fd, is_direct)."""
+    """Open with O_DIRECT when ``direct`` allows and the filesystem accepts it; returns (fd, is_direct).
+    ``direct``: "auto" (else buffered, one warning per directory), "on" (else DeviceError), "off", or
+    ``DIRECT_CLUSTER`` (as "on", the error naming cluster mode: another host's writes are only seen past
+    the page cache, so no file of a cluster pool falls back to buffered IO)."""
     if direct != "off":
         try:
             fd = os.open(path, flags | os.O_DIRECT, 0o600)
@@ -65,6 +72,10 @@ def open_file(path: str, flags: int, direct: str) -> tuple[int, bool]:
                 raise
         if direct == "on":
             raise DeviceError(f"{path}: O_DIRECT is not supported here but direct_io is 'on'")
+        if direct == DIRECT_CLUSTER:
+            raise DeviceError(f"{path}: O_DIRECT is not supported here, and sharing = \"cluster\" needs it "
+                              "(direct_io = \"auto\" means \"on\" there: another host's writes are only seen "
+                              "past the page cache)")
         fs = str(Path(path).parent)
         if fs not in _warned_buffered:
             _warned_buffered.add(fs)
@@ -222,7 +233,7 @@ class DirectoryArena(Arena):
         # Probe once per device so every segment, present or future, is opened the same way.
         probe_fd, self.direct = open_file(str(header_path), os.O_RDONLY, direct)
         os.close(probe_fd)
-        self._direct_mode = "on" if self.direct else "off"
+        self._direct_mode = (DIRECT_CLUSTER if direct == DIRECT_CLUSTER else "on") if self.direct else "off"
         existing = sorted(self.dir.glob("seg-*.dat"))
         self.slots_per_segment = max(1, segment_bytes // slot_bytes)
         used = sum(p.stat().st_size for p in existing)

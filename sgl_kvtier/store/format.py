@@ -24,7 +24,8 @@ Headers (namespace, device, region table; payloads are msgpack maps carrying ``f
 Lease ``LEASE`` (in a writer's directory): two blocks of LEASE_BLOCK_BYTES at offsets 0 and LEASE_BLOCK_BYTES,
     rewritten alternately (block ``counter % 2``), each a header (LEASE_MAGIC) zero-padded to the block:
     wid, host_id, machine_id, boot_id, pid, incarnation (16 bytes, new per open), counter, heartbeat_s,
-    pages, bytes_used, capacity_bytes, age_hist (bytes of pages per age bucket), journal [generation, bytes].
+    pages, bytes_used, capacity_bytes, age_hist (bytes of pages per age bucket), journal [generation, bytes
+    synced] (a reader of another host replays no further: sharing = "cluster").
     The valid block with the higher counter is the lease; a torn block is simply the older one.
 
 Fence ``FENCE`` (in a writer's directory; ``sharing = "cluster"``): created empty by the owner at open. A

@@ -13,7 +13,15 @@ Crash rules:
     changes nothing in the index: its key goes to ``Recovered.touched``, which the page's owner, tailing
     this journal, drains to count the use (``drain_touched``); one's own replay ignores it.
   * Replay reads a journal with ``pread`` from its cursor, so following a live writer costs what it
-    appended since, not its whole file.
+    appended since, not its whole file. A follower reads every file through a ``FileView`` (``POSIX``:
+    each read opens the file afresh, close-to-open consistency on NFS; ``io.stale`` injects staleness).
+  * Replay never moves a cursor past a record it did not read whole: a tail that is torn, short or zeros
+    in what a follower sees is where it stops, and where it starts again on its next follow.
+  * ``sharing = "cluster"`` (``follow_announced``): only as far as the writer's leases announced
+    (generation -> bytes), by exact names, never a name past the announced generation (no negative lookup
+    cached before the file exists). Lower generations are read whole and left only when read cleanly to
+    at least what was announced of them. Stuck (a journal missing, a generation it cannot leave): the
+    checkpoint, once per announcement; one past the cursor is a fresh start, else it is lag (view kept).
   * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
     old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
     still there (journals are deleted only after the new checkpoint is durable). A ``Journal`` whose
@@ -24,10 +32,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,14 +55,60 @@ def journal_path(meta: Path, generation: int) -> Path:
     return meta / f"journal-{generation:08d}.log"
 
 
-def journal_generations(meta: Path) -> list[int]:
+class FileView(Protocol):
+    """How a follower sees another writer's files (``POSIX``; ``io.stale.StaleFiles`` in tests): ``read`` (the
+    bytes from ``offset`` to the end, at most ``limit``) and ``size`` raise FileNotFoundError; ``listdir``
+    of a directory not there is []."""
+
+    def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes: ...
+    def size(self, path: Path) -> int: ...
+    def exists(self, path: Path) -> bool: ...
+    def listdir(self, path: Path) -> list[str]: ...
+
+
+class PosixView:
+    """Plain syscalls; every read opens the file afresh (on NFS, close-to-open: fresh attributes and data)."""
+
+    def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            end = os.fstat(fd).st_size if limit is None else offset + limit
+            chunks, at = [], offset
+            while at < end:
+                chunk = os.pread(fd, end - at, at)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                at += len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def size(self, path: Path) -> int:
+        return path.stat().st_size
+
+    def exists(self, path: Path) -> bool:
+        return path.exists()
+
+    def listdir(self, path: Path) -> list[str]:
+        try:
+            return os.listdir(path)
+        except OSError:  # not there, not a directory, not readable: none listed (as ``Path.glob``)
+            return []
+
+
+POSIX = PosixView()
+
+
+def journal_generations(meta: Path, view: FileView = POSIX) -> list[int]:
     """The generations of the journal files present, ascending."""
     gens = []
-    for p in meta.glob("journal-*.log"):
-        try:
-            gens.append(int(p.stem.split("-")[1]))
-        except (IndexError, ValueError):
-            continue
+    for name in view.listdir(meta):
+        if name.startswith("journal-") and name.endswith(".log"):
+            try:
+                gens.append(int(name[len("journal-"):-len(".log")]))
+            except ValueError:
+                continue
     return sorted(gens)
 
 
@@ -73,29 +128,47 @@ class Recovered:
     problems: list[str] = field(default_factory=list)
     cursor: tuple[int, int] = (0, 0)  # (generation, byte offset) just past the last record replayed
     touched: list[PageKey] = field(default_factory=list)  # TOUCH records replayed, not yet drained
+    # Keys and slots a follower watches (pages it dropped): a PUT or DEL replayed since naming one removes it.
+    watch: set[PageKey | int] = field(default_factory=set)
+    checked_checkpoint: tuple[int, int] | None = None  # the announcement at which the checkpoint was last read
     # Replay bookkeeping, settled by ``_settle_links``: parents named by key, and slots that changed hands.
     _pending_parent: dict[int, PageKey] = field(default_factory=dict)
     _reassigned: set[int] = field(default_factory=set)
 
 
-def recover(meta: Path) -> Recovered:
+def recover(meta: Path, *, view: FileView = POSIX, announced: Mapping[int, int] | None = None) -> Recovered:
     """Rebuild the index of the shard in ``meta``: its checkpoint (if readable), then its journals in
-    generation order, each up to its first torn or corrupt record (damage goes to ``problems``)."""
+    generation order, each up to its first torn or corrupt record (damage goes to ``problems``).
+    ``announced`` (a cluster follower's): the journals only as far as ``follow_announced`` reads them
+    (empty: the checkpoint alone)."""
     state = Recovered()
     ckpt = meta / CHECKPOINT
-    if ckpt.exists():
+    raw = _read_or_none(view, ckpt)
+    if raw is not None:
         try:
-            _load_checkpoint(fmt.unpack_checkpoint(ckpt.read_bytes(), str(ckpt)), state)
+            _load_checkpoint(fmt.unpack_checkpoint(raw, str(ckpt)), state)
         except (CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
             state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"])
             log.warning("%s: %s", ckpt, state.problems[-1])
-    gens = [g for g in journal_generations(meta) if g >= state.checkpoint_generation]
+    listed = journal_generations(meta, view)
+    gens = [g for g in listed if g >= state.checkpoint_generation]
     state.cursor = (state.checkpoint_generation, 0)
-    for gen in gens:
-        state.cursor = (gen, _replay(journal_path(meta, gen), state))
+    if announced is None:
+        for gen in gens:
+            state.cursor = (gen, _replay(journal_path(meta, gen), state, view=view))
+    else:
+        state.cursor = (min(gens, default=state.checkpoint_generation), 0)
+        _walk(meta, state, announced, view)
     _settle_links(state)
-    state.generation = max([state.checkpoint_generation - 1, *journal_generations(meta)], default=0) + 1
+    state.generation = max([state.checkpoint_generation - 1, *listed], default=0) + 1
     return state
+
+
+def _read_or_none(view: FileView, path: Path) -> bytes | None:
+    try:
+        return view.read(path)
+    except FileNotFoundError:
+        return None
 
 
 def _load_checkpoint(fields: dict[str, Any], state: Recovered) -> None:
@@ -144,6 +217,10 @@ def _apply(state: Recovered, rec: list[Any]) -> None:
         if len(state.touched) > TOUCHED_LIMIT:
             del state.touched[:len(state.touched) - TOUCHED_LIMIT]
         return
+    if state.watch:
+        state.watch.discard(key)
+        if rec[0] == fmt.PUT:
+            state.watch.discard(rec[3])
     _forget(state, key)
     if rec[0] != fmt.PUT:
         return
@@ -171,20 +248,26 @@ def _settle_links(state: Recovered) -> None:
     state._reassigned.clear()
 
 
-def _replay(path: Path, state: Recovered, start: int = 0) -> int:
+def _replay(path: Path, state: Recovered, start: int = 0, view: FileView = POSIX) -> int:
     """Apply the records of one journal file from byte ``start``; returns the offset after the last good one."""
     try:
-        data, size = _read_from(path, start)
+        return _replay_seen(path, state, start, view)[0]
     except FileNotFoundError:
         return start
-    base = start  # ``data`` holds the file's bytes from ``base`` on
+
+
+def _replay_seen(path: Path, state: Recovered, start: int, view: FileView, stop: int | None = None) -> tuple[int, int]:
+    """``_replay`` reading at most up to byte ``stop``: (the offset after the last good record, the offset
+    where the bytes seen ended). Raises FileNotFoundError."""
+    data = view.read(path, start, None if stop is None else max(0, stop - start))
+    base, size = start, start + len(data)  # ``data`` holds the file's bytes from ``base`` on
     if start == 0:
         try:
             fmt.check_journal_file_header(data, str(path))
         except CorruptRecordError as exc:
             state.problems.append(str(exc))
             state.torn_journals.append(path.name)
-            return 0
+            return 0, size
         start = fmt.JOURNAL_FILE_HEADER_BYTES
     end = start
     for after, rec in fmt.iter_records(data, start - base):
@@ -193,27 +276,10 @@ def _replay(path: Path, state: Recovered, start: int = 0) -> int:
     if end != size:
         state.torn_journals.append(path.name)
         state.problems.append(f"{path.name}: torn or corrupt after byte {end} of {size}; the rest is ignored")
-    return end
+    return end, size
 
 
-def _read_from(path: Path, start: int) -> tuple[bytes, int]:
-    """The bytes of ``path`` from offset ``start`` (pread), and the file's size then."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        chunks, at = [], start
-        while at < size:
-            chunk = os.pread(fd, size - at, at)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            at += len(chunk)
-        return b"".join(chunks), max(size, start)
-    finally:
-        os.close(fd)
-
-
-def follow(meta: Path, state: Recovered) -> bool:
+def follow(meta: Path, state: Recovered, view: FileView = POSIX) -> bool:
     """Bring a reader's ``state`` up to date with what a live writer appended since; True if anything changed.
 
     Cheap when nothing changed (a stat or two). If the writer checkpointed past journals this reader had
@@ -223,24 +289,70 @@ def follow(meta: Path, state: Recovered) -> bool:
     gen, offset = state.cursor
     path = journal_path(meta, gen)
     try:
-        size = path.stat().st_size
+        size = view.size(path)
     except FileNotFoundError:
         size = -1
-    newer = journal_path(meta, gen + 1).exists()
+    newer = view.exists(journal_path(meta, gen + 1))
     if size == offset and not newer:
         return False
     if size < 0:  # the writer checkpointed and removed this journal: start over from its checkpoint
-        state.__dict__.update(recover(meta).__dict__)
+        state.__dict__.update(recover(meta, view=view).__dict__)
         return True
     before, problems = state.replayed_records, len(state.problems)
-    state.cursor = (gen, _replay(path, state, offset))
-    while journal_path(meta, state.cursor[0] + 1).exists():
+    state.cursor = (gen, _replay(path, state, offset, view))
+    while view.exists(journal_path(meta, state.cursor[0] + 1)):
         nxt = state.cursor[0] + 1
-        state.cursor = (nxt, _replay(journal_path(meta, nxt), state))
+        state.cursor = (nxt, _replay(journal_path(meta, nxt), state, view=view))
     _settle_links(state)
     del state.problems[problems:]  # a live writer's tail is not damage
     state.torn_journals.clear()
     return state.replayed_records != before
+
+
+def follow_announced(meta: Path, state: Recovered, announced: Mapping[int, int], view: FileView = POSIX) -> bool:
+    """``follow`` for ``sharing = "cluster"``: only as far as ``announced`` (generation -> journal bytes the
+    writer's leases announced; the highest generation is the writer's current one), by exact names (see the
+    module docstring); True if anything changed. Nothing announced past the cursor: no file is read.
+    """
+    top = max(announced, default=-1)
+    if top < 0 or state.cursor >= (top, announced[top]):
+        return False
+    before, problems = state.replayed_records, len(state.problems)
+    fresh = None
+    if not _walk(meta, state, announced, view) and state.checked_checkpoint != (top, announced[top]):
+        # Stuck: a checkpoint past the cursor is a fresh start; none (or an older one, as this view may show
+        # it) means lag, and the view stays as it is until the next announcement.
+        state.checked_checkpoint = (top, announced[top])
+        fresh = recover(meta, view=view, announced=announced)
+        if fresh.checkpoint_generation > state.cursor[0]:
+            fresh.checked_checkpoint = state.checked_checkpoint
+            state.__dict__.update(fresh.__dict__)
+        else:
+            fresh = None
+    _settle_links(state)
+    if fresh is None:
+        del state.problems[problems:]  # a live writer's tail (or what this view sees of it) is not damage
+    state.torn_journals.clear()
+    return fresh is not None or state.replayed_records != before
+
+
+def _walk(meta: Path, state: Recovered, announced: Mapping[int, int], view: FileView) -> bool:
+    """Replay from ``state.cursor`` within ``announced``; False where it had to stop short (a journal not
+    there, or a generation below the announced one torn, or short of what was announced of it)."""
+    top = max(announced, default=-1)
+    gen, offset = state.cursor
+    while gen <= top:
+        try:
+            end, seen = _replay_seen(journal_path(meta, gen), state, offset, view, announced[top] if gen == top else None)
+        except FileNotFoundError:
+            return False
+        state.cursor = (gen, end)
+        if gen == top:
+            return True  # a short tail here is resumed from the cursor next time
+        if end != seen or end < announced.get(gen, 0):
+            return False
+        gen, offset = gen + 1, 0
+    return True
 
 
 class Journal:
@@ -253,6 +365,7 @@ class Journal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.records = 0
         self.size = 0  # bytes in the file (its header and every record appended)
+        self.synced = 0  # bytes known durable: the size before the last fsync that returned
         fresh = False
         try:
             self.size = os.fstat(self._fd).st_size
@@ -261,7 +374,7 @@ class Journal:
                 os.write(self._fd, fmt.journal_file_header(generation))
                 os.fsync(self._fd)
                 fsync_dir(meta)
-                self.size = fmt.JOURNAL_FILE_HEADER_BYTES
+                self.size = self.synced = fmt.JOURNAL_FILE_HEADER_BYTES
         except BaseException as exc:
             # Crash rule: a journal whose header did not make it (ENOSPC, EIO) holds no record; it is removed
             # here, and if a crash comes first, replay treats its torn header as an empty, torn journal.
@@ -280,8 +393,10 @@ class Journal:
             self.size += len(data)
 
     def sync(self) -> None:
-        """fsync the journal file."""
+        """fsync the journal file; ``synced`` becomes the size it had before (every record appended by then)."""
+        size = self.size
         os.fsync(self._fd)
+        self.synced = size
 
     def close(self) -> None:
         """Close the journal file (not synced here). Idempotent: the descriptor is detached first, so a close

@@ -16,7 +16,8 @@ Refusals (``StoreFormatError``): a format-1 store (its pages are a cache: remove
 (or, on a raw device, a region whose first slot holds a page) but neither ``checkpoint.bin`` nor any
 journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
 a new writer would otherwise overwrite pages it does not know about). The writer lock itself is
-``store.writers``.
+``store.writers``. Under ``sharing = "cluster"`` every data file is opened with O_DIRECT or not at all
+(``direct_mode``); what the storage must be is checked before this, by ``store.fs_check``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from typing import Any
 
 import msgpack
 
-from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.config import DirectIO, Sharing, StoreConfig
 from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import (
+    DIRECT_CLUSTER,
     Arena,
     BlockArena,
     DirectoryArena,
@@ -188,14 +190,23 @@ def _device_header(config: StoreConfig, namespace: Namespace, ns_meta: Path, slo
             "devices": list(config.devices), "meta_dir": str(ns_meta.parent)}
 
 
+def direct_mode(config: StoreConfig) -> str:
+    """How arenas open their files (``devices.open_file``): the config's ``direct_io``, except that "auto"
+    means O_DIRECT or fail under ``sharing = "cluster"`` (``devices.DIRECT_CLUSTER``), for readers too:
+    another host's pages are only seen past this host's page cache."""
+    if config.sharing is Sharing.CLUSTER and config.direct_io is DirectIO.AUTO:
+        return DIRECT_CLUSTER
+    return config.direct_io.value
+
+
 def _open_arena(config: StoreConfig, namespace: Namespace, wid: str, path: str, header: dict[str, Any],
                 slot_bytes: int, share: int | None, create: bool) -> Arena:
     if is_block_like(path):
         return BlockArena(path, namespace.digest(), wid, header, slot_bytes, share, namespace.shard_count,
-                          config.direct_io.value, create)
+                          direct_mode(config), create)
     return DirectoryArena(path, namespace.dirname(), writer_dirname(wid), header, slot_bytes, config.segment_bytes,
                           None if share is None else share // slot_bytes, namespace.shard_count,
-                          config.direct_io.value, create)
+                          direct_mode(config), create)
 
 
 def open_layout(config: StoreConfig, namespace: Namespace, ns_meta: Path, wid: str, create: bool) -> Layout:

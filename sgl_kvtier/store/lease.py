@@ -10,6 +10,12 @@ capacity_bytes, journal ``[generation, bytes]``, age_hist).
 After each good beat, ``after_beat`` (if set: the pool's quota step, ``store.quota_loop``) runs on the same
 thread, outside the beat's lock, so the quota plans with exactly what was just published.
 
+Fencing (``sharing = "cluster"``): before each beat's write, ``fence_check`` (if set: the pool's
+``liveness.OwnFence.check``) says whether a live writer of another host retired this one. Once it has, the
+lease is ``fenced``: ``on_fenced`` runs once (on the beating thread, outside the lock; the pool marks its
+store fenced), and from then on a beat writes nothing and runs nothing (its files are being deleted). The
+check comes first, so a LEASE already deleted under it (``ESTALE`` on a network filesystem) cannot hide it.
+
 Threads: ``start`` runs the beats on one daemon thread named ``kvtier-lease``; ``close`` stops it (waits
 for a beat in progress) and closes the file. Nothing raises from that thread: a failed beat is counted
 (``failures``) and logged at a bounded rate, and the next beat tries again. Tests call ``beat()`` directly
@@ -66,6 +72,9 @@ class Lease:
         self.failures = 0
         self.last_beat: float | None = None  # ``clock()`` at the last good beat
         self.after_beat: Callable[[], None] | None = None  # run after each good beat (see the module docstring)
+        self.fence_check: Callable[[], str | None] | None = None  # why this writer is fenced, or None
+        self.on_fenced: Callable[[str], None] | None = None  # run once when ``fence_check`` first says why
+        self.fenced: str | None = None  # why the lease stopped (``fence_check``'s reason)
         self._lock = threading.Lock()  # one beat at a time (the thread's and a direct call)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,9 +83,27 @@ class Lease:
 
     def beat(self) -> None:
         """Write the next lease block now (pwrite + fdatasync), then run ``after_beat``. Raises OSError if
-        the write fails (``after_beat`` is then skipped), or what ``after_beat`` raises."""
+        the write fails (``after_beat`` is then skipped), or what ``after_beat`` raises. A fenced lease
+        does nothing (see the module docstring)."""
+        if self._is_fenced():
+            return
         if self._write_beat() and self.after_beat is not None:
             self.after_beat()
+
+    def _is_fenced(self) -> bool:
+        with self._lock:
+            if self.fenced is not None:
+                return True
+            check = self.fence_check
+            reason = None if check is None or self._fd < 0 else check()
+            if reason is None:
+                return False
+            self.fenced = reason
+        log.warning("%s: this writer was fenced (%s); it writes nothing more in %s", self.path, reason,
+                    self.path.parent)
+        if self.on_fenced is not None:
+            self.on_fenced(reason)
+        return True
 
     def _write_beat(self) -> bool:
         with self._lock:

@@ -5,8 +5,9 @@ A ``LeaseWatch`` belongs to one observer process and remembers, per writer, when
 is ever compared with ours (file mtimes and the lease's own times are never used for a verdict).
 
 Verdicts (``Verdict``), first rule that applies:
-  1. ``RETIRED``: the directory's ``FENCE`` names the incarnation of its last lease (or there is no lease):
-     a live writer of another host retired it; its files are going. Never read from again.
+  1. ``RETIRED`` (``sharing = "cluster"`` only; no other mode writes fences, so none is read there): the
+     directory's ``FENCE`` names the incarnation of its last lease (or there is no lease): a live writer of
+     another host retired it (``store.retire``); its files are going. Never read from again.
   2. Same host (no lease yet, or the lease's ``host_id`` is this host's and its ``boot_id`` this boot's):
      the ``LOCK`` flock (``writers.writer_alive``): held is ``LIVE``, free is ``DEAD`` at once.
   3. The lease's ``host_id`` is this host's but its ``boot_id`` another: ``DEAD`` (an earlier boot of this
@@ -18,14 +19,23 @@ Verdicts (``Verdict``), first rule that applies:
      fence and stops writing there).
   A directory with no readable lease and no LOCK is ``UNKNOWN`` (being created, or damaged).
 
+A writer of another host counts as dead long enough to retire (``reclaim_due``) once its mark has stayed
+unchanged for ``reclaim_after_s`` of our watching: counted from the same last change as ``dead_after_s``
+(hence the config's ``dead_after_s <= reclaim_after_s``).
+
 ``FENCE`` (format in ``store.format``) is read with O_DIRECT where the filesystem allows it (it is an open
 file that already exists, so no attribute or negative-lookup cache of a network filesystem hides a new
-fence), else buffered.
+fence), else buffered. The owner's side is ``OwnFence``: the owner creates its (empty) FENCE at open and
+holds it open, so a retirer's fence lands in that very file; it reads it through that descriptor at every
+lease beat (``Lease.fence_check``). A FENCE the owner's descriptor finds deleted (``st_nlink`` 0, or
+``ESTALE`` on a network filesystem) counts as a fence too: only a retirer deletes it, after fencing.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
+import logging
 import mmap
 import os
 import threading
@@ -35,10 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.writers import boot_id, host_id, writer_alive
 
+log = logging.getLogger(__name__)
 FENCE = "FENCE"
 
 
@@ -80,18 +91,22 @@ def _read_direct(path: Path, size: int) -> bytes | None:
                 return None
             continue
         try:
-            buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
-            try:
-                got = os.preadv(fd, [buf], 0)
-                return bytes(buf[:got])
-            finally:
-                buf.close()
+            return _pread_aligned(fd, size)
         except OSError:
             if attempt_flags == os.O_RDONLY:
                 return None
         finally:
             os.close(fd)
     return None
+
+
+def _pread_aligned(fd: int, size: int) -> bytes:
+    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+    try:
+        got = os.preadv(fd, [buf], 0)
+        return bytes(buf[:got])
+    finally:
+        buf.close()
 
 
 class LeaseWatch:
@@ -120,9 +135,9 @@ class LeaseWatch:
     def judge(self, directory: Path, lease: dict[str, Any] | None) -> Judged:
         """The verdict on the writer of ``directory`` whose last lease read is ``lease`` (None: none)."""
         unchanged, changed = self.watch(directory, lease)
-        fence = read_fence(directory)
-        if fence is not None and (lease is None or fence.get("incarnation") == lease.get("incarnation")):
-            return Judged(Verdict.RETIRED, False, unchanged, f"retired by {fence.get('by')}")
+        retired = self.retired(directory, lease)
+        if retired is not None:
+            return Judged(Verdict.RETIRED, False, unchanged, retired)
         here = lease is None or lease.get("host_id") == self.host
         this_boot = lease is None or not lease.get("boot_id") or not boot_id() or lease.get("boot_id") == boot_id()
         if here and this_boot:
@@ -146,3 +161,62 @@ class LeaseWatch:
         """Stop remembering ``directory`` (it was removed)."""
         with self._lock:
             self._seen.pop(str(directory), None)
+
+    def retired(self, directory: Path, lease: dict[str, Any] | None) -> str | None:
+        """Rule 1 alone: why the writer of ``directory`` is ``RETIRED``, or None. Reads its FENCE only (no
+        LOCK probe, nothing recorded): what a reader needs on every refresh."""
+        fence = read_fence(directory) if self.config.sharing is Sharing.CLUSTER else None
+        if fence is not None and (lease is None or fence.get("incarnation") == lease.get("incarnation")):
+            return f"retired by {fence.get('by')}"
+        return None
+
+    def reclaim_due(self, judged: Judged) -> bool:
+        """Whether a verdict is a writer of another host dead for ``reclaim_after_s`` (see the module docstring)."""
+        return (judged.verdict is Verdict.DEAD and not judged.same_host
+                and judged.unchanged_s >= self.config.reclaim_after_s)
+
+
+class OwnFence:
+    """A writer's own ``FENCE`` (see the module docstring): created empty if absent and held open from
+    construction; ``check`` reads it through that descriptor. Thread-safe."""
+
+    def __init__(self, directory: Path, incarnation: bytes):
+        """Raises OSError where the file can be neither opened nor created."""
+        self.path = directory / FENCE
+        self.incarnation = incarnation
+        self._lock = threading.Lock()
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | direct, 0o600)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o600)  # no O_DIRECT here (tmpfs)
+
+    def check(self, any_incarnation: bool = False) -> str | None:
+        """Why this writer is fenced (a few words), or None while it is not. ``any_incarnation``: a fence
+        naming any incarnation counts (a directory found fenced at open was retired: never reused). A read
+        failing otherwise is None: the next beat reads again."""
+        with self._lock:
+            if self._fd < 0:
+                return None
+            try:
+                if os.fstat(self._fd).st_nlink == 0:
+                    return "its FENCE was deleted (retired)"
+                data = _pread_aligned(self._fd, fmt.LEASE_BLOCK_BYTES)
+            except OSError as exc:
+                if exc.errno in (errno.ESTALE, errno.ENOENT):
+                    return f"its FENCE is gone ({errno.errorcode.get(exc.errno, exc.errno)})"
+                log.debug("%s: fence unreadable this beat: %r", self.path, exc)
+                return None
+        fence = fmt.unpack_fence(data, str(self.path))
+        if fence is None or not (any_incarnation or fence.get("incarnation") == self.incarnation):
+            return None
+        return f"retired by {fence.get('by')} of host {fence.get('by_host')}"
+
+    def close(self) -> None:
+        """Close the descriptor. Idempotent."""
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)

@@ -28,11 +28,13 @@ Write order for a put batch, one named phase each (the crash rule each step reli
                  DEL records are appended to the journal before their slots are overwritten)
     2. write     no lock: write the page data; fdatasync the data files (durability ``batch``/``always``)
     3. publish   under the lock: append the PUT records and make the pages visible, in the same section
-    4. persist   fsync the journal (unless durability is ``none``): only then is the batch acknowledged;
+    4. persist   fsync the journal (unless durability is ``none``; always under ``sharing = "cluster"``,
+                 where other hosts see only what was synced): only then is the batch acknowledged;
                  checkpoint when enough records piled up
 A page is visible only once its bytes are fully written; a record never points at bytes not written.
 Each reserved page gets its ``seq`` in phase 1; its slot trailer (phase 2) and its PUT record (phase 3)
-carry the same one. Under ``always`` each page is its own batch. Open order: writer directory (claim +
+carry the same one. Under ``always`` each page is its own batch. Open order: the storage checks of
+``sharing = "cluster"`` (``store.fs_check``, nothing made yet) -> writer directory (claim +
 lock) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal generation (never
 appending to an old one) -> fold what was replayed -> lease; an open failing at any step releases what
 it took, the lock last.
@@ -53,12 +55,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgl_kvtier.config import Durability, StoreConfig
+from sgl_kvtier.config import Durability, Sharing, StoreConfig
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.fs_check import check_cluster_open
 from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout, save_config
 from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
@@ -79,6 +82,10 @@ class _PutBatch:
 
 class PageStore(PageShard):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
+
+    # Why a live writer of another host retired this one (``store.retire``; set by the pool), or None. Fenced,
+    # it writes nothing more in its directory (being deleted): puts refused without IO, no checkpoint.
+    fenced: str | None = None
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: WriterClaim,
                  recovered: jr.Recovered, engine: IOEngine, journal: jr.Journal, *,
@@ -122,6 +129,7 @@ class PageStore(PageShard):
         with Acquired(f"a writer of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
             ns_meta = meta_dir(config, namespace)
+            check_cluster_open(config)  # what sharing = "cluster" needs of the storage, before any file is made
             claim = claim_writer(config, ns_meta, wid)  # first file: nothing of the directory is touched without it
             held.push("writer lock", claim.release)
             check_meta_present(config, namespace, claim.path, claim.wid)
@@ -157,9 +165,13 @@ class PageStore(PageShard):
             now = self.clock()
             pages = len(self._index)
             hist = list(self._index.age_histogram(now, self.slot_bytes))
+            if self.config.sharing is Sharing.CLUSTER and self._journal.synced < self._journal.size:
+                # Crash/visibility rule: other hosts replay only what a lease announced, so announce only
+                # synced records (TOUCHes and dropped-page DELs are never synced on their own: do it here).
+                self._journal.sync()
             fields = {"pages": pages, "bytes_used": pages * self.slot_bytes,
                       "capacity_bytes": self._slots.capacity * self.slot_bytes,
-                      "journal": [self._journal.generation, self._journal.size]}
+                      "journal": [self._journal.generation, self._journal.synced]}
         while hist and not hist[-1]:
             hist.pop()
         fields["age_hist"] = hist
@@ -184,7 +196,8 @@ class PageStore(PageShard):
     def _close_steps(self) -> list[Step]:
         # The checkpoint is attempted first, so the next open replays nothing; when it fails, the journal
         # (synced by every acknowledged put) still holds everything, and the release steps run regardless.
-        return [("checkpoint", self.checkpoint), *self._release_steps()]
+        # A fenced store writes no checkpoint: its directory is being deleted (a file made now would outlive it).
+        return [*([] if self.fenced else [("checkpoint", self.checkpoint)]), *self._release_steps()]
 
     def _release_steps(self) -> list[Step]:
         # Crash rule: the writer lock goes last, once every file of the shard is closed, so the next writer
@@ -206,6 +219,8 @@ class PageStore(PageShard):
         """Store pages; ``parent`` is the key that ``keys[0]`` chains on (for chain-aware eviction), and
         each later page chains on the key before it."""
         self._check_open()
+        if self.fenced is not None:  # its directory is being deleted: refused without IO (the pool counts it)
+            return [False] * len(keys)
         if self.config.durability is Durability.ALWAYS and len(keys) > 1:
             return [ok for i in range(len(keys))
                     for ok in self.put(keys[i:i + 1], pages[i:i + 1], keys[i - 1] if i else parent)]
@@ -279,10 +294,17 @@ class PageStore(PageShard):
 
     def _persist(self, checkpoint_due: bool) -> None:
         """Phase 4 (no lock): make the batch's records durable, then checkpoint if one is due."""
-        if self.config.durability is not Durability.NONE:
+        if self._journal_sync_due():
             self._journal.sync()  # crash rule: the batch is acknowledged (put returns) only after this
         if checkpoint_due:
             self.checkpoint()
+
+    def _journal_sync_due(self) -> bool:
+        """Whether a batch's journal records are fsynced before it returns (puts, deletes, evictions)."""
+        # Rule (sharing = "cluster"): always, also under durability = "none". Other hosts see appends only once
+        # they reach the shared filesystem's server (NFS: not before an fsync or a close), and they read each
+        # journal up to the length its lease announced: an unsynced batch would be invisible or torn there.
+        return self.config.durability is not Durability.NONE or self.config.sharing is Sharing.CLUSTER
 
     def _reserve_slot(self, evicted: list[bytes]) -> int | None:
         """A slot for one more page (under the lock), evicting own pages while the pool is at its cap or
@@ -343,7 +365,7 @@ class PageStore(PageShard):
             if evicting:
                 self.counters.evictions += len(records)
             self._journal.append(records)
-        if records and self.config.durability is not Durability.NONE:
+        if records and self._journal_sync_due():
             self._journal.sync()
         return len(records)
 
@@ -364,7 +386,7 @@ class PageStore(PageShard):
             # lock, so no put can take a slot in between). A crash losing the unsynced DELs replays a page
             # over zeros: its checksum fails, a miss, never wrong KV.
             punched = self._punch(slots)
-        if records and self.config.durability is not Durability.NONE:
+        if records and self._journal_sync_due():
             self._journal.sync()
         return len(records), punched
 
@@ -409,6 +431,8 @@ class PageStore(PageShard):
         exactly the journals below the new generation; ``write_checkpoint`` replaces the file atomically
         and only then deletes those journals (a crash leaves the old checkpoint with all its journals).
         """
+        if self.fenced is not None:  # its directory is being deleted
+            return
         with self._checkpoint_lock:
             with self._lock:
                 snapshot = self._index.snapshot()

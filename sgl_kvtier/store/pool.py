@@ -13,21 +13,25 @@ API (keys, pages and results as ``PageShard``'s):
     longest_prefix(keys) -> int       own index, then the peers' (a chain may mix writers)
     put(keys, pages, parent=None)     keys any peer holds are not stored again (True, counted present)
     delete / evict / clear / checkpoint      own pages only (a reader pool: nothing to do)
-    contains, slot_of, parent_of, keys, __len__, stats(), refresh(), peers(), leases(), peer_alive(wid),
-    close(), a context manager
+    contains, slot_of, parent_of, keys, __len__, stats(), refresh(), peers(), leases(), verdict(wid),
+    peer_alive(wid), sharing_stats(), close(), a context manager
     counters, health, read_rates, layout, writer, wid, own, config, namespace, page_bytes, slot_bytes
 
 Rules:
   * Never wrong bytes: a peer's page is read through the same verified ``PageIO`` path as own pages,
     against the checksum its owner journaled. A stale mapping (the owner reused the slot since) is a
     miss; the peer re-reads that journal and counts it as ``remote_reuse_races``, not as corruption.
-  * Never an exception from a peer into callers: a peer whose directory vanishes or whose files go
-    ENOENT serves misses; a peer that fails to open is retried on a later refresh. A SIGKILLed writer's
-    pages stay readable (its files are intact) until a live writer reclaims its space.
-  * Refresh (journal follow of every peer, new directories, the peers' leases) runs at most every
-    ``follow_interval_s`` from the calls themselves (there is no thread), and again on a
-    ``longest_prefix`` shortfall at most every quarter of that. One refresh at a time; a call finding
-    one in progress goes on without waiting.
+  * Never an exception from a peer into callers: a peer whose files go ENOENT serves misses; one whose
+    directory vanishes, or that is judged ``RETIRED``, is dropped (``store.peers``: closed once no call
+    uses it, never reopened); a peer that fails to open is retried on a later refresh. A SIGKILLed
+    writer's pages stay readable (its files are intact) until a live writer reclaims or retires it.
+  * One ``liveness.LeaseWatch`` per pool (on the own store's clock) judges every other writer, for the
+    peers, ``peer_alive`` and the quota alike.
+  * Fencing (``sharing = "cluster"``, ``store.fencing``): an own store that another host retired while it
+    was paused refuses puts; the next write call opens a fresh own store in a fresh directory.
+  * Refresh (journal follow of every peer, new directories, the peers' leases; ``store.peers``) runs at
+    most every ``follow_interval_s`` from the calls themselves (there is no thread), and again on a
+    ``longest_prefix`` shortfall at most every quarter of that.
   * Pool-wide cap: the own store is told the peers' last leased ``bytes_used`` (``PageStore.peer_bytes``),
     dead writers' until reclaimed; the quota on top (``quota``, ``store.quota_loop``) runs after each beat.
   * Uses: a hit on a peer's page is journaled as a TOUCH by the own store (once a minute per key); peers'
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -50,22 +53,21 @@ from sgl_kvtier.errors import DeviceError, KVTierError, StoreClosedError
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
-from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.fencing import OwnWriter
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout, meta_dir
-from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.lifecycle import ClosedOnExit, Step, StoreCloseError, run_steps
+from sgl_kvtier.store.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.peers import PEER_ERRORS, InUse, Peers
 from sgl_kvtier.store.quota_loop import QuotaLoop
 from sgl_kvtier.store.read_rates import ReadRates
 from sgl_kvtier.store.reader import PageReader
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
-from sgl_kvtier.store.writers import host_id, writer_alive, writer_dirs
-from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters, StoreStats
+from sgl_kvtier.store.writers import writer_dirname, writer_dirs
+from sgl_kvtier.telemetry.counters import StoreCounters, StoreStats
 
 log = logging.getLogger(__name__)
-PEER_RETRY_S, SHORTFALL_WAIT_S = 5.0, 1.0  # a peer failing to open is retried after; a shortfall waits
-_PEER_ERRORS = (OSError, KVTierError)
 _T = TypeVar("_T")
 
 
@@ -80,24 +82,29 @@ class SharedPool(ClosedOnExit):
         self.config = config
         self.namespace = namespace
         self.ns_meta = ns_meta
-        self.own = own
         self.page_bytes = namespace.page_bytes
         self.counters: StoreCounters = shared.counters
         self.health: DeviceHealth = shared.health
         self._read_rates = shared.read_rates
         self.clock = clock
         self._shared = shared
-        self._engine = engine  # a reader pool's injected engine, for its first peer
-        self._peers: dict[str, PageReader] = {}
-        self._retry_at: dict[str, float] = {}  # wid -> when a failed open is tried again
-        self._peer_bytes = 0
-        self._leases: dict[str, dict[str, Any]] = {}
-        self._refreshing = threading.Lock()
-        self._last_refresh = -float("inf")
-        self._last_shortfall = -float("inf")
+        self._watch = LeaseWatch(config, clock if own is None else own.clock)
+        self._in_use = InUse()
+        self._followed = Peers(config, namespace, ns_meta, shared, self._watch, self._in_use, clock,
+                               lambda: self.wid, self._touched, engine)
         self._closed = False
-        self._errlog = RateLimitedLog(log)
-        self.quota: QuotaLoop | None = None if own is None else QuotaLoop(own, ns_meta, self._leased_peer_bytes)
+        self._writer = None if own is None else OwnWriter(own, ns_meta, self._watch, self._in_use,
+                                                           self._leased_peer_bytes, shared, clock)
+
+    @property
+    def own(self) -> PageStore | None:
+        """The own writer's store now (None: a reader pool); replaced when fenced (``store.fencing``)."""
+        return None if self._writer is None else self._writer.store
+
+    @property
+    def quota(self) -> QuotaLoop | None:
+        """The quota loop on the own store (None: a reader pool)."""
+        return None if self._writer is None else self._writer.quota
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -109,6 +116,8 @@ class SharedPool(ClosedOnExit):
         shared = _telemetry(config)
         own = PageStore.open(config, namespace, engine=engine, shared=shared, clock=clock)
         pool = cls(config, namespace, own.layout.ns_meta, own, shared)
+        if pool._writer is not None:
+            pool._writer.writable()  # a directory found fenced at open is replaced now (``store.fencing``)
         pool.refresh(force=True)
         return pool
 
@@ -123,7 +132,7 @@ class SharedPool(ClosedOnExit):
             raise DeviceError(f"{ns_meta}: no store here (no writer has made it yet)")
         pool = cls(config, namespace, ns_meta, None, _telemetry(config), engine=engine)
         pool.refresh(force=True)
-        if not pool._peers:
+        if not pool._followed.readers:
             pool.close()
             raise DeviceError(f"{ns_meta}: no writer directory can be opened yet")
         return pool
@@ -132,19 +141,16 @@ class SharedPool(ClosedOnExit):
         """Close every peer, then the own store (its checkpoint first), each whatever the others raise.
         The own store's ``StoreCloseError`` is raised as it is when it is the only failure; otherwise one
         ``StoreCloseError`` names every failed step. Idempotent."""
-        with self._refreshing:
-            if self._closed:
-                return
-            self._closed = True
-            peers, self._peers = list(self._peers.values()), {}
-            own, engine, self._engine = self.own, self._engine, None
-        if self.quota is not None:
-            self.quota.stop()  # no quota step while the pool closes
-        steps: list[Step] = [(f"peer {p.wid}", p.close) for p in peers]
+        taken = self._followed.close_all()
+        if taken is None:
+            return
+        self._closed = True
+        peers, engine = taken
+        own_steps = [] if self._writer is None else self._writer.close_steps()  # no quota step from here on
+        steps: list[Step] = [(f"peer {p.layout.wid}", p.close) for p in peers]
         if engine is not None:
             steps.append(("unused io engine", engine.close))
-        if own is not None:
-            steps.append(("writer", own.close))
+        steps += own_steps
         failures = run_steps(steps)
         if not failures:
             return
@@ -195,91 +201,52 @@ class SharedPool(ClosedOnExit):
     def _first(self) -> PageShard:
         if self.own is not None:
             return self.own
-        peers = list(self._peers.values())
+        peers = list(self._followed.readers.values())
         if not peers:
             raise StoreClosedError("page store is closed")
         return peers[0]
 
     def peers(self) -> dict[str, PageReader]:
         """The other writers followed now, by wid."""
-        return dict(self._peers)
+        return dict(self._followed.readers)
 
     def leases(self) -> dict[str, dict[str, Any]]:
         """The peers' last leases read, by wid (refreshed with the journals)."""
-        return dict(self._leases)
+        return dict(self._followed.leases)
+
+    def verdict(self, wid: str) -> Judged:
+        """The pool's lease watch's verdict on writer ``wid`` now, from its last lease read."""
+        return self._watch.judge(self.ns_meta / writer_dirname(wid), self._followed.leases.get(wid))
 
     def peer_alive(self, wid: str) -> bool | None:
-        """Whether peer ``wid``'s writer is alive (``writers.writer_alive``; None: unknown here)."""
-        return writer_alive(self.ns_meta / f"w-{wid}", self._leases.get(wid), host_id(self.config))
+        """Whether peer ``wid``'s writer is alive (``verdict``: live True; dead or retired False; None: unknown)."""
+        verdict = self.verdict(wid).verdict
+        return None if verdict is Verdict.UNKNOWN else verdict is Verdict.LIVE
+
+    def sharing_stats(self) -> dict[str, int]:
+        """Peers dropped (retired or vanished), writers of other hosts retired by this one, pages refused
+        while fenced, re-registrations after a fence."""
+        w = self._writer
+        mine = {"writers_retired": 0, "fenced_pages": 0, "reregistrations": 0} if w is None else w.stats()
+        return {"peers_dropped": self._followed.dropped, **mine}
 
     def _shards(self) -> list[PageShard]:
         own: list[PageShard] = [] if self.own is None else [self.own]
-        return own + list(self._peers.values())
+        return own + list(self._followed.readers.values())
 
     def _leased_peer_bytes(self) -> int:
-        return self._peer_bytes
+        return self._followed.bytes_leased
 
     # ------------------------------------------------------------------ refresh
     def refresh(self, force: bool = False, wait_s: float = 0.0) -> bool:
-        """Follow every peer's journal, open new writer directories, read the leases; at most every
-        ``follow_interval_s`` unless ``force``; ``wait_s``: wait that long for another thread's refresh.
-        True if any peer's pages changed. Never raises."""
-        now = self.clock()
-        if (not force and now - self._last_refresh < self.config.follow_interval_s) or not \
-                self._refreshing.acquire(timeout=wait_s if wait_s > 0 else -1, blocking=wait_s > 0):
-            return False  # fresh enough, or another thread is refreshing right now
-        try:
-            if self._closed:
-                return False
-            self._last_refresh = now
-            changed = self._discover(now)
-            for wid, peer in list(self._peers.items()):
-                try:
-                    changed = peer.refresh() or changed
-                except _PEER_ERRORS as exc:
-                    self._errlog.error("following writer %s of %s failed: %r", wid, self.ns_meta, exc)
-            self._read_leases()
-            self._take_touches()
-            return changed
-        finally:
-            self._refreshing.release()
+        """Follow every peer's journal, open new writer directories, read and judge the leases
+        (``Peers.refresh``); True if any peer's pages changed. Never raises."""
+        return self._followed.refresh(force, wait_s)
 
-    def _discover(self, now: float) -> bool:
-        found = False
-        own = self.wid
-        for wid, _ in writer_dirs(self.ns_meta):
-            if wid == own or wid in self._peers or now < self._retry_at.get(wid, -float("inf")):
-                continue
-            engine, self._engine = self._engine, None
-            try:
-                self._peers[wid] = PageReader.open(self.config, self.namespace, wid=wid, engine=engine,
-                                                   shared=self._shared, follows_peer=True)
-                self._retry_at.pop(wid, None)
-                found = True
-            except _PEER_ERRORS as exc:  # being created right now, or damaged: tried again later
-                self._retry_at[wid] = now + PEER_RETRY_S
-                log.debug("writer %s of %s not readable yet: %r", wid, self.ns_meta, exc)
-        return found
-
-    def _read_leases(self) -> None:
-        leases = {wid: lease for wid in self._peers
-                  if (lease := read_lease(self.ns_meta / f"w-{wid}" / LEASE)) is not None}
-        self._leases = leases
-        self._peer_bytes = sum(int(lease.get("bytes_used", 0)) for lease in leases.values())
-
-    def _take_touches(self) -> None:
-        for peer in self._peers.values():
-            keys = jr.drain_touched(peer.recovery)
-            if self.own is not None and keys:
-                self.own.touch_own([k for k in keys if self.own.contains(k)])
-
-    def _shortfall_refresh(self) -> bool:
-        now = self.clock()
-        if now - self._last_shortfall < self.config.follow_interval_s / 4:
-            return False
-        self._last_shortfall = now
-        # A lookup that falls short must see the peers as of now: wait for a refresh in flight elsewhere.
-        return self.refresh(force=True, wait_s=SHORTFALL_WAIT_S)
+    def _touched(self, keys: list[PageKey]) -> None:
+        own = self.own
+        if own is not None and own.fenced is None:
+            own.touch_own([k for k in keys if own.contains(k)])
 
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
@@ -288,7 +255,7 @@ class SharedPool(ClosedOnExit):
         self._check_open()
         self.refresh()
         n = self._prefix(keys)
-        if n < len(keys) and self._shortfall_refresh():
+        if n < len(keys) and self._followed.shortfall():
             n = self._prefix(keys)
         return n
 
@@ -307,14 +274,19 @@ class SharedPool(ClosedOnExit):
         return pos
 
     def _call(self, shard: PageShard, call: Callable[[], _T], fallback: _T) -> _T:
-        """``call()`` on ``shard``; for a peer, ``fallback`` where its files failed under it."""
-        if shard is self.own:
-            return call()
+        """``call()`` on ``shard``; for a peer, ``fallback`` where its files failed under it. A call on a
+        shard the pool took out since (a dropped peer, a replaced fenced own store) is ``fallback`` too."""
+        if not self._in_use.enter(shard):
+            return fallback
         try:
             return call()
-        except _PEER_ERRORS as exc:  # StoreClosedError included: the pool is closing under the call
+        except PEER_ERRORS as exc:  # StoreClosedError included: the pool is closing under the call
+            if shard is self.own:  # the own store's errors are the caller's (one replaced since is not own)
+                raise
             log.debug("a read of %s failed: %r", shard.layout.meta, exc)
             return fallback
+        finally:
+            self._in_use.exit(shard)
 
     def _holder(self, key: PageKey) -> PageShard | None:
         for shard in self._shards():
@@ -379,7 +351,7 @@ class SharedPool(ClosedOnExit):
                 results[i] = ok
                 if ok and shard is not self.own:
                     remote_hits.append(keys[i])
-        if remote_hits and self.own is not None:
+        if remote_hits and self.own is not None and self.own.fenced is None:
             self.own.touch_remote(remote_hits)
         return results
 
@@ -388,10 +360,14 @@ class SharedPool(ClosedOnExit):
         """Store pages as ``PageStore.put`` does, except those some peer holds already (True, counted as
         ``put_present``): the pool keeps one copy of a page. Raises KVTierError on a reader pool."""
         self._check_open()
-        if self.own is None:
+        if self._writer is None:
             raise KVTierError(f"shard {self.namespace.dirname()} is open read-only here")
+        own = self._writer.writable()
+        if own.fenced is not None:  # fenced, and no fresh directory yet: refused without IO
+            self._writer.fenced_pages += len(keys)
+            return [False] * len(keys)
         self.refresh()
-        peers = list(self._peers.values())
+        peers = list(self._followed.readers.values())
         held = [_valid_key(k) and any(p.contains(k) for p in peers) for k in keys]
         results = [True] * len(keys)
         start = 0
@@ -405,26 +381,33 @@ class SharedPool(ClosedOnExit):
                 end += 1
             # The run chains on the key before it, whoever holds that one.
             chain = keys[start - 1] if start > 0 else parent
-            results[start:end] = self.own.put(keys[start:end], pages[start:end], chain)
+            refused = [False] * (end - start)
+            results[start:end] = self._call(own, partial(own.put, keys[start:end], pages[start:end], chain), refused)
             start = end
         return results
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         """Drop own pages among ``keys`` (others' are theirs); how many."""
-        return 0 if self.own is None else self.own.delete(keys)
+        return self._own_call(lambda own: own.delete(keys), 0)
 
     def evict(self, keys: Sequence[PageKey]) -> int:
         """Evict own pages among ``keys`` (the pool quota's choice); how many."""
-        return 0 if self.own is None else self.own.evict(keys)
+        return self._own_call(lambda own: own.evict(keys), 0)
 
     def clear(self) -> int:
         """Drop every own page; how many."""
-        return 0 if self.own is None else self.own.clear()
+        return self._own_call(lambda own: own.clear(), 0)
 
     def checkpoint(self) -> None:
         """Checkpoint the own store (a reader pool has nothing to checkpoint)."""
-        if self.own is not None:
-            self.own.checkpoint()
+        self._own_call(lambda own: own.checkpoint(), None)
+
+    def _own_call(self, call: Callable[[PageStore], _T], fallback: _T) -> _T:
+        """``call(own store)``, a fenced one replaced first; ``fallback`` for a reader pool or while fenced."""
+        if self._writer is None:
+            return fallback
+        own = self._writer.writable()
+        return fallback if own.fenced is not None else self._call(own, partial(call, own), fallback)
 
 
 def _telemetry(config: StoreConfig) -> SharedTelemetry:

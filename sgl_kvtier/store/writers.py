@@ -18,6 +18,17 @@ restarted instance whose claim races a reclaim simply takes the next free ``k`` 
 Hosts never contend for a name: claims only touch the host's own directories, and ``flock`` between
 processes of one host is reliable.
 
+Duplicate ``host_id`` (every sharing mode): two machines given one ``host_id`` on a shared filesystem would
+write into each other's directories (``flock`` may not reach across hosts). So after a claim (not a reclaim
+of an exact wid), every ``w-<host_id>-<k>`` whose lease names another ``boot_id`` than this boot's and was
+written within ``RECENT_BEATS`` heartbeats of now (the LEASE's mtime; a lease of an earlier boot of this
+host is older, so a restart is never delayed by it) is watched for up to ``WATCH_BEATS`` of its heartbeats:
+one whose mark ``(counter, incarnation)`` changes meanwhile is another machine beating there, and the claim
+is released and ``DuplicateHostError`` raised. A heartbeat over ``MAX_WATCHED_BEAT_S`` counts as that long
+here (no start waits more than 10 s), so a machine beating that rarely, or whose clock lags ours by more
+than the window, is not seen here (``store.liveness`` still calls such a writer live). ``ClaimWatch`` injects the clock, the
+sleep and the lease reader (tests).
+
 Liveness (``writer_alive``, same host only): a ``LOCK`` nobody holds means the writer is dead at once.
 The probe takes a shared ``flock`` for an instant, so a writer starting in that instant may skip that
 ``k`` and take the next one: a cold start in a fresh directory, never an error. A lease naming this host
@@ -31,17 +42,24 @@ import fcntl
 import os
 import re
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import DeviceError, StoreLockedError
 from sgl_kvtier.store.devices import make_dir
+from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.lifecycle import abandon, release_all
 
 WRITER_PREFIX = "w-"
 MAX_WRITERS_PER_HOST = 4096  # claim gives up past this many held directories (a runaway, not a real host)
+RECENT_BEATS = 3  # a lease of another boot written longer ago than this many heartbeats is not watched
+WATCH_BEATS = 2  # ... and a recent one is watched this many heartbeats for a change
+MAX_WATCHED_BEAT_S = 5.0  # a longer heartbeat counts as this long here: no claim waits over 10 s
 _NOT_HOST = re.compile(r"[^A-Za-z0-9._]")
 
 
@@ -90,16 +108,43 @@ class WriterClaim:
             release_all([("unlock", partial(fcntl.flock, fd, fcntl.LOCK_UN)), ("close", partial(os.close, fd))])
 
 
-def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None) -> WriterClaim:
+class DuplicateHostError(StoreLockedError):
+    """Another machine is beating a lease in a writer directory of this ``host_id``."""
+
+
+@dataclass(frozen=True)
+class ClaimWatch:
+    """How a claim watches leases of this ``host_id`` from another boot: ``clock`` is the wall clock (it is
+    compared with LEASE mtimes), ``sleep`` waits between looks, ``read`` reads a LEASE file."""
+
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    read: Callable[[Path], dict[str, Any] | None] = read_lease
+
+
+def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None,
+                 watch: ClaimWatch | None = None) -> WriterClaim:
     """Claim the lowest free ``w-<host_id>-<k>`` of the namespace (see the module docstring), or with
-    ``wid`` that existing writer directory only (a reclaim of a dead writer of this host).
+    ``wid`` that existing writer directory only (a reclaim of a dead writer of this host). ``watch``: the
+    duplicate-host_id watch's clock, sleep and lease reader (default: the real ones).
 
     Raises DeviceError (the meta directory is not writable; ``wid``'s directory is not there or not of this
-    host) or StoreLockedError (``sharing = "off"`` and ``k = 0`` is held; ``wid`` is held; or, absurdly,
-    every one of MAX_WRITERS_PER_HOST directories is held)."""
+    host), DuplicateHostError (another machine beats in a directory of this host_id) or StoreLockedError
+    (``sharing = "off"`` and ``k = 0`` is held; ``wid`` is held; or, absurdly, every one of
+    MAX_WRITERS_PER_HOST directories is held)."""
     host = host_id(config)
     if wid is not None:
         return _claim_exact(host, ns_meta, wid)
+    claim = _claim_lowest(config, host, ns_meta)
+    try:
+        _refuse_duplicate_host(config, host, ns_meta, watch or ClaimWatch())
+    except BaseException as exc:
+        abandon(exc, str(claim.path), [("writer lock", claim.release)])
+        raise
+    return claim
+
+
+def _claim_lowest(config: StoreConfig, host: str, ns_meta: Path) -> WriterClaim:
     try:
         make_dir(ns_meta)  # crash rule: durable in its parent before a writer directory is made in it
     except OSError as exc:
@@ -116,6 +161,51 @@ def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None) -> 
             raise StoreLockedError(f"{path}: already open for writing by pid {holder}; one writer process "
                                    "per namespace shard (sharing = \"off\")")
     raise StoreLockedError(f"{ns_meta}: all {last} writer directories of host {host} are held")
+
+
+def _mark(lease: dict[str, Any]) -> tuple[Any, Any]:
+    return lease.get("counter"), lease.get("incarnation")
+
+
+def _refuse_duplicate_host(config: StoreConfig, host: str, ns_meta: Path, watch: ClaimWatch) -> None:
+    """DuplicateHostError when a recent lease of another boot in a directory of ``host`` changes while
+    watched (module docstring); returns at once when there is no such lease."""
+    mine = boot_id()
+    if not mine:
+        return
+    now = watch.clock()
+    watched: list[tuple[str, Path, tuple[Any, Any], str]] = []
+    longest = 0.0
+    for wid, path in writer_dirs(ns_meta):
+        if wid.rpartition("-")[0] != host:
+            continue
+        lease = watch.read(path / LEASE)
+        other = None if lease is None else lease.get("boot_id")
+        if lease is None or not other or other == mine or lease.get("host_id") not in (None, host):
+            continue
+        beat_s = min(float(lease.get("heartbeat_s") or config.heartbeat_s), MAX_WATCHED_BEAT_S)
+        try:
+            age_s = now - (path / LEASE).stat().st_mtime
+        except OSError:
+            continue
+        if age_s <= RECENT_BEATS * beat_s:  # a future mtime (a clock ahead of ours) is recent too
+            watched.append((wid, path / LEASE, _mark(lease), str(other)))
+            longest = max(longest, beat_s)
+    if not watched:
+        return
+    deadline = now + WATCH_BEATS * longest
+    while True:
+        left = deadline - watch.clock()
+        if left > 0:
+            watch.sleep(min(left, longest / 4))
+        for wid, lease_path, mark, other in watched:
+            lease = watch.read(lease_path)
+            if lease is not None and _mark(lease) != mark:
+                raise DuplicateHostError(
+                    f"two machines use host_id {host}: {writer_dirname(wid)} is beating from another boot "
+                    f"(boot_id {other}, this one's is {mine}) in {ns_meta}: give each host its own host_id")
+        if left <= 0:
+            return
 
 
 def _claim_exact(host: str, ns_meta: Path, wid: str) -> WriterClaim:

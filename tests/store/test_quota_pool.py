@@ -205,3 +205,38 @@ def test_a_sigkilled_writers_space_is_reclaimed_when_the_pool_needs_it(tmp_path,
 def test_quota_settings_are_checked_naming_the_field(tmp_path, field, value):
     with pytest.raises(ConfigError, match=field):
         config(tmp_path, 16, **{field: value})
+
+
+def test_the_pool_and_its_quota_judge_other_hosts_with_one_watch(tmp_path):
+    from test_liveness import DEAD_S, cluster_config
+
+    clock = Clock()
+    ns = namespace(PAGE)
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), ns) as a, \
+            SharedPool.open_writer(cluster_config(tmp_path, "hostb"), ns, clock=clock) as b:
+        assert b.quota is not None and b.quota.watch is b._watch  # one verdict per writer, whoever asks
+        assert put_chain(a, list(range(4))) == [True] * 4
+        beat(a)
+        (usage,) = [u for u in beat(b).usages if u.wid == a.wid]
+        assert usage.live and usage.seen_age_s == 0.0
+        clock.t += DEAD_S
+        (usage,) = [u for u in beat(b).usages if u.wid == a.wid]
+        assert not usage.live and usage.seen_age_s == DEAD_S and b.peer_alive(str(a.wid)) is False
+
+
+def test_a_retired_writer_counts_nothing_in_the_plan(tmp_path):
+    from test_liveness import cluster_config
+
+    from sgl_kvtier.store.retire import write_fence
+
+    ns = namespace(PAGE)
+    with SharedPool.open_writer(cluster_config(tmp_path, "hostb"), ns, clock=Clock()) as b:
+        a = SharedPool.open_writer(cluster_config(tmp_path, "hosta"), ns)
+        assert a.own is not None and put_chain(a, list(range(4))) == [True] * 4
+        beat(a)
+        assert {u.wid for u in beat(b).usages} == {a.wid, b.wid}
+        write_fence(a.own.layout.meta, a.own.incarnation, "hostc-0", "hostc")
+        step = beat(b)
+        assert {u.wid for u in step.usages} == {b.wid} and step.continued == [a.wid]
+        a.close()  # the zombie closes (its fence seen at close: no checkpoint into the deleted directory)
+        assert writer_dirs(b.ns_meta) == [(b.wid, b.ns_meta / f"w-{b.wid}")]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from support import namespace, open_store, store_config
@@ -12,7 +18,7 @@ from support import namespace, open_store, store_config
 from sgl_kvtier.errors import StoreLockedError
 from sgl_kvtier.store import writers
 from sgl_kvtier.store.layout import meta_dir
-from sgl_kvtier.store.lease import read_lease
+from sgl_kvtier.store.lease import Lease, read_lease
 from sgl_kvtier.store.writers import claim_writer, host_id, writer_alive, writer_dirs
 
 
@@ -93,3 +99,135 @@ def test_a_writer_stores_in_its_own_directory_and_leases_it(tmp_path):
         assert lease is not None and lease["wid"] == "h-0" and lease["pid"] == os.getpid()
         assert lease["incarnation"] == a.incarnation and a.incarnation != b.incarnation
         assert lease["boot_id"] == writers.boot_id() and lease["host_id"] == "h"
+
+
+# ---------------------------------------------------------------------------------------------- duplicate host_id
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "sharing_worker.py"
+
+
+class FakeTime:
+    """A wall clock that moves only when the watch sleeps; ``on_sleep`` runs at each sleep (a beat)."""
+
+    def __init__(self, on_sleep=None):
+        self.now = time.time()
+        self.slept = 0.0
+        self.on_sleep = on_sleep
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds > 0
+        self.now += seconds
+        self.slept += seconds
+        if self.on_sleep is not None:
+            self.on_sleep()
+
+    def watch(self):
+        return writers.ClaimWatch(clock=self.clock, sleep=self.sleep)
+
+
+def other_machine_lease(tmp_path, boot="another-machine", heartbeat_s=2.0):
+    """w-h-0 with the lease of a writer of another machine using host_id "h" (its LOCK free, as when flock
+    does not reach across hosts): the ``Lease`` it beats."""
+    config = store_config(tmp_path, host_id="h")
+    claim = claim_writer(config, ns_meta(tmp_path))
+    claim.release()
+    identity = {"wid": claim.wid, "host_id": "h", "machine_id": "m2", "boot_id": boot, "pid": 1,
+                "incarnation": os.urandom(16)}
+    lease = Lease(claim.path / "LEASE", identity, lambda: {"pages": 0}, heartbeat_s)
+    lease.beat()
+    return config, lease
+
+
+def lock_is_free(path):
+    fd = os.open(path / "LOCK", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_host_id_beating_from_another_boot_is_refused_and_the_claim_released(tmp_path):
+    config, lease = other_machine_lease(tmp_path)
+    fake = FakeTime(on_sleep=lease.beat)  # the other machine beats while we watch
+    with pytest.raises(writers.DuplicateHostError, match="two machines use host_id h: w-h-0 is beating from "
+                                                         "another boot .boot_id another-machine") as err:
+        claim_writer(config, ns_meta(tmp_path), watch=fake.watch())
+    assert isinstance(err.value, StoreLockedError) and "give each host its own host_id" in str(err.value)
+    assert 0 < fake.slept <= 2 * 2.0
+    assert lock_is_free(ns_meta(tmp_path) / "w-h-0")  # the claim (of w-h-0 itself) was released
+    lease.close()
+
+
+def test_a_still_lease_of_another_boot_is_watched_two_beats_then_the_claim_stands(tmp_path):
+    config, lease = other_machine_lease(tmp_path)
+    lease.close()  # a recent lease nobody beats any more (a quick reboot of this host)
+    fake = FakeTime()
+    claim = claim_writer(config, ns_meta(tmp_path), watch=fake.watch())
+    assert claim.wid == "h-0" and fake.slept == pytest.approx(2 * 2.0)
+    claim.release()
+
+
+def test_an_old_lease_of_an_earlier_boot_never_delays_a_restart(tmp_path):
+    config, lease = other_machine_lease(tmp_path)
+    lease.close()
+    old = time.time() - 3 * 2.0 - 1
+    os.utime(lease.path, (old, old))
+    fake = FakeTime(on_sleep=lambda: pytest.fail("watched a lease three heartbeats old"))
+    claim = claim_writer(config, ns_meta(tmp_path), watch=fake.watch())
+    assert claim.wid == "h-0" and fake.slept == 0
+    claim.release()
+
+
+def test_leases_of_this_boot_and_of_other_hosts_are_not_watched(tmp_path):
+    fake = FakeTime(on_sleep=lambda: pytest.fail("watched a lease it need not"))
+    with open_store(tmp_path, host_id="h"), open_store(tmp_path, host_id="g"):  # this boot's: h-0, g-0
+        other_machine_lease_dir = ns_meta(tmp_path) / "w-x-0"
+        claim = claim_writer(store_config(tmp_path, host_id="x"), ns_meta(tmp_path))
+        claim.release()
+        identity = {"wid": "x-0", "host_id": "x", "boot_id": "elsewhere", "pid": 1, "incarnation": b"i" * 16}
+        Lease(other_machine_lease_dir / "LEASE", identity, dict, 2.0).beat()
+        claim = claim_writer(store_config(tmp_path, host_id="h"), ns_meta(tmp_path), watch=fake.watch())
+        assert claim.wid == "h-1"
+        claim.release()
+
+
+def test_a_writer_process_of_another_boot_on_our_host_id_is_seen(tmp_path):
+    """A real writer process standing for another machine (``KVTIER_BOOT_ID``) with host_id "h" holds w-h-0
+    and beats on demand, during our watch only."""
+    env = {**os.environ, "KVTIER_BOOT_ID": "machine-two", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+
+    def call(op, **fields):
+        proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        proc.stdin.flush()
+        out = json.loads(proc.stdout.readline())
+        assert "error" not in out, out
+        return out
+
+    try:
+        info = call("open", path=str(tmp_path), role="writer", page_bytes=16 * 1024 - 4096, capacity_pages=64,
+                    config={"host_id": "h", "heartbeat_s": 600.0, "follow_interval_s": 0.0})
+        assert info["wid"] == "h-0"
+        fake = FakeTime(on_sleep=lambda: call("beat"))
+        config = store_config(tmp_path, 64, 16 * 1024 - 4096, host_id="h")
+        with pytest.raises(writers.DuplicateHostError, match="w-h-0 is beating from another boot .boot_id machine-two"):
+            claim_writer(config, meta_dir(config, namespace(16 * 1024 - 4096)), watch=fake.watch())
+        assert lock_is_free(meta_dir(config, namespace(16 * 1024 - 4096)) / "w-h-1")  # ours, released
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_long_heartbeat_is_watched_ten_seconds_at_most(tmp_path):
+    config, lease = other_machine_lease(tmp_path, heartbeat_s=600.0)
+    lease.close()
+    fake = FakeTime()
+    claim_writer(config, ns_meta(tmp_path), watch=fake.watch()).release()
+    assert fake.slept == pytest.approx(2 * writers.MAX_WATCHED_BEAT_S)

@@ -1,0 +1,199 @@
+"""NFS-like incoherence, injected, seeded (testing only, never for production): what a client of a shared
+filesystem may see of files another host writes, for the tests of ``sharing = "cluster"`` readers.
+
+``StaleFiles(inner, ...)`` wraps a file view (``read(path, offset, limit)``, ``size``, ``exists``,
+``listdir``: the ``store.journal.FileView`` a reader sees its writer's journals, checkpoint and lease
+through; pass ``store.journal.POSIX`` as ``inner``). Give it to ``PageReader.open(view=...)``, or to every
+reader opened in a block (a pool's peers) with ``store.reader.reading_through(view)``. Faults:
+    lag_rate     journal lag: a read of a file matching ``lag_match`` (journals) returns only a prefix of
+                 what is there, cut at a random byte past ``offset`` (attributes cached, writes not yet at
+                 the server); with probability ``zero_share`` the cut-off bytes read as zeros instead (the
+                 file grew but its new bytes are not there yet).
+    hide_s       negative lookup: a path matching ``hide_match`` (writer directories, journals) does not
+                 exist for ``hide_s`` seconds of ``clock`` from the first time this view looked it up and
+                 it was there (a negative dentry cached just before it was made): ``exists`` is False,
+                 ``read``/``size`` raise FileNotFoundError, listings leave it out, and so for the files
+                 in a hidden directory.
+    stale_rate   stale file: a whole read (offset 0) of a file matching ``stale_match`` (``LEASE``) returns
+                 the content the file had before the last change this view saw (the previous lease).
+``clear()`` turns every fault off at once (what a client sees once its caches expire). ``injected``
+counts each fault served.
+
+``StaleSlotEngine(inner)`` wraps an IO engine (``io.ops``): a read at a (file, offset) with an old version
+on record (``remember(path, offset, data)``, or ``capture(path, offset, length)``: the bytes there now,
+taken before the writer rewrites them) returns those old bytes (a stale data cache serving a slot as it
+was before its last rewrite), with the checksum of what it served; ``forget()`` ends the fault.
+``served`` counts the reads it answered so. Every other op runs on ``inner``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, digest, op_length, short_error
+
+
+class Files(Protocol):
+    """What ``StaleFiles`` wraps (and is): ``store.journal.FileView``."""
+
+    def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes: ...
+    def size(self, path: Path) -> int: ...
+    def exists(self, path: Path) -> bool: ...
+    def listdir(self, path: Path) -> list[str]: ...
+
+
+def _matches(path: Path, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path.name, p) for p in patterns)
+
+
+class StaleFiles:
+    """A file view that lags, hides and serves stale files (see the module docstring)."""
+
+    def __init__(self, inner: Files, *, seed: int = 0, clock: Callable[[], float] = time.monotonic,
+                 lag_rate: float = 0.0, zero_share: float = 0.5, lag_match: Sequence[str] = ("journal-*.log",),
+                 hide_s: float = 0.0, hide_match: Sequence[str] = ("w-*", "journal-*.log"),
+                 stale_rate: float = 0.0, stale_match: Sequence[str] = ("LEASE",)):
+        self.inner = inner
+        self.clock = clock
+        self.lag_rate, self.zero_share, self.lag_match = lag_rate, zero_share, tuple(lag_match)
+        self.hide_s, self.hide_match = hide_s, tuple(hide_match)
+        self.stale_rate, self.stale_match = stale_rate, tuple(stale_match)
+        self.injected = {"lag": 0, "zeros": 0, "hidden": 0, "stale": 0}
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._first_seen: dict[Path, float] = {}
+        self._versions: dict[Path, tuple[bytes | None, bytes]] = {}  # path -> (before the last change, last)
+
+    def clear(self) -> None:
+        """No more faults: every file as it is, every path visible."""
+        with self._lock:
+            self.lag_rate = self.stale_rate = self.hide_s = 0.0
+
+    def _hidden(self, path: Path) -> bool:
+        return self._hidden_one(path) or self._hidden_one(path.parent)
+
+    def _hidden_one(self, path: Path) -> bool:
+        if self.hide_s <= 0 or not _matches(path, self.hide_match):
+            return False
+        now = self.clock()
+        with self._lock:
+            first = self._first_seen.get(path)
+        if first is None:
+            if not self.inner.exists(path):
+                return False  # not there: nothing to hide (and its first sighting is still to come)
+            with self._lock:
+                first = self._first_seen.setdefault(path, now)
+        if now < first + self.hide_s:
+            with self._lock:
+                self.injected["hidden"] += 1
+            return True
+        return False
+
+    def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes:
+        if self._hidden(path):
+            raise FileNotFoundError(errno.ENOENT, "not visible yet (injected negative lookup)", str(path))
+        data = self.inner.read(path, offset, limit)
+        with self._lock:
+            if offset == 0 and _matches(path, self.stale_match):
+                older, last = self._versions.get(path, (None, data))
+                if data != last:
+                    older, last = last, data
+                self._versions[path] = (older, last)
+                if older is not None and self._rng.random() < self.stale_rate:
+                    self.injected["stale"] += 1
+                    return older if limit is None else older[:limit]
+            elif data and _matches(path, self.lag_match) and self._rng.random() < self.lag_rate:
+                cut = self._rng.randrange(len(data))  # at least the last byte is not seen
+                if self._rng.random() < self.zero_share:
+                    self.injected["zeros"] += 1
+                    return data[:cut] + bytes(len(data) - cut)
+                self.injected["lag"] += 1
+                return data[:cut]
+        return data
+
+    def size(self, path: Path) -> int:
+        if self._hidden(path):
+            raise FileNotFoundError(errno.ENOENT, "not visible yet (injected negative lookup)", str(path))
+        return self.inner.size(path)
+
+    def exists(self, path: Path) -> bool:
+        return not self._hidden(path) and self.inner.exists(path)
+
+    def listdir(self, path: Path) -> list[str]:
+        if self._hidden(path):
+            return []
+        return [name for name in self.inner.listdir(path) if not self._hidden_one(path / name)]
+
+
+class StaleSlotEngine:
+    """An IO engine whose reads of remembered (file, offset) pairs return old bytes (see the module docstring)."""
+
+    def __init__(self, inner: IOEngine):
+        self.inner = inner
+        self.name = f"stale({inner.name})"
+        self.served = 0
+        self._lock = threading.Lock()
+        self._old: dict[tuple[int, int, int], bytes] = {}  # (st_dev, st_ino, offset) -> the old bytes
+
+    def remember(self, path: str | Path, offset: int, data: bytes) -> None:
+        """Reads at ``offset`` of the file ``path`` return ``data`` from now on (until ``forget``)."""
+        st = os.stat(path)
+        with self._lock:
+            self._old[(st.st_dev, st.st_ino, offset)] = bytes(data)
+
+    def capture(self, path: str | Path, offset: int, length: int) -> bytes:
+        """``remember`` the ``length`` bytes at ``offset`` of ``path`` as they are now; returns them."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        self.remember(path, offset, data)
+        return data
+
+    def forget(self) -> None:
+        """No more stale reads: every read reaches the file."""
+        with self._lock:
+            self._old.clear()
+
+    def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        with self._lock:
+            old = dict(self._old)
+        if not old:
+            return self.inner.run(ops)
+        plan = [self._old_bytes(op, old) for op in ops]
+        real = iter(self.inner.run([op for op, o in zip(ops, plan) if o is None]))
+        return [next(real) if o is None else self._serve(op, o) for op, o in zip(ops, plan)]
+
+    @staticmethod
+    def _old_bytes(op: IOOp, old: dict[tuple[int, int, int], bytes]) -> bytes | None:
+        if op.kind is not OpKind.READ:
+            return None
+        st = os.fstat(op.fd)
+        return old.get((st.st_dev, st.st_ino, op.offset))
+
+    def _serve(self, op: IOOp, data: bytes) -> IOResult:
+        with self._lock:
+            self.served += 1
+        done = 0
+        for buf in op.buffers:
+            n = min(buf.nbytes, len(data) - done)
+            if n <= 0:
+                break
+            buf[:n] = data[done:done + n]
+            done += n
+        if done < op_length(op):
+            return IOResult(done, None, short_error(op, done), short=True)
+        return IOResult(done, digest(op.buffers) if op.checksum else None)
+
+    def close(self) -> None:
+        """Close the wrapped engine."""
+        self.inner.close()

@@ -1,0 +1,177 @@
+"""Retiring a dead writer of another host (``sharing = "cluster"``): fence it, then delete all of its files.
+
+A writer of another host cannot be adopted (its ``LOCK`` flock means nothing across hosts), so a live
+writer that finds it dead (``store.liveness``: its lease unchanged for ``dead_after_s`` on the observer's
+own clock) retires it when the pool quota needs its bytes or once it has been dead for ``reclaim_after_s``
+(``store.quota_loop`` decides; this module does it):
+
+  1. ``write_fence``: the ``FENCE`` block (``store.format``) naming the incarnation of the writer's last
+     lease, ``pwrite`` + ``fsync`` (the file is created where absent, and then its directory synced).
+  2. ``delete_writer``: its segments on every directory device (``<dev>/ns-<digest>/w-<wid>/seg-*.dat``,
+     ``store.devices.DirectoryArena``), then its journals and checkpoint, then every other file (CONFIG,
+     tmp leftovers), then LEASE, then LOCK, the directories synced, FENCE last; then the directories
+     (``rmdir``). Raw block devices are not part of cluster mode (refused at open): not handled here.
+
+Every step is idempotent (a file already gone, ``ENOENT``, and a directory not empty or gone, ``ENOTEMPTY``
+/ ``ENOENT``, are fine), so a retirer that dies half-way leaves a directory that every observer still judges
+``RETIRED`` (its fence is the last file to go), and any live writer seeing it continues the deletion; two
+deleting at once only find each other's files gone. A pass finding no FENCE at all only removes the
+(empty) directories: the deletion is at its end, or the directory was made anew by a writer that
+re-registered under the same wid since it was judged, whose files are not to be touched. A crash between
+FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence: nobody's, costs nothing).
+The crash-ordering choice of each step is at its code.
+
+A zombie (a writer that was only paused, then retired) finds the fence at its next beat
+(``liveness.OwnFence``), stops writing there and re-registers in a fresh directory (``store.pool``); what it
+wrote into the deleted files in between is lost to everyone, a miss, never wrong bytes (every read verifies
+its checksum).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.devices import fsync_dir
+from sgl_kvtier.store.lease import LEASE
+from sgl_kvtier.store.liveness import FENCE
+from sgl_kvtier.store.writers import writer_dirname
+
+log = logging.getLogger(__name__)
+LOCK = "LOCK"
+_GONE = (errno.ENOENT, errno.ESTALE)  # ESTALE: another host removed it under this one's NFS handle
+_DIR_KEPT = (*_GONE, errno.ENOTEMPTY, errno.EEXIST)  # rmdir: gone, or a file appeared (left for later)
+
+
+@dataclass
+class Deleted:
+    """What one ``delete_writer`` pass removed: files, and the bytes the segments among them held."""
+
+    files: int = 0
+    segment_bytes: int = 0
+    finished: bool = False  # the writer directory itself is gone
+
+
+def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> None:
+    """Fence the writer of ``directory``: its ``FENCE`` names ``incarnation`` (retired by writer ``by`` of
+    host ``by_host``). Raises OSError (nothing is deleted then: the caller tries again on a later step)."""
+    block = fmt.pack_fence_block({"incarnation": incarnation, "by": by, "by_host": by_host, "at": time.time()})
+    path = directory / FENCE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # never O_TRUNC: its owner holds this very file open
+    try:
+        # Crash rule: the fence is durable before any file of the writer is deleted, so a directory with
+        # files missing always carries it (and stays RETIRED for every observer until FENCE itself goes).
+        os.pwrite(fd, block, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(directory)  # a FENCE created just now (a writer of an older build had none) survives a power cut
+
+
+def writer_directories(config: StoreConfig, ns_meta: Path, wid: str) -> list[Path]:
+    """Every directory of writer ``wid`` of the namespace at ``ns_meta``: one per directory device
+    (segments), then its meta directory (last: it holds the FENCE)."""
+    meta = ns_meta / writer_dirname(wid)
+    devs = [Path(d) / ns_meta.name / writer_dirname(wid) for d in config.devices if os.path.isdir(d)]
+    return [d for d in dict.fromkeys(devs) if d != meta] + [meta]
+
+
+def delete_writer(config: StoreConfig, ns_meta: Path, wid: str) -> Deleted:
+    """Delete every file of retired writer ``wid`` (fenced already: ``write_fence``), then its directories,
+    in the order of the module docstring. Idempotent; tolerates a concurrent deleter. Raises OSError on a
+    failure other than "already gone" (what was deleted stays deleted; a later pass continues)."""
+    done = Deleted()
+    dirs = writer_directories(config, ns_meta, wid)
+    meta = dirs[-1]
+    if not (meta / FENCE).exists():
+        # Only the directories are left to go (another deleter is at its last step), or the directory was
+        # made anew since it was judged (its writer re-registered under the same wid): its files are not ours.
+        return _remove_dirs(dirs, ns_meta, done)
+    # Crash rule: segments first, on every device: they hold the bytes the pool wants back. A reader still
+    # holding the journals maps keys into segments that are gone: a miss (ENOENT, a short read), never a page.
+    for d in dirs:
+        for seg in _listed(d, "seg-*.dat"):
+            done.segment_bytes += _unlink(seg, done, size=True)
+    # Crash rule: the index (journals, then the checkpoint) after the data it points into, never before:
+    # until here a reader opening the directory finds an index, afterwards nothing at all.
+    for pattern in ("journal-*.log", "checkpoint.bin"):
+        for path in _listed(meta, pattern):
+            _unlink(path, done)
+    keep_last = (LEASE, LOCK, FENCE)
+    for path in _listed(meta, "*"):  # CONFIG, tmp leftovers of checkpoints and configs, anything newer
+        if path.name not in keep_last and not path.is_dir():
+            _unlink(path, done)
+    # Crash rule: LEASE, then LOCK: with the lease gone the fence alone still marks the directory RETIRED.
+    for name in (LEASE, LOCK):
+        _unlink(meta / name, done)
+    # Crash rule: every deletion above is durable before FENCE goes, so a power cut can never bring a
+    # file of the writer back into a directory that no longer carries its fence.
+    for d in dirs:
+        _sync_dir(d)
+    _unlink(meta / FENCE, done)
+    return _remove_dirs(dirs, ns_meta, done)
+
+
+def _remove_dirs(dirs: list[Path], ns_meta: Path, done: Deleted) -> Deleted:
+    for d in dirs:
+        _rmdir(d)  # a directory a new writer has files in again is left to it (ENOTEMPTY)
+    done.finished = not dirs[-1].exists()
+    if done.finished:
+        _sync_dir(ns_meta)
+    return done
+
+
+def retire(config: StoreConfig, ns_meta: Path, wid: str, incarnation: bytes, by: str, by_host: str) -> Deleted:
+    """Fence dead writer ``wid`` (its last lease's ``incarnation``), then delete its files; what was deleted.
+    Raises OSError (see ``write_fence`` / ``delete_writer``)."""
+    write_fence(ns_meta / writer_dirname(wid), incarnation, by, by_host)
+    done = delete_writer(config, ns_meta, wid)
+    log.info("retired dead writer %s of %s (fenced by %s): %d files, %d segment bytes", wid, ns_meta, by,
+             done.files, done.segment_bytes)
+    return done
+
+
+def _listed(directory: Path, pattern: str) -> list[Path]:
+    try:
+        return sorted(directory.glob(pattern))
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return []
+        raise
+
+
+def _unlink(path: Path, done: Deleted, size: bool = False) -> int:
+    """Remove ``path`` (already gone is fine); its allocated bytes when ``size``."""
+    held = 0
+    try:
+        if size:
+            held = os.stat(path).st_blocks * 512
+        os.unlink(path)
+        done.files += 1
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise
+        return 0
+    return held
+
+
+def _rmdir(path: Path) -> None:
+    try:
+        os.rmdir(path)
+    except OSError as exc:
+        if exc.errno not in _DIR_KEPT:
+            raise
+
+
+def _sync_dir(path: Path) -> None:
+    try:
+        fsync_dir(path)
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise

@@ -1,0 +1,180 @@
+"""Who is alive (``store.liveness``): verdicts on the observer's own injected clock, fences, the owner's side.
+
+Two "hosts" are two configs with different ``host_id`` on one directory (``sharing = "cluster"``). Lease
+threads stay idle (``heartbeat_s`` = 600); tests beat leases themselves and move fake clocks. No sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from support import HostMemory, key, namespace, store_config
+from test_sharing import PAGE
+
+from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.lease import Lease, read_lease
+from sgl_kvtier.store.liveness import FENCE, LeaseWatch, OwnFence, Verdict, read_fence
+from sgl_kvtier.store.pool import SharedPool
+from sgl_kvtier.store.retire import write_fence
+
+DEAD_S, RECLAIM_S = 2000.0, 5000.0  # dead_after_s must exceed 3 heartbeats (600 s each here)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def cluster_config(path: Path, host: str, capacity_pages: int = 64, **extra):
+    extra.setdefault("sharing", "cluster")
+    return store_config(path, capacity_pages, PAGE, heartbeat_s=600.0, follow_interval_s=0.0, host_id=host,
+                        allow_local_fs=True, dead_after_s=DEAD_S, reclaim_after_s=RECLAIM_S, **extra)
+
+
+def lease_of(pool: SharedPool) -> dict:
+    assert pool.own is not None
+    lease = read_lease(pool.own.layout.meta / "LEASE")
+    assert lease is not None
+    return lease
+
+
+def test_another_hosts_writer_is_live_while_it_beats_dead_after_dead_after_s_and_live_again(tmp_path):
+    cb = Clock()
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), namespace(PAGE)) as a, \
+            SharedPool.open_writer(cluster_config(tmp_path, "hostb"), namespace(PAGE), clock=cb) as b:
+        assert a.own is not None and a.own.lease is not None and a.wid is not None
+        b.refresh(force=True)
+        first = b.verdict(a.wid)
+        assert first.verdict is Verdict.LIVE and not first.same_host and first.unchanged_s == 0.0
+        for _ in range(3):  # it beats: its mark moves under b's watch, however much b's clock advances
+            cb.t += DEAD_S
+            a.own.lease.beat()
+            b.refresh(force=True)
+            assert b.verdict(a.wid).verdict is Verdict.LIVE and b.peer_alive(a.wid) is True
+        cb.t += DEAD_S - 1  # silent, but not long enough
+        b.refresh(force=True)
+        assert b.verdict(a.wid).verdict is Verdict.LIVE
+        cb.t += 1
+        b.refresh(force=True)
+        dead = b.verdict(a.wid)
+        assert dead.verdict is Verdict.DEAD and dead.unchanged_s == DEAD_S and b.peer_alive(a.wid) is False
+        assert b.peers().keys() == {a.wid}  # dead but readable: its pages stay until it is retired
+        a.own.lease.beat()  # it resumes
+        b.refresh(force=True)
+        assert b.verdict(a.wid).verdict is Verdict.LIVE and b.peer_alive(a.wid) is True
+
+
+def test_an_observer_started_late_presumes_a_silent_writer_live_at_first(tmp_path):
+    ca = Clock()
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), namespace(PAGE)) as a:
+        assert a.wid is not None
+        ca.t += 10 * DEAD_S  # a has been silent for long; a new observer cannot know that
+        with SharedPool.open_writer(cluster_config(tmp_path, "hostb"), namespace(PAGE), clock=ca) as b:
+            assert b.verdict(a.wid).verdict is Verdict.LIVE
+            ca.t += DEAD_S
+            assert b.verdict(a.wid).verdict is Verdict.DEAD
+
+
+def test_same_host_writers_are_judged_by_their_lock_never_by_time(tmp_path):
+    clock = Clock()
+    cfg = cluster_config(tmp_path, "hosta")
+    with SharedPool.open_writer(cfg, namespace(PAGE), clock=clock) as a:
+        b = SharedPool.open_writer(cfg, namespace(PAGE))
+        wid = b.wid
+        assert wid is not None
+        clock.t += 10 * RECLAIM_S
+        judged = a.verdict(wid)
+        assert judged.verdict is Verdict.LIVE and judged.same_host  # its LOCK is held, whatever the clock
+        b.close()
+        assert a.verdict(wid).verdict is Verdict.DEAD  # the LOCK is free: dead at once
+
+
+def test_a_fence_retires_only_the_incarnation_it_names_and_only_in_cluster_mode(tmp_path):
+    clock = Clock()
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), namespace(PAGE)) as a:
+        assert a.own is not None and a.wid is not None
+        directory = a.own.layout.meta
+        lease = lease_of(a)
+        assert (directory / FENCE).exists() and read_fence(directory) is None  # made empty by the owner at open
+        watch = LeaseWatch(cluster_config(tmp_path, "hostb"), clock)
+        write_fence(directory, b"x" * 16, "hostb-0", "hostb")  # an earlier incarnation's fence
+        assert read_fence(directory) is not None
+        assert watch.judge(directory, lease).verdict is Verdict.LIVE
+        write_fence(directory, lease["incarnation"], "hostb-0", "hostb")
+        judged = watch.judge(directory, lease)
+        assert judged.verdict is Verdict.RETIRED and "hostb-0" in judged.reason
+        assert watch.judge(directory, None).verdict is Verdict.RETIRED  # its LEASE deleted already
+        host_watch = LeaseWatch(cluster_config(tmp_path, "hostb", sharing="host"), clock)
+        assert host_watch.judge(directory, lease).verdict is Verdict.LIVE  # host mode reads no fence
+
+
+def test_reclaim_due_counts_from_the_last_change_like_dead_after(tmp_path):
+    clock = Clock()
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), namespace(PAGE)) as a:
+        assert a.own is not None
+        watch = LeaseWatch(cluster_config(tmp_path, "hostb"), clock)
+        directory, lease = a.own.layout.meta, lease_of(a)
+        watch.judge(directory, lease)
+        clock.t += RECLAIM_S - 1
+        judged = watch.judge(directory, lease)
+        assert judged.verdict is Verdict.DEAD and not watch.reclaim_due(judged)
+        clock.t += 1
+        assert watch.reclaim_due(watch.judge(directory, lease))
+
+
+def test_own_fence_names_this_incarnation_or_is_gone(tmp_path):
+    fence = OwnFence(tmp_path, b"i" * 16)
+    assert (tmp_path / FENCE).stat().st_size == 0 and fence.check() is None
+    write_fence(tmp_path, b"o" * 16, "hostb-0", "hostb")
+    assert fence.check() is None and fence.check(any_incarnation=True) is not None
+    write_fence(tmp_path, b"i" * 16, "hostb-1", "hostb")
+    reason = fence.check()
+    assert reason is not None and "hostb-1" in reason
+    fence.close()
+    again = OwnFence(tmp_path, b"j" * 16)  # an existing FENCE is opened, never truncated
+    assert again.check(any_incarnation=True) is not None
+    os.unlink(tmp_path / FENCE)  # a retirer deleted it: only ever after fencing
+    assert again.check() == "its FENCE was deleted (retired)"
+    again.close()
+    again.close()
+
+
+def test_a_fenced_lease_stops_beating_and_says_so_once(tmp_path):
+    calls: list[str] = []
+    fence = OwnFence(tmp_path, b"i" * 16)
+    lease = Lease(tmp_path / "LEASE", {"wid": "h-0", "incarnation": b"i" * 16}, lambda: {"pages": 1}, 600.0)
+    lease.fence_check, lease.on_fenced = fence.check, calls.append
+    lease.after_beat = lambda: calls.append("step")
+    lease.beat()
+    assert calls == ["step"] and lease.counter == 1
+    write_fence(tmp_path, b"i" * 16, "hostb-0", "hostb")
+    lease.beat()
+    lease.beat()
+    assert lease.counter == 1 and lease.fenced is not None and calls == ["step", lease.fenced]
+    got = read_lease(tmp_path / "LEASE")
+    assert got is not None and got["counter"] == 0  # nothing written since the fence
+    lease.close()
+    fence.close()
+
+
+def test_a_fence_block_round_trips_and_a_torn_one_is_none(tmp_path):
+    write_fence(tmp_path, b"i" * 16, "hostb-0", "hostb")
+    got = read_fence(tmp_path)
+    assert got is not None and got["incarnation"] == b"i" * 16 and got["by"] == "hostb-0"
+    data = bytearray((tmp_path / FENCE).read_bytes())
+    assert len(data) == fmt.LEASE_BLOCK_BYTES
+    data[20] ^= 0xFF
+    (tmp_path / FENCE).write_bytes(bytes(data))
+    assert read_fence(tmp_path) is None and read_fence(tmp_path / "absent") is None
+
+
+def test_host_mode_pools_make_no_fence(tmp_path):
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta", sharing="host"), namespace(PAGE)) as a:
+        assert a.own is not None and not (a.own.layout.meta / FENCE).exists()
+        mem = HostMemory(1, PAGE)
+        mem.fill(0, 1)
+        assert a.put([key(1)], [mem.runs(0)]) == [True]
