@@ -14,6 +14,10 @@ Crash rules:
     this journal, drains to count the use (``drain_touched``); one's own replay ignores it.
   * Replay reads a journal with ``pread`` from its cursor, so following a live writer costs what it
     appended since, not its whole file.
+  * Parts (``store.parts``): recovery is told the shard's number of parts. A checkpoint whose checksum
+    column is not ``n * parts`` long is unreadable (journals are replayed instead); a PUT record carrying
+    another number of checksums indexes nothing (its slot is still taken from the key that held it) and
+    is reported in ``problems``. So every indexed page has exactly ``parts`` checksums.
   * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
     old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
     still there (journals are deleted only after the new checkpoint is durable). A ``Journal`` whose
@@ -36,6 +40,7 @@ from sgl_kvtier.keys import KEY_BYTES, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import fsync_dir, write_file_atomic
 from sgl_kvtier.store.lifecycle import Step, abandon
+from sgl_kvtier.store.parts import Checksum, pack_sums, sums_list
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.bin"
@@ -63,7 +68,7 @@ class Recovered:
 
     slot_of: dict[PageKey, int] = field(default_factory=dict)  # key -> slot
     key_of: dict[int, PageKey] = field(default_factory=dict)  # slot -> key
-    checksum: dict[int, int] = field(default_factory=dict)  # slot -> xxh3-64 of the page
+    checksum: dict[int, Checksum] = field(default_factory=dict)  # slot -> the page's checksums (``store.parts``)
     parent: dict[int, int] = field(default_factory=dict)  # slot -> slot of the page it chains on
     seq: int = 0
     generation: int = 0  # the generation a new writer journal should use
@@ -73,21 +78,23 @@ class Recovered:
     problems: list[str] = field(default_factory=list)
     cursor: tuple[int, int] = (0, 0)  # (generation, byte offset) just past the last record replayed
     touched: list[PageKey] = field(default_factory=list)  # TOUCH records replayed, not yet drained
+    parts: int = 1  # checksummed parts per page of the shard
     # Replay bookkeeping, settled by ``_settle_links``: parents named by key, and slots that changed hands.
     _pending_parent: dict[int, PageKey] = field(default_factory=dict)
     _reassigned: set[int] = field(default_factory=set)
 
 
-def recover(meta: Path) -> Recovered:
-    """Rebuild the index of the shard in ``meta``: its checkpoint (if readable), then its journals in
-    generation order, each up to its first torn or corrupt record (damage goes to ``problems``)."""
-    state = Recovered()
+def recover(meta: Path, parts: int = 1) -> Recovered:
+    """Rebuild the index of the shard in ``meta`` (pages of ``parts`` checksummed parts): its checkpoint
+    (if readable), then its journals in generation order, each up to its first torn or corrupt record
+    (damage goes to ``problems``)."""
+    state = Recovered(parts=parts)
     ckpt = meta / CHECKPOINT
     if ckpt.exists():
         try:
             _load_checkpoint(fmt.unpack_checkpoint(ckpt.read_bytes(), str(ckpt)), state)
         except (CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
-            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"])
+            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"], parts=parts)
             log.warning("%s: %s", ckpt, state.problems[-1])
     gens = [g for g in journal_generations(meta) if g >= state.checkpoint_generation]
     state.cursor = (state.checkpoint_generation, 0)
@@ -109,7 +116,13 @@ def _load_checkpoint(fields: dict[str, Any], state: Recovered) -> None:
     slot_list = slots.tolist()
     state.slot_of = dict(zip(keys, slot_list))
     state.key_of = dict(zip(slot_list, keys))
-    state.checksum = dict(zip(slot_list, np.frombuffer(fields["checksums"], dtype=np.uint64, count=n).tolist()))
+    blob: bytes = fields["checksums"]
+    width = 8 * state.parts
+    if len(blob) != n * width:
+        raise ValueError(f"checkpoint has {len(blob) // 8} checksums for {n} pages of {state.parts} parts")
+    sums: list[Checksum] = np.frombuffer(blob, dtype=np.uint64, count=n).tolist() if state.parts == 1 \
+        else [blob[i:i + width] for i in range(0, n * width, width)]
+    state.checksum = dict(zip(slot_list, sums))
     linked = parents >= 0
     state.parent = dict(zip(slots[linked].tolist(), slots[parents[linked]].tolist()))
     state.seq = fields["seq"]
@@ -147,13 +160,20 @@ def _apply(state: Recovered, rec: list[Any]) -> None:
     _forget(state, key)
     if rec[0] != fmt.PUT:
         return
-    slot = rec[3]
+    slot, checksum = rec[3], rec[4]
     prev = state.key_of.get(slot)
     if prev is not None:
         _forget(state, prev)  # its bytes were overwritten by this page
+    if type(checksum) is not int or state.parts != 1:  # a list: one checksum per part
+        sums = [checksum] if isinstance(checksum, int) else checksum
+        if len(sums) != state.parts:
+            state.problems.append(f"PUT of {key.hex()[:16]} has {len(sums)} checksums, the shard's pages "
+                                  f"have {state.parts} parts; not indexed")
+            return
+        checksum = pack_sums(sums)
     state.slot_of[key] = slot
     state.key_of[slot] = key
-    state.checksum[slot] = rec[4]
+    state.checksum[slot] = checksum
     if rec[5] is not None:
         state._pending_parent[slot] = rec[5]
 
@@ -230,7 +250,7 @@ def follow(meta: Path, state: Recovered) -> bool:
     if size == offset and not newer:
         return False
     if size < 0:  # the writer checkpointed and removed this journal: start over from its checkpoint
-        state.__dict__.update(recover(meta).__dict__)
+        state.__dict__.update(recover(meta, state.parts).__dict__)
         return True
     before, problems = state.replayed_records, len(state.problems)
     state.cursor = (gen, _replay(path, state, offset))
@@ -296,9 +316,11 @@ def touch_record(seq: int, key: PageKey) -> bytes:
     return fmt.pack_record([fmt.TOUCH, seq, key])
 
 
-def put_record(seq: int, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> bytes:
-    """A packed PUT record: ``key``'s page is in ``slot`` with ``checksum``, chained on ``parent``."""
-    return fmt.pack_record([fmt.PUT, seq, key, slot, checksum, parent])
+def put_record(seq: int, key: PageKey, slot: int, checksum: Checksum, parent: PageKey | None) -> bytes:
+    """A packed PUT record: ``key``'s page is in ``slot`` with ``checksum`` (several parts: a list of
+    one u64 per part), chained on ``parent``."""
+    return fmt.pack_record([fmt.PUT, seq, key, slot, checksum if isinstance(checksum, int) else sums_list(checksum),
+                            parent])
 
 
 def del_record(seq: int, key: PageKey) -> bytes:

@@ -62,6 +62,7 @@ from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout, save_config
 from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
+from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
 from sgl_kvtier.store.transfer import SlotIdentity
 from sgl_kvtier.store.writers import WriterClaim, boot_id, claim_writer, machine_id
@@ -130,7 +131,7 @@ class PageStore(PageShard):
             save_config(claim.path, config)
             io_engine = open_shard_engine(config, engine, held, place)
             with collector_paused():
-                recovered = jr.recover(claim.path)
+                recovered = jr.recover(claim.path, len(namespace.part_sizes()))
                 jr.drain_touched(recovered)  # its own uses of others' pages: nothing to its own index
                 # A new generation: a torn tail of an earlier run stays where that file's replay stops.
                 journal = jr.Journal(claim.path, recovered.generation)
@@ -246,8 +247,8 @@ class PageStore(PageShard):
         return batch
 
     def _write(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None,
-               batch: _PutBatch) -> list[int | None]:
-        """Phase 2 (no lock): write the reserved pages (each with its trailer); per page its checksum, or
+               batch: _PutBatch) -> list[Checksum | None]:
+        """Phase 2 (no lock): write the reserved pages (each with its trailer); per page its checksums, or
         None where it failed."""
         # Crash rule: the data is written and (durability batch/always) fdatasync'd here, before phase 3
         # appends any record naming it, so a replayed record never points at unwritten bytes.
@@ -255,7 +256,7 @@ class PageStore(PageShard):
                                for i, slot, seq in batch.reserved])
 
     def _publish(self, keys: Sequence[PageKey], parent: PageKey | None, batch: _PutBatch,
-                 checksums: list[int | None]) -> bool:
+                 checksums: list[Checksum | None]) -> bool:
         """Phase 3 (under the lock): journal and publish the written pages, free the slots of failed ones.
         True when a checkpoint is due."""
         records: list[bytes] = []

@@ -75,8 +75,8 @@ class PageReader(PageShard):
             held.push("devices", layout.close)
             io_engine = open_shard_engine(config, engine, held, place)
             with collector_paused():
-                return cls(config, namespace, layout, jr.recover(layout.meta), io_engine, shared=shared,
-                           follows_peer=follows_peer)
+                recovered = jr.recover(layout.meta, len(namespace.part_sizes()))
+                return cls(config, namespace, layout, recovered, io_engine, shared=shared, follows_peer=follows_peer)
 
     def _before_corrupt(self) -> None:
         if self.follows_peer:
