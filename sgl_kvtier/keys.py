@@ -13,6 +13,10 @@ text, and the store's API takes only valid keys. An invalid key from SGLang is h
 boundary (a miss, or a page not stored); ``valid_runs`` splits a parsed batch where its invalid keys are,
 so a page's chain parent is always the page really preceding it.
 
+``parts`` (the checksummed byte ranges of a page, ``store.parts``; () = one part, the whole page) joins the
+namespace's identity only when it has more than one part, so every namespace of one part keeps the digest
+(and ``to_mapping``) it had before the field existed; ``(page_bytes,)`` is the same as ``()``.
+
 Rule for changing ``Namespace``: append fields only, and bump ``SCHEMA_VERSION`` when the meaning of the
 stored bytes changes.
 """
@@ -32,6 +36,7 @@ from sgl_kvtier.errors import ConfigError
 SCHEMA_VERSION = 2  # 2: model_fingerprint, dcp_rank, dcp_size
 FINGERPRINT_MAX = 128
 KEY_BYTES = 32
+MAX_PARTS = 64  # checksummed parts per page at most (``Namespace.parts``)
 
 PageKey = NewType("PageKey", bytes)
 
@@ -91,6 +96,8 @@ class Namespace:
     model_fingerprint: str = ""
     dcp_rank: int = 0  # decode-context-parallel shard (SGLang's ``attn_dcp_rank`` / ``attn_dcp_size``)
     dcp_size: int = 1
+    # Byte length of each checksummed range of a page, in order (format 2's ``parts``); () = one part.
+    parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -110,6 +117,19 @@ class Namespace:
             r, s = getattr(self, rank), getattr(self, size)
             if s < 1 or not 0 <= r < s:
                 raise ConfigError(f"namespace.{rank}", f"rank {r} is not in 0..{s - 1}")
+        self._check_parts()
+
+    def _check_parts(self) -> None:
+        parts = tuple(self.parts)  # a list from a header's mapping too
+        if not all(type(p) is int and p > 0 for p in parts) or len(parts) > MAX_PARTS \
+                or (parts and sum(parts) != self.page_bytes):
+            raise ConfigError("namespace.parts", f"must be at most {MAX_PARTS} positive byte lengths adding up to "
+                                                 f"page_bytes ({self.page_bytes}), got {self.parts!r:.160}")
+        object.__setattr__(self, "parts", () if len(parts) == 1 else parts)  # one part: the whole page
+
+    def part_sizes(self) -> list[int]:
+        """The byte length of each checksummed part of a page, in order (one part: ``[page_bytes]``)."""
+        return list(self.parts) if self.parts else [self.page_bytes]
 
     @property
     def shard_count(self) -> int:
@@ -117,8 +137,13 @@ class Namespace:
         return self.tp_size * self.pp_size * self.cp_size * self.dcp_size
 
     def to_mapping(self) -> dict[str, Any]:
-        """The fields as a plain dict (what device headers record)."""
-        return dataclasses.asdict(self)
+        """The fields as a plain dict (what device headers record); ``parts`` only when there are several."""
+        values = dataclasses.asdict(self)
+        if self.parts:
+            values["parts"] = list(self.parts)
+        else:
+            del values["parts"]
+        return values
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> Namespace:
@@ -128,7 +153,7 @@ class Namespace:
 
     def digest(self) -> bytes:
         """16 bytes naming this namespace shard on disk (SHA-256 of its msgpack encoding)."""
-        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "parts" or self.parts]
         return hashlib.sha256(msgpack.packb(["sgl-kvtier-namespace", *fields])).digest()[:16]
 
     def dirname(self) -> str:
@@ -139,4 +164,5 @@ class Namespace:
         """One human-readable line naming the shard."""
         return (f"{self.model} weights={self.model_fingerprint or '-'} {self.dtype} {self.layout} "
                 f"page={self.page_tokens}t/{self.page_bytes}B tp{self.tp_rank}/{self.tp_size} "
-                f"pp{self.pp_rank}/{self.pp_size} cp{self.cp_rank}/{self.cp_size} dcp{self.dcp_rank}/{self.dcp_size}")
+                f"pp{self.pp_rank}/{self.pp_size} cp{self.cp_rank}/{self.cp_size} dcp{self.dcp_rank}/{self.dcp_size}"
+                + (f" parts={len(self.parts)}" if self.parts else ""))

@@ -76,3 +76,23 @@ def test_valid_runs_split_a_batch_at_its_invalid_keys():
     assert valid_runs([None, a, b]) == [(1, [a, b])]
     assert valid_runs([a, b]) == [(0, [a, b])]
     assert valid_runs([None, None]) == [] and valid_runs([]) == []
+
+
+def test_parts_join_the_identity_only_when_there_are_several():
+    # Pinned: the digests of one-part namespaces are what they were before ``parts`` existed.
+    assert ns().digest().hex() == "373c940bde41da6b5d5e3af6fbc1bc16"
+    assert ns(layout="layer_first", page_tokens=16, page_bytes=1 << 16, tp_rank=1, tp_size=2, model_fingerprint="abc",
+              dcp_size=2).digest().hex() == "60ecd4227d3cb18b30fa939ff8e4e98f"
+    assert "parts" not in ns().to_mapping() and ns().part_sizes() == [1 << 20]
+    assert ns(parts=(1 << 20,)) == ns() and ns(parts=[1 << 20]).parts == ()  # one part is the whole page
+    split = ns(parts=[1 << 19, 1 << 18, 1 << 18])
+    assert split.parts == (1 << 19, 1 << 18, 1 << 18) and split.part_sizes() == [1 << 19, 1 << 18, 1 << 18]
+    assert split.digest() != ns().digest() != ns(parts=(1 << 18, 1 << 18, 1 << 19)).digest()
+    assert split.to_mapping()["parts"] == [1 << 19, 1 << 18, 1 << 18]
+    assert Namespace.from_mapping(split.to_mapping()) == split and "parts=3" in split.describe()
+    assert hash(Namespace.from_mapping(split.to_mapping())) == hash(split)
+    for bad in [(1 << 19,), (1 << 19, 0, 1 << 19), (-1, (1 << 20) + 1), ((1 << 20) - 64,) + (1,) * 64,
+                (1 << 19, 1 << 19, 1), (True, (1 << 20) - 1), (1.0, (1 << 20) - 1.0)]:
+        with pytest.raises(ConfigError, match="namespace.parts"):
+            ns(parts=bad)
+    assert len(ns(parts=(1 << 14,) * 64).parts) == 64

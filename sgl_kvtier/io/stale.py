@@ -2,8 +2,8 @@
 filesystem may see of files another host writes, for the tests of ``sharing = "cluster"`` readers.
 
 ``StaleFiles(inner, ...)`` wraps a file view (``read(path, offset, limit)``, ``size``, ``exists``,
-``listdir``: the ``store.journal.FileView`` a reader sees its writer's journals, checkpoint and lease
-through; pass ``store.journal.POSIX`` as ``inner``). Give it to ``PageReader.open(view=...)``, or to every
+``listdir``: the ``io.files.FileView`` a reader sees its writer's journals, checkpoint and lease
+through; pass ``io.files.POSIX`` as ``inner``). Give it to ``PageReader.open(view=...)``, or to every
 reader opened in a block (a pool's peers) with ``store.reader.reading_through(view)``. Faults:
     lag_rate     journal lag: a read of a file matching ``lag_match`` (journals) returns only a prefix of
                  what is there, cut at a random byte past ``offset`` (attributes cached, writes not yet at
@@ -42,7 +42,7 @@ from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, digest, op_lengt
 
 
 class Files(Protocol):
-    """What ``StaleFiles`` wraps (and is): ``store.journal.FileView``."""
+    """What ``StaleFiles`` wraps (and is): ``io.files.FileView``."""
 
     def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes: ...
     def size(self, path: Path) -> int: ...

@@ -160,10 +160,8 @@ def check_header(found: dict[str, Any], want: dict[str, Any], where: str) -> Non
             f"{where}: store format {version}, this build reads format {fmt.FORMAT_VERSION}. Its pages are a "
             f"cache, recomputed on demand: remove them (rm -r {ns_dir}) and start again")
     if "parts" in want and found.get("parts") != want["parts"]:
-        parts = found.get("parts")
-        if not isinstance(parts, list) or len(parts) != 1:
-            raise StoreFormatError(f"{where}: pages of {parts!r} checksummed parts; this build verifies one part per page")
-        raise StoreFormatError(f"{where}: parts is {parts!r} on disk but {want['parts']!r} here (another page size?)")
+        raise StoreFormatError(f"{where}: parts is {found.get('parts')!r} on disk but {want['parts']!r} here "
+                               "(pages checksummed in other ranges: another page size or layer grouping?)")
     for field in ("namespace", "slot_bytes", "device_index", "device_count", "store_id"):
         if found.get(field) != want.get(field):
             raise StoreFormatError(

@@ -59,12 +59,15 @@ trailer at ``page_bytes``, written in the same IO as the page:
     TRAILER_MAGIC (8) | u32 FORMAT_VERSION | u16 parts | u16 flags (bit 0: has parent) | namespace digest (16)
     | key (32) | parent key (32, zeros without) | writer incarnation (16) | u64 seq | parts x u64 checksums
     | u64 xxh3-64 of everything before it in the trailer
-Reads verify the page against the index's checksum (the trailer is not read). ``fsck --rebuild`` reads every
-slot: a trailer that fails its own checksum, names another namespace, or whose checksums the page bytes do
-not match (torn, stale) is skipped; of several good slots of one key the highest seq wins.
+Reads verify every part of the page against the index's checksums (the trailer is not read). ``fsck
+--rebuild`` reads every slot: a trailer that fails its own checksum, names another namespace, or whose
+checksums the page bytes do not match (torn, stale) is skipped; of several good slots of one key the highest
+seq wins.
 
 Parts: the namespace header's ``parts`` lists the byte length of each checksummed range of a page, in
-order (default: one part, the whole page). A part is verified as soon as its bytes land.
+order (default: one part, the whole page); they are the namespace's (``Namespace.parts``, part of its digest
+when there are several), and a header with other ones is refused. A part is verified as soon as its bytes
+land (``store.part_reads``: group-major reads); a page is a hit only if all its parts pass (``store.parts``).
 """
 
 from __future__ import annotations

@@ -285,7 +285,8 @@ def rebuild_shard(shard: Shard, wids: list[str] | None = None,
             layout = open_layout(config, shard.namespace, shard.meta, wid, create=False)
             try:
                 step = None if progress is None else progress(f"{shard.namespace.model} {wid}", slots_to_scan(layout))
-                outcome.report = rebuild(config, shard.namespace, layout, progress=step)
+                outcome.report = rebuild(config, shard.namespace, layout, progress=step,
+                                         parts=shard.header.get("parts"))  # the header's, as the writer made them
             finally:
                 layout.close()
         except (KVTierError, OSError) as exc:

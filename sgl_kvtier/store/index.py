@@ -1,5 +1,6 @@
 """The in-memory index of one shard: key <-> slot, page checksums, last-use times, and the eviction policy,
-kept in step.
+kept in step. A page's checksum is a ``store.parts.Checksum`` (an int for one part, packed u64s for several;
+recovery guarantees each has the shard's number of parts, ``Recovered.parts``).
 
 Built from ``journal.Recovered`` (its dicts are taken over, not copied: a million pages load in well
 under a second). Not thread-safe: the page store's lock guards every call.
@@ -30,6 +31,7 @@ from sgl_kvtier.keys import PageKey
 from sgl_kvtier.policy import quota
 from sgl_kvtier.policy.eviction import make_policy
 from sgl_kvtier.store.journal import Recovered
+from sgl_kvtier.store.parts import Checksum
 
 _LINK_SLACK_S = 0.5  # under half the youngest age bucket: lending recency up a chain stops this early
 
@@ -57,6 +59,7 @@ class PageIndex:
         self.slot_of = recovered.slot_of
         self.key_of = recovered.key_of
         self.checksum = recovered.checksum
+        self.parts = recovered.parts
         slots = np.fromiter(self.slot_of.values(), dtype=np.int64, count=len(self.slot_of))
         by_slot = np.full(int(slots.max(initial=-1)) + 1, -1, dtype=np.int64)
         if recovered.parent:
@@ -84,12 +87,12 @@ class PageIndex:
         """Every slot in use."""
         return list(self.slot_of.values())
 
-    def lookup(self, key: PageKey) -> tuple[int, int] | None:
+    def lookup(self, key: PageKey) -> tuple[int, Checksum] | None:
         """``(slot, checksum)`` of a stored page, or None."""
         slot = self.slot_of.get(key)
         return None if slot is None else (slot, self.checksum[slot])
 
-    def add(self, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> None:
+    def add(self, key: PageKey, slot: int, checksum: Checksum, parent: PageKey | None) -> None:
         """Index a page written to ``slot``; ``parent`` (if stored) is the page it chains on."""
         self.slot_of[key] = slot
         self.key_of[slot] = key
@@ -171,10 +174,16 @@ class PageIndex:
         return None if parent is None else self.key_of[parent]
 
     def snapshot(self) -> tuple[list[PageKey], np.ndarray, np.ndarray, np.ndarray]:
-        """(keys, slots, checksums, parent positions) coldest first, for a checkpoint."""
+        """(keys, slots, checksums (``n * parts``), parent positions) coldest first, for a checkpoint."""
         order = np.asarray(self.policy.coldest_first(), dtype=np.int64)
         keys = [self.key_of[s] for s in order.tolist()]
-        sums = np.fromiter((self.checksum[s] for s in order.tolist()), dtype=np.uint64, count=len(order))
+        if self.parts == 1:
+            sums = np.fromiter((self.checksum[s] for s in order.tolist()), dtype=np.uint64, count=len(order))
+        else:  # each page's packed u64s: the checkpoint's ``n * parts`` column as it is
+            packed = [self.checksum[s] for s in order.tolist()]
+            sums = np.frombuffer(b"".join(c for c in packed if isinstance(c, bytes)), dtype=np.uint64)
+            if len(sums) != len(order) * self.parts:
+                raise ValueError(f"index holds pages of other than {self.parts} parts")  # recovery rules this out
         position = np.full(int(order.max(initial=-1)) + 1, -1, dtype=np.int64)
         position[order] = np.arange(len(order), dtype=np.int64)
         parent_slots = self.policy.parent_slots(order) if len(order) else np.zeros(0, np.int64)

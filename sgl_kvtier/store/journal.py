@@ -22,6 +22,10 @@ Crash rules:
     cached before the file exists). Lower generations are read whole and left only when read cleanly to
     at least what was announced of them. Stuck (a journal missing, a generation it cannot leave): the
     checkpoint, once per announcement; one past the cursor is a fresh start, else it is lag (view kept).
+  * Parts (``store.parts``): recovery is told the shard's number of parts. A checkpoint whose checksum
+    column is not ``n * parts`` long is unreadable (journals are replayed instead); a PUT record carrying
+    another number of checksums indexes nothing (its slot is still taken from the key that held it) and
+    is reported in ``problems``. So every indexed page has exactly ``parts`` checksums.
   * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
     old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
     still there (journals are deleted only after the new checkpoint is durable). A ``Journal`` whose
@@ -36,15 +40,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from sgl_kvtier.errors import CorruptRecordError
+from sgl_kvtier.io.files import POSIX, FileView
 from sgl_kvtier.keys import KEY_BYTES, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import fsync_dir, write_file_atomic
 from sgl_kvtier.store.lifecycle import Step, abandon
+from sgl_kvtier.store.parts import Checksum, pack_sums, sums_list
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.bin"
@@ -54,50 +60,6 @@ def journal_path(meta: Path, generation: int) -> Path:
     """The journal file of ``generation`` in the shard's meta directory."""
     return meta / f"journal-{generation:08d}.log"
 
-
-class FileView(Protocol):
-    """How a follower sees another writer's files (``POSIX``; ``io.stale.StaleFiles`` in tests): ``read`` (the
-    bytes from ``offset`` to the end, at most ``limit``) and ``size`` raise FileNotFoundError; ``listdir``
-    of a directory not there is []."""
-
-    def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes: ...
-    def size(self, path: Path) -> int: ...
-    def exists(self, path: Path) -> bool: ...
-    def listdir(self, path: Path) -> list[str]: ...
-
-
-class PosixView:
-    """Plain syscalls; every read opens the file afresh (on NFS, close-to-open: fresh attributes and data)."""
-
-    def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            end = os.fstat(fd).st_size if limit is None else offset + limit
-            chunks, at = [], offset
-            while at < end:
-                chunk = os.pread(fd, end - at, at)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                at += len(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def size(self, path: Path) -> int:
-        return path.stat().st_size
-
-    def exists(self, path: Path) -> bool:
-        return path.exists()
-
-    def listdir(self, path: Path) -> list[str]:
-        try:
-            return os.listdir(path)
-        except OSError:  # not there, not a directory, not readable: none listed (as ``Path.glob``)
-            return []
-
-
-POSIX = PosixView()
 
 
 def journal_generations(meta: Path, view: FileView = POSIX) -> list[int]:
@@ -118,7 +80,7 @@ class Recovered:
 
     slot_of: dict[PageKey, int] = field(default_factory=dict)  # key -> slot
     key_of: dict[int, PageKey] = field(default_factory=dict)  # slot -> key
-    checksum: dict[int, int] = field(default_factory=dict)  # slot -> xxh3-64 of the page
+    checksum: dict[int, Checksum] = field(default_factory=dict)  # slot -> the page's checksums (``store.parts``)
     parent: dict[int, int] = field(default_factory=dict)  # slot -> slot of the page it chains on
     seq: int = 0
     generation: int = 0  # the generation a new writer journal should use
@@ -131,24 +93,26 @@ class Recovered:
     # Keys and slots a follower watches (pages it dropped): a PUT or DEL replayed since naming one removes it.
     watch: set[PageKey | int] = field(default_factory=set)
     checked_checkpoint: tuple[int, int] | None = None  # the announcement at which the checkpoint was last read
+    parts: int = 1  # checksummed parts per page of the shard
     # Replay bookkeeping, settled by ``_settle_links``: parents named by key, and slots that changed hands.
     _pending_parent: dict[int, PageKey] = field(default_factory=dict)
     _reassigned: set[int] = field(default_factory=set)
 
 
-def recover(meta: Path, *, view: FileView = POSIX, announced: Mapping[int, int] | None = None) -> Recovered:
-    """Rebuild the index of the shard in ``meta``: its checkpoint (if readable), then its journals in
-    generation order, each up to its first torn or corrupt record (damage goes to ``problems``).
-    ``announced`` (a cluster follower's): the journals only as far as ``follow_announced`` reads them
-    (empty: the checkpoint alone)."""
-    state = Recovered()
+def recover(meta: Path, parts: int = 1, *, view: FileView = POSIX,
+            announced: Mapping[int, int] | None = None) -> Recovered:
+    """Rebuild the index of the shard in ``meta`` (pages of ``parts`` checksummed parts): its checkpoint
+    (if readable), then its journals in generation order, each up to its first torn or corrupt record
+    (damage goes to ``problems``). ``announced`` (a cluster follower's): the journals only as far as
+    ``follow_announced`` reads them (empty: the checkpoint alone)."""
+    state = Recovered(parts=parts)
     ckpt = meta / CHECKPOINT
     raw = _read_or_none(view, ckpt)
     if raw is not None:
         try:
             _load_checkpoint(fmt.unpack_checkpoint(raw, str(ckpt)), state)
         except (CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
-            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"])
+            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"], parts=parts)
             log.warning("%s: %s", ckpt, state.problems[-1])
     listed = journal_generations(meta, view)
     gens = [g for g in listed if g >= state.checkpoint_generation]
@@ -182,7 +146,13 @@ def _load_checkpoint(fields: dict[str, Any], state: Recovered) -> None:
     slot_list = slots.tolist()
     state.slot_of = dict(zip(keys, slot_list))
     state.key_of = dict(zip(slot_list, keys))
-    state.checksum = dict(zip(slot_list, np.frombuffer(fields["checksums"], dtype=np.uint64, count=n).tolist()))
+    blob: bytes = fields["checksums"]
+    width = 8 * state.parts
+    if len(blob) != n * width:
+        raise ValueError(f"checkpoint has {len(blob) // 8} checksums for {n} pages of {state.parts} parts")
+    sums: list[Checksum] = np.frombuffer(blob, dtype=np.uint64, count=n).tolist() if state.parts == 1 \
+        else [blob[i:i + width] for i in range(0, n * width, width)]
+    state.checksum = dict(zip(slot_list, sums))
     linked = parents >= 0
     state.parent = dict(zip(slots[linked].tolist(), slots[parents[linked]].tolist()))
     state.seq = fields["seq"]
@@ -224,13 +194,20 @@ def _apply(state: Recovered, rec: list[Any]) -> None:
     _forget(state, key)
     if rec[0] != fmt.PUT:
         return
-    slot = rec[3]
+    slot, checksum = rec[3], rec[4]
     prev = state.key_of.get(slot)
     if prev is not None:
         _forget(state, prev)  # its bytes were overwritten by this page
+    if type(checksum) is not int or state.parts != 1:  # a list: one checksum per part
+        sums = [checksum] if isinstance(checksum, int) else checksum
+        if len(sums) != state.parts:
+            state.problems.append(f"PUT of {key.hex()[:16]} has {len(sums)} checksums, the shard's pages "
+                                  f"have {state.parts} parts; not indexed")
+            return
+        checksum = pack_sums(sums)
     state.slot_of[key] = slot
     state.key_of[slot] = key
-    state.checksum[slot] = rec[4]
+    state.checksum[slot] = checksum
     if rec[5] is not None:
         state._pending_parent[slot] = rec[5]
 
@@ -296,7 +273,7 @@ def follow(meta: Path, state: Recovered, view: FileView = POSIX) -> bool:
     if size == offset and not newer:
         return False
     if size < 0:  # the writer checkpointed and removed this journal: start over from its checkpoint
-        state.__dict__.update(recover(meta, view=view).__dict__)
+        state.__dict__.update(recover(meta, state.parts, view=view).__dict__)
         return True
     before, problems = state.replayed_records, len(state.problems)
     state.cursor = (gen, _replay(path, state, offset, view))
@@ -323,7 +300,7 @@ def follow_announced(meta: Path, state: Recovered, announced: Mapping[int, int],
         # Stuck: a checkpoint past the cursor is a fresh start; none (or an older one, as this view may show
         # it) means lag, and the view stays as it is until the next announcement.
         state.checked_checkpoint = (top, announced[top])
-        fresh = recover(meta, view=view, announced=announced)
+        fresh = recover(meta, state.parts, view=view, announced=announced)
         if fresh.checkpoint_generation > state.cursor[0]:
             fresh.checked_checkpoint = state.checked_checkpoint
             state.__dict__.update(fresh.__dict__)
@@ -411,9 +388,11 @@ def touch_record(seq: int, key: PageKey) -> bytes:
     return fmt.pack_record([fmt.TOUCH, seq, key])
 
 
-def put_record(seq: int, key: PageKey, slot: int, checksum: int, parent: PageKey | None) -> bytes:
-    """A packed PUT record: ``key``'s page is in ``slot`` with ``checksum``, chained on ``parent``."""
-    return fmt.pack_record([fmt.PUT, seq, key, slot, checksum, parent])
+def put_record(seq: int, key: PageKey, slot: int, checksum: Checksum, parent: PageKey | None) -> bytes:
+    """A packed PUT record: ``key``'s page is in ``slot`` with ``checksum`` (several parts: a list of
+    one u64 per part), chained on ``parent``."""
+    return fmt.pack_record([fmt.PUT, seq, key, slot, checksum if isinstance(checksum, int) else sums_list(checksum),
+                            parent])
 
 
 def del_record(seq: int, key: PageKey) -> bytes:

@@ -12,7 +12,7 @@ Headers are made once, by whichever writer comes first (``devices.create_once``:
 hard-linked into place), so two writers opening a new namespace at the same moment get one store id.
 
 Refusals (``StoreFormatError``): a format-1 store (its pages are a cache: remove them), a header whose
-``parts`` is not one part per page, and a writer directory whose metadata is gone (segments holding data
+``parts`` are not the namespace's (``Namespace.part_sizes()``), and a writer directory whose metadata is gone (segments holding data
 (or, on a raw device, a region whose first slot holds a page) but neither ``checkpoint.bin`` nor any
 journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
 a new writer would otherwise overwrite pages it does not know about). The writer lock itself is
@@ -93,8 +93,8 @@ def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
 
 
 def slot_bytes_of(namespace: Namespace) -> int:
-    """A slot's size in format 2: the page, then its trailer (one part), rounded up to 4 KiB."""
-    return fmt.slot_bytes_for(namespace.page_bytes, parts=1)
+    """A slot's size in format 2: the page, then its trailer (a checksum per part), rounded up to 4 KiB."""
+    return fmt.slot_bytes_for(namespace.page_bytes, parts=len(namespace.part_sizes()))
 
 
 def save_config(meta: Path, config: StoreConfig) -> None:
@@ -146,7 +146,7 @@ def _region_holds_pages(dev: str, namespace: Namespace, wid: str) -> bool:
         digest = namespace.digest()
         for region in table.get("regions", []):
             if region.get("ns") == digest and region.get("wid") == wid:
-                slot = os.pread(fd, fmt.slot_bytes_for(namespace.page_bytes), region["offset"])
+                slot = os.pread(fd, slot_bytes_of(namespace), region["offset"])
                 trailer = fmt.unpack_trailer(slot[namespace.page_bytes:])
                 return trailer is not None and trailer.ns_digest == digest
         return False
@@ -185,7 +185,7 @@ def _namespace_header(config: StoreConfig, namespace: Namespace, ns_meta: Path, 
 
 def _device_header(config: StoreConfig, namespace: Namespace, ns_meta: Path, slot_bytes: int, store_id: Any,
                    index: int) -> dict[str, Any]:
-    return {"namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "parts": [namespace.page_bytes],
+    return {"namespace": namespace.to_mapping(), "slot_bytes": slot_bytes, "parts": namespace.part_sizes(),
             "device_index": index, "device_count": len(config.devices), "store_id": store_id,
             "devices": list(config.devices), "meta_dir": str(ns_meta.parent)}
 
@@ -218,7 +218,7 @@ def open_layout(config: StoreConfig, namespace: Namespace, ns_meta: Path, wid: s
     table, ``BLOCK_HEADER_BYTES``) limits how many fit.
 
     Raises DeviceError (no store here without ``create``, a device that is not this store's) or
-    StoreFormatError (headers that disagree, format 1, parts other than one per page).
+    StoreFormatError (headers that disagree, format 1, parts other than the namespace's).
     """
     slot_bytes = slot_bytes_of(namespace)
     ndev = len(config.devices)

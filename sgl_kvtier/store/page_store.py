@@ -21,7 +21,7 @@ valid ``PageKey``s):
     delete(keys) -> int, evict(keys) -> int, clear() -> int, checkpoint(), close()
     usage() (what the lease publishes; ``published`` keeps the last), evict_older_than(age_s, now, bytes)
     touch_remote(keys), touch_own(keys)     uses of other writers' pages (TOUCH records) / of own ones
-    (and everything a PageShard serves)
+    (those of the pool side: ``store.pool_side``; and everything a PageShard serves)
 
 Write order for a put batch, one named phase each (the crash rule each step relies on is at its code):
     1. reserve   under the lock: admit each page, take a free slot (evicting as needed; the victims'
@@ -65,11 +65,11 @@ from sgl_kvtier.store.fs_check import check_cluster_open
 from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout, save_config
 from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
+from sgl_kvtier.store.parts import Checksum
+from sgl_kvtier.store.pool_side import PoolSide
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
 from sgl_kvtier.store.transfer import SlotIdentity
 from sgl_kvtier.store.writers import WriterClaim, boot_id, claim_writer, machine_id
-
-TOUCH_INTERVAL_S = 60.0  # a remote page's use is journaled at most once per this many seconds
 
 
 @dataclass
@@ -80,7 +80,7 @@ class _PutBatch:
     reserved: list[tuple[int, int, int]] = field(default_factory=list)  # (page index, slot, seq) to write
 
 
-class PageStore(PageShard):
+class PageStore(PageShard, PoolSide):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
 
     # Why a live writer of another host retired this one (``store.retire``; set by the pool), or None. Fenced,
@@ -138,7 +138,7 @@ class PageStore(PageShard):
             save_config(claim.path, config)
             io_engine = open_shard_engine(config, engine, held, place)
             with collector_paused():
-                recovered = jr.recover(claim.path)
+                recovered = jr.recover(claim.path, len(namespace.part_sizes()))
                 jr.drain_touched(recovered)  # its own uses of others' pages: nothing to its own index
                 # A new generation: a torn tail of an earlier run stays where that file's replay stops.
                 journal = jr.Journal(claim.path, recovered.generation)
@@ -156,32 +156,6 @@ class PageStore(PageShard):
                     "pid": os.getpid(), "incarnation": self.incarnation}
         self.lease = Lease(self.claim.path / LEASE, identity, self.usage, self.config.heartbeat_s)
         self.lease.start()
-
-    def usage(self) -> dict[str, Any]:
-        """What the lease publishes of this writer now: pages, bytes, its capacity, journal cursor and the
-        bytes per page-age bucket (``index.age_histogram``, trailing empty buckets left out). Kept as
-        ``published`` with the clock's now, so the quota plans with exactly what the lease said."""
-        with self._lock:
-            now = self.clock()
-            pages = len(self._index)
-            hist = list(self._index.age_histogram(now, self.slot_bytes))
-            if self.config.sharing is Sharing.CLUSTER and self._journal.synced < self._journal.size:
-                # Crash/visibility rule: other hosts replay only what a lease announced, so announce only
-                # synced records (TOUCHes and dropped-page DELs are never synced on their own: do it here).
-                self._journal.sync()
-            fields = {"pages": pages, "bytes_used": pages * self.slot_bytes,
-                      "capacity_bytes": self._slots.capacity * self.slot_bytes,
-                      "journal": [self._journal.generation, self._journal.synced]}
-        while hist and not hist[-1]:
-            hist.pop()
-        fields["age_hist"] = hist
-        self.published = (now, fields)
-        return fields
-
-    def pool_capacity_bytes(self) -> int:
-        """The pool-wide byte limit the quota keeps: ``capacity_bytes``, or (None) this layout's capacity."""
-        layout_bytes = self._slots.capacity * self.slot_bytes
-        return layout_bytes if self.config.capacity_bytes is None else min(self.config.capacity_bytes, layout_bytes)
 
     def close(self) -> None:
         """Checkpoint, close the journal, the engine and the devices, then release the writer lock: every
@@ -261,8 +235,8 @@ class PageStore(PageShard):
         return batch
 
     def _write(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None,
-               batch: _PutBatch) -> list[int | None]:
-        """Phase 2 (no lock): write the reserved pages (each with its trailer); per page its checksum, or
+               batch: _PutBatch) -> list[Checksum | None]:
+        """Phase 2 (no lock): write the reserved pages (each with its trailer); per page its checksums, or
         None where it failed."""
         # Crash rule: the data is written and (durability batch/always) fdatasync'd here, before phase 3
         # appends any record naming it, so a replayed record never points at unwritten bytes.
@@ -270,7 +244,7 @@ class PageStore(PageShard):
                                for i, slot, seq in batch.reserved])
 
     def _publish(self, keys: Sequence[PageKey], parent: PageKey | None, batch: _PutBatch,
-                 checksums: list[int | None]) -> bool:
+                 checksums: list[Checksum | None]) -> bool:
         """Phase 3 (under the lock): journal and publish the written pages, free the slots of failed ones.
         True when a checkpoint is due."""
         records: list[bytes] = []
@@ -368,55 +342,6 @@ class PageStore(PageShard):
         if records and self._journal_sync_due():
             self._journal.sync()
         return len(records)
-
-    def evict_older_than(self, age_s: float, now: float, limit_bytes: int) -> tuple[int, int]:
-        """The quota's eviction: own pages at least ``age_s`` old at ``now`` (the clock's, as ``usage``
-        published them), in the policy's drop order (chain: deepest first), until ``limit_bytes``; then
-        holes over the freed slots no reader pins. Returns (pages evicted, bytes punched)."""
-        self._check_open()
-        records: list[bytes] = []
-        with self._lock:
-            victims = self._index.victims_older_than(age_s, now, limit_bytes, self.slot_bytes)
-            slots = [s for s in (self._index.slot_of[k] for k in victims) if not self._slots.pinned(s)]
-            for key in victims:
-                self._drop(key, records)
-            self.counters.evictions += len(records)
-            self._journal.append(records)
-            # Crash rule: the DELs are appended before their slots are punched (and the punch is under the
-            # lock, so no put can take a slot in between). A crash losing the unsynced DELs replays a page
-            # over zeros: its checksum fails, a miss, never wrong KV.
-            punched = self._punch(slots)
-        if records and self._journal_sync_due():
-            self._journal.sync()
-        return len(records), punched
-
-    def _punch(self, slots: list[int]) -> int:
-        by_arena: dict[int, list[int]] = {}
-        for slot in slots:
-            by_arena.setdefault(slot % self._ndev, []).append(slot // self._ndev)
-        return sum(self.layout.arenas[a].punch_free(local) for a, local in by_arena.items())
-
-    def touch_own(self, keys: Sequence[PageKey]) -> None:
-        """Other writers used these pages of ours (their TOUCH records): as warm as our own reads."""
-        with self._lock:
-            self._index.touch(keys)
-
-    def touch_remote(self, keys: Sequence[PageKey], now: float | None = None) -> None:
-        """We read these pages from other writers: journal a TOUCH for each (at most once per key per
-        TOUCH_INTERVAL_S; not synced: a lost use costs nothing but warmth), for their owners to count."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if self._closed:
-                return
-            fresh = [k for k in keys if now - self._touched.get(k, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S]
-            if len(self._touched) > 1 << 16:
-                self._touched = {k: t for k, t in self._touched.items() if now - t < TOUCH_INTERVAL_S}
-            records = []
-            for key in fresh:
-                self._touched[key] = now
-                self._seq += 1
-                records.append(jr.touch_record(self._seq, key))
-            self._journal.append(records)
 
     def clear(self) -> int:
         """Drop every page; how many were dropped."""

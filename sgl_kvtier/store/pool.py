@@ -10,6 +10,7 @@ and read rates (``shard.SharedTelemetry``): the devices are the same.
 API (keys, pages and results as ``PageShard``'s):
     open_writer(config, namespace, *, engine=None) / open_reader(config, namespace, *, engine=None)
     get(keys, pages) -> [bool]        own pages from own slots; others from the peer holding each key
+    get_parts(keys, pages, on_part, groups=None) -> [bool]   the same, group-major (``store.pool_reads``)
     longest_prefix(keys) -> int       own index, then the peers' (a chain may mix writers)
     put(keys, pages, parent=None)     keys any peer holds are not stored again (True, counted present)
     delete / evict / clear / checkpoint      own pages only (a reader pool: nothing to do)
@@ -52,14 +53,15 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, KVTierError, StoreClosedError
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
-from sgl_kvtier.keys import KEY_BYTES, Namespace, PageKey
+from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store.fencing import OwnWriter
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout, meta_dir
 from sgl_kvtier.store.lifecycle import ClosedOnExit, Step, StoreCloseError, run_steps
 from sgl_kvtier.store.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.store.page_store import PageStore
-from sgl_kvtier.store.peers import PEER_ERRORS, InUse, Peers
+from sgl_kvtier.store.peers import InUse, Peers
+from sgl_kvtier.store.pool_reads import PoolReads, valid_key
 from sgl_kvtier.store.quota_loop import QuotaLoop
 from sgl_kvtier.store.read_rates import ReadRates
 from sgl_kvtier.store.reader import PageReader
@@ -71,7 +73,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class SharedPool(ClosedOnExit):
+class SharedPool(PoolReads, ClosedOnExit):
     """The merged view over every writer of one namespace shard (see the module docstring)."""
 
     CLOSING = "the pool"
@@ -273,30 +275,9 @@ class SharedPool(ClosedOnExit):
             pos += step
         return pos
 
-    def _call(self, shard: PageShard, call: Callable[[], _T], fallback: _T) -> _T:
-        """``call()`` on ``shard``; for a peer, ``fallback`` where its files failed under it. A call on a
-        shard the pool took out since (a dropped peer, a replaced fenced own store) is ``fallback`` too."""
-        if not self._in_use.enter(shard):
-            return fallback
-        try:
-            return call()
-        except PEER_ERRORS as exc:  # StoreClosedError included: the pool is closing under the call
-            if shard is self.own:  # the own store's errors are the caller's (one replaced since is not own)
-                raise
-            log.debug("a read of %s failed: %r", shard.layout.meta, exc)
-            return fallback
-        finally:
-            self._in_use.exit(shard)
-
-    def _holder(self, key: PageKey) -> PageShard | None:
-        for shard in self._shards():
-            if shard.contains(key):
-                return shard
-        return None
-
     def contains(self, key: PageKey) -> bool:
         """Whether some writer of the pool has ``key`` in its index."""
-        return _valid_key(key) and self._holder(key) is not None
+        return valid_key(key) and self._holder(key) is not None
 
     def slot_of(self, key: PageKey) -> int | None:
         """The global slot holding ``key`` in ``layout`` (the own writer's; a reader pool's first peer's)."""
@@ -304,7 +285,7 @@ class SharedPool(ClosedOnExit):
 
     def parent_of(self, key: PageKey) -> PageKey | None:
         """The page ``key`` chains on, as its holder recorded it, or None."""
-        holder = self._holder(key) if _valid_key(key) else None
+        holder = self._holder(key) if valid_key(key) else None
         return None if holder is None else holder.parent_of(key)
 
     def keys(self) -> list[PageKey]:
@@ -326,35 +307,6 @@ class SharedPool(ClosedOnExit):
         base.counters = self.counters.snapshot()
         return base
 
-    # ------------------------------------------------------------------ reads
-    def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]:
-        """Read pages into the caller's runs, each from the writer holding it; False for a miss or a page
-        failing verification (never an error from a peer)."""
-        self._check_open()
-        self.refresh()
-        results = [False] * len(keys)
-        routes: dict[int, tuple[PageShard, list[int]]] = {}
-        for i, key in enumerate(keys):
-            valid = _valid_key(key)
-            holder = self._holder(key) if valid else self.own  # the own store counts a bad request
-            if holder is None:
-                if valid:
-                    self.counters.get_misses += 1
-                else:
-                    self.counters.bad_requests += 1
-                continue
-            routes.setdefault(id(holder), (holder, []))[1].append(i)
-        remote_hits: list[PageKey] = []
-        for shard, picked in routes.values():
-            call = partial(shard.get, [keys[i] for i in picked], [pages[i] for i in picked])
-            for i, ok in zip(picked, self._call(shard, call, [False] * len(picked))):
-                results[i] = ok
-                if ok and shard is not self.own:
-                    remote_hits.append(keys[i])
-        if remote_hits and self.own is not None and self.own.fenced is None:
-            self.own.touch_remote(remote_hits)
-        return results
-
     # ------------------------------------------------------------------ writes (own pages only)
     def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
         """Store pages as ``PageStore.put`` does, except those some peer holds already (True, counted as
@@ -368,7 +320,7 @@ class SharedPool(ClosedOnExit):
             return [False] * len(keys)
         self.refresh()
         peers = list(self._followed.readers.values())
-        held = [_valid_key(k) and any(p.contains(k) for p in peers) for k in keys]
+        held = [valid_key(k) and any(p.contains(k) for p in peers) for k in keys]
         results = [True] * len(keys)
         start = 0
         while start < len(keys):
@@ -413,9 +365,4 @@ class SharedPool(ClosedOnExit):
 def _telemetry(config: StoreConfig) -> SharedTelemetry:
     health = DeviceHealth(list(config.devices), config.breaker_failures, config.breaker_cooldown_s, config.slow_io_s)
     return SharedTelemetry(StoreCounters(), health, ReadRates(len(config.devices)))
-
-
-def _valid_key(key: object) -> bool:
-    return isinstance(key, bytes) and len(key) == KEY_BYTES
-
 

@@ -50,6 +50,7 @@ from typing import Any
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import CorruptRecordError, DeviceError
 from sgl_kvtier.io.engine import IOEngine
+from sgl_kvtier.io.files import POSIX, FileView
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
@@ -57,17 +58,18 @@ from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout, meta_dir, open_layout
 from sgl_kvtier.store.lease import LEASE
 from sgl_kvtier.store.lifecycle import Acquired
+from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
 from sgl_kvtier.store.slots import SlotTable
 from sgl_kvtier.store.writers import writer_dirname, writer_dirs
 
 SUSPECT_TRIES = 4  # a suspect page is put back after 1, 2, 4, 8 beats of its writer, then dropped for good
 SUSPECT_LIMIT = 4096  # suspects kept at most (the oldest go first)
-_view: jr.FileView = jr.POSIX  # what readers opened without a ``view`` read files through
+_view: FileView = POSIX  # what readers opened without a ``view`` read files through
 
 
 @contextmanager
-def reading_through(view: jr.FileView) -> Iterator[jr.FileView]:
+def reading_through(view: FileView) -> Iterator[FileView]:
     """Readers opened inside the block (a pool's peers too) read their writers' files through ``view``."""
     global _view
     previous, _view = _view, view
@@ -77,7 +79,7 @@ def reading_through(view: jr.FileView) -> Iterator[jr.FileView]:
         _view = previous
 
 
-def read_lease(view: jr.FileView, path: Path) -> dict[str, Any] | None:
+def read_lease(view: FileView, path: Path) -> dict[str, Any] | None:
     """``lease.read_lease`` through ``view``: the lease in ``path``, or None (missing, no valid block)."""
     try:
         return fmt.unpack_lease(view.read(path, 0, 2 * fmt.LEASE_BLOCK_BYTES), str(path))
@@ -100,7 +102,7 @@ def _capacity(layout: Layout, recovered: jr.Recovered, at_least: int = 0) -> int
 @dataclass
 class _Suspect:
     slot: int
-    checksum: int
+    checksum: Checksum  # ``store.parts``: an int for one part, packed u64s for several
     tries: int
     due: int  # the beat count at which it goes back into the view
     out: bool = True  # dropped from the view now
@@ -111,7 +113,7 @@ class PageReader(PageShard):
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, recovered: jr.Recovered,
                  engine: IOEngine, *, shared: SharedTelemetry | None = None, follows_peer: bool = False,
-                 view: jr.FileView = jr.POSIX, lease: dict[str, Any] | None = None):
+                 view: FileView = POSIX, lease: dict[str, Any] | None = None):
         super().__init__(config, namespace, layout, recovered, _capacity(layout, recovered), engine, shared=shared)
         self.follows_peer = follows_peer
         self.wid = layout.wid
@@ -128,7 +130,7 @@ class PageReader(PageShard):
     @classmethod
     def open(cls, config: StoreConfig, namespace: Namespace, *, wid: str | None = None,
              engine: IOEngine | None = None, shared: SharedTelemetry | None = None,
-             follows_peer: bool = False, view: jr.FileView | None = None) -> PageReader:
+             follows_peer: bool = False, view: FileView | None = None) -> PageReader:
         """Open writer ``wid``'s pages of the shard of ``namespace`` read-only (``wid`` None: the lowest
         writer directory present). ``engine`` (tests): the base engine to run IO on, the reader's from this
         call on (closed by ``close``, or here if this fails). ``shared``/``follows_peer``: a pool's.
@@ -157,8 +159,9 @@ class PageReader(PageShard):
                 cursor = _announced_cursor(lease)
                 bounds = {} if cursor is None else {cursor[0]: cursor[1]}
             with collector_paused():
-                recovered = jr.recover(layout.meta) if bounds is None and view is jr.POSIX else \
-                    jr.recover(layout.meta, view=view, announced=bounds)  # (host mode, plain view: as always)
+                parts = len(namespace.part_sizes())
+                recovered = jr.recover(layout.meta, parts) if bounds is None and view is POSIX else \
+                    jr.recover(layout.meta, parts, view=view, announced=bounds)  # (host mode, plain view: as always)
                 return cls(config, namespace, layout, recovered, io_engine, shared=shared,
                            follows_peer=follows_peer, view=view, lease=lease)
 
@@ -200,7 +203,7 @@ class PageReader(PageShard):
         if seen is None and len(self._marks) > 1 and cursor < self.recovery.cursor:
             # A new incarnation announcing less than this view holds: a new writer in the directory.
             self.announced = {}
-            self.recovery.__dict__.update(jr.recover(self.layout.meta, view=self.view, announced={}).__dict__)
+            self.recovery.__dict__.update(jr.recover(self.layout.meta, self.recovery.parts, view=self.view, announced={}).__dict__)
         self.lease = lease
         gen, size = cursor
         self.announced[gen] = max(self.announced.get(gen, 0), size)

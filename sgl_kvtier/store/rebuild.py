@@ -126,11 +126,11 @@ def rebuild(config: StoreConfig, namespace: Namespace, layout: Layout, *,
             progress: Callable[[int], object] | None = None, parts: Sequence[int] | None = None) -> RebuildReport:
     """Rebuild the index of the writer whose open layout is ``layout`` (see the module docstring).
     ``progress`` is called with the number of slots read after each read; ``parts``: the byte length of
-    each checksummed part of a page (default: one part, the whole page).
+    each checksummed part of a page (the namespace header's; default: the namespace's, ``part_sizes``).
 
     Raises StoreLockedError (a live writer holds its lock), DeviceError (slots without room for a
     trailer: not format 2), OSError (writing the meta), ValueError (``parts`` not adding up to a page)."""
-    part_sizes = list(parts or [namespace.page_bytes])
+    part_sizes = list(parts or namespace.part_sizes())
     if sum(part_sizes) != namespace.page_bytes:
         raise ValueError(f"parts {part_sizes} do not add up to the page's {namespace.page_bytes} bytes")
     if layout.slot_bytes < namespace.page_bytes + fmt.trailer_bytes(len(part_sizes)):

@@ -7,15 +7,18 @@ table, the IO engine behind ``PageIO``, the devices' circuit breakers, counters 
 
 API (pages are lists of ``(address, length)`` runs in caller memory; keys are valid ``PageKey``s):
     get(keys, pages) -> [bool]        True: the page's bytes, verified, are in the caller's runs
+    get_parts(keys, pages, on_part, groups=None) -> [bool]
+                                      the same, group-major: group 0 of every page verified, then
+                                      ``on_part(0, ok)``, then group 1, ... (``store.part_reads``)
     longest_prefix(keys) -> int       how many leading keys are readable now
     contains / slot_of / parent_of / keys / len, stats(), close()
 
 Read path of a batch: pin (under the lock: look each key up, pin its slot, touch the policy) -> read (no
-lock: one vectored IO per page, checked against the xxh3-64 taken at write time) -> unpin -> settle (under
-the lock: count, and drop every ``CORRUPT`` page through ``_dropped``, which a writer also journals). A
-pinned slot is never handed to a writer, so an eviction racing a read cannot put another page's bytes
-under it; a stale index (a follower behind its writer) can only read bytes that fail their checksum: a
-miss, never wrong KV.
+lock: one vectored IO per page, checked against the xxh3-64 of each part taken at write time) -> unpin ->
+settle (under the lock: count, and drop every ``CORRUPT`` page through ``_dropped``, which a writer also
+journals). A pinned slot is never handed to a writer, so an eviction racing a read cannot put another
+page's bytes under it; a stale index (a follower behind its writer) can only read bytes that fail their
+checksum: a miss, never wrong KV.
 
 Every instance owns all of its state (the collector pause below is the one shared thing, and it counts),
 so any number of readers and one writer per shard can be open at once, in one process or many; nothing on
@@ -50,13 +53,15 @@ from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired, ClosedOnExit, Step, close_all
+from sgl_kvtier.store.part_reads import OnPart, PartRead, drive
+from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.read_rates import ReadRates
 from sgl_kvtier.store.slots import SlotTable
 from sgl_kvtier.store.transfer import PageIO, ReadVerdict, SlotIdentity
 from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters, StoreStats
 
 log = logging.getLogger(__name__)
-Pinned = list[tuple[int, tuple[int, int]]]  # (page index in the batch, (slot, checksum)) per pinned page
+Pinned = list[tuple[int, tuple[int, Checksum]]]  # (page index in the batch, (slot, checksums)) per pinned page
 
 
 class _CollectorPause:
@@ -144,7 +149,8 @@ class PageShard(ClosedOnExit, abc.ABC):
         self.health = shared.health
         self.read_rates = shared.read_rates  # moving-average read bandwidth / batch latency (cost model)
         self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
-                          config.durability is not Durability.NONE, self._device_full, identity=identity)
+                          config.durability is not Durability.NONE, self._device_full, identity=identity,
+                          parts=namespace.part_sizes())
         self._index = PageIndex(recovered, config.eviction, capacity)
         self._slots = SlotTable(capacity, self._index.slots())
 
@@ -236,6 +242,41 @@ class PageShard(ClosedOnExit, abc.ABC):
             self._before_corrupt()
         self._settle(keys, pinned, verdicts, results)
         return results
+
+    def get_parts(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], on_part: OnPart,
+                  groups: Sequence[Sequence[int]] | None = None) -> list[bool]:
+        """Read pages group-major (``store.part_reads``): the parts of group 0 of every page (by default
+        group ``p`` is part ``p``), verified, then ``on_part(0, ok)`` (``ok[i]``: page i's groups so far
+        are verified in its runs), then group 1, ... A page failing a part gets no more IO. Returns what
+        ``get`` would: True for the pages read whole.
+
+        Raises ValueError when ``groups`` do not cover every part once; what ``on_part`` raises, once the
+        IO in flight landed and the batch's pins and buffers are released."""
+        plan = self._io.parts.plan(groups)
+        return drive([self.part_read(keys, pages, plan)], len(keys), len(plan), on_part)
+
+    def part_read(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], plan: list[tuple[int, ...]],
+                  positions: Sequence[int] | None = None) -> PartRead:
+        """This shard's share of a group-major read (``store.part_reads.drive`` runs it): its pages pinned
+        from now until the read's ``close``. ``positions``: each key's index in the caller's batch."""
+        self._check_open()
+        pinned = self._pin(keys, pages)
+        where = range(len(keys)) if positions is None else positions
+
+        def release(verdicts: list[ReadVerdict], seconds: float, busy: list[float]) -> None:
+            self._unpin(pinned)
+            if pinned and seconds > 0:
+                self.read_rates.record([e[0] % self._ndev for (_, e), v in zip(pinned, verdicts)
+                                        if v is ReadVerdict.HIT], self.page_bytes, seconds, busy)
+            if ReadVerdict.CORRUPT in verdicts:
+                self._before_corrupt()
+            self._settle(keys, pinned, verdicts, [False] * len(keys))
+
+        try:
+            return PartRead(self._io, [(where[i], pages[i], e) for i, e in pinned], plan, release)
+        except BaseException:
+            self._unpin(pinned)
+            raise
 
     def _pin(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> Pinned:
         """Read phase 1 (under the lock): find each page and pin its slot, so no writer reuses it mid-read."""

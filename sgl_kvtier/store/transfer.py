@@ -7,13 +7,15 @@ data files of a write batch unless durability is ``none``. It knows slots, not t
 
 Writes (format 2, ``store.format`` "Slot"): each page write is ONE IO covering its whole slot: the page at
 offset 0, its trailer (``fmt.pack_trailer``: namespace digest, key, parent key, writer incarnation, seq,
-the page's xxh3-64) at ``page_bytes``, zeros up to ``slot_bytes``. So a torn write leaves a trailer whose
-checksum the page bytes fail, and ``store.rebuild`` can skip it. An aligned page (runs aligned, page_bytes a
+the xxh3-64 of each of the page's parts, ``store.parts``) at ``page_bytes``, zeros up to ``slot_bytes``.
+So a torn write leaves a trailer whose checksums the page bytes fail, and ``store.rebuild`` can skip it. An aligned page (runs aligned, page_bytes a
 multiple of 4 KiB) goes out as its runs plus one aligned tail buffer from a slab pool; any other page is
 copied with its trailer into one bounce buffer. Only a PageIO given a ``SlotIdentity`` (the writer) writes;
-one without (a reader) raises. The page's checksum is taken before its IO (the trailer carries it), in
-the calling thread. Reads move the page's bytes only (the trailer is not read) and verify them
-against the checksum the index recorded.
+one without (a reader) raises. The page's checksums are taken before its IO (the trailer carries them), in
+the calling thread. Reads move the page's bytes only (the trailer is not read), one IO per page, and verify
+them against the checksums the index recorded: one part by the engine's digest of the IO, several ones
+part by part after the batch (in the calling thread); a page is a hit only if every part passes.
+Group-major reads of parts are ``store.part_reads``, on this PageIO's ``locate``/``submit``.
 
 Each page read gets a ``ReadVerdict``: ``HIT`` (verified bytes are in the caller's runs), ``CORRUPT``
 (short or failing its checksum: the caller drops the page), ``IO_ERROR`` (the IO failed; the page may
@@ -29,12 +31,15 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
-from sgl_kvtier.errors import KVTierError, StoreFormatError
+from sgl_kvtier.errors import KVTierError, StoreClosedError, StoreFormatError
 from sgl_kvtier.io.buffers import (
     ALIGN,
     AlignedBuffer,
@@ -52,13 +57,16 @@ from sgl_kvtier.store.devices import Arena
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import release_all
+from sgl_kvtier.store.parts import Checksum, PartMap, pack_sums
 from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters
 
 log = logging.getLogger(__name__)
 
 # (caller's runs, global slot, key, parent key or None, seq of the write)
 WriteItem = tuple[Sequence[Run], int, bytes, bytes | None, int]
-ReadItem = tuple[Sequence[Run], tuple[int, int]]  # (caller's runs, (slot, checksum recorded at write))
+ReadItem = tuple[Sequence[Run], tuple[int, Checksum]]  # (caller's runs, (slot, checksums recorded at write))
+PART_READ_THREADS = 4  # a shard's threads running group-major reads' batches (``submit``)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,12 @@ class PageIO:
 
     def __init__(self, layout: Layout, engine: IOEngine, health: DeviceHealth, counters: StoreCounters,
                  page_bytes: int, io_depth: int, sync_writes: bool, on_device_full: Callable[[int], None],
-                 *, identity: SlotIdentity | None = None):
+                 *, identity: SlotIdentity | None = None, parts: Sequence[int] | None = None):
         """``identity``: the writer's (its pages' trailers name it); None for a reader, whose ``write`` raises.
+        ``parts``: the byte length of each checksummed part of a page (None: one part, the whole page).
 
-        Raises StoreFormatError when a writer's slots leave no room for the trailer after the page."""
+        Raises StoreFormatError when a writer's slots leave no room for the trailer after the page,
+        ValueError when ``parts`` do not add up to the page."""
         self.layout = layout
         self.engine = engine
         self.health = health
@@ -99,12 +109,17 @@ class PageIO:
         self.page_bytes = page_bytes
         self.slot_bytes = layout.slot_bytes
         self.identity = identity
+        self.parts = PartMap.of(parts or [page_bytes])
+        if self.parts.page_bytes != page_bytes:
+            raise ValueError(f"parts {list(self.parts.sizes)} do not add up to the page's {page_bytes} bytes")
+        self._one_part = self.parts.count == 1
         self._tail = self.slot_bytes - page_bytes  # the bytes after the page: trailer, then zeros
-        if identity is not None and self._tail < fmt.trailer_bytes(1):
+        need = fmt.trailer_bytes(self.parts.count)
+        if identity is not None and self._tail < need:
             raise StoreFormatError(
                 f"slots of {self.slot_bytes} bytes leave {self._tail} after a {page_bytes}-byte page, a slot "
-                f"trailer needs {fmt.trailer_bytes(1)}: format {fmt.FORMAT_VERSION} slots are "
-                f"{fmt.slot_bytes_for(page_bytes)} bytes (format.slot_bytes_for)")
+                f"trailer needs {need}: format {fmt.FORMAT_VERSION} slots are "
+                f"{fmt.slot_bytes_for(page_bytes, self.parts.count)} bytes (format.slot_bytes_for)")
         self._zeros = memoryview(bytes(max(self._tail, 0)))
         self._ndev = len(layout.arenas)
         self._bounce = BouncePool(self.slot_bytes, io_depth)
@@ -116,21 +131,57 @@ class PageIO:
         self._sync_writes = sync_writes
         self._on_device_full = on_device_full
         self._errlog = RateLimitedLog(log)
+        self._part_threads: ThreadPoolExecutor | None = None  # made by the first ``submit``
+        self._threads_lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        """Close the engine (its threads or rings end here) and free the bounce buffers, the buffers whatever
-        the engine's close raised (then its error)."""
-        release_all([("io engine", self.engine.close), ("bounce buffers", self._bounce.close),
+        """End the part-read threads (a batch in flight finishes first), close the engine (its threads or
+        rings end here) and free the bounce buffers, each whatever the others raised (then the first error)."""
+        with self._threads_lock:
+            threads, self._part_threads, self._closed = self._part_threads, None, True
+        steps: list[tuple[str, Callable[[], object]]] = [] if threads is None else [
+            ("part read threads", threads.shutdown)]
+        release_all([*steps, ("io engine", self.engine.close), ("bounce buffers", self._bounce.close),
                      ("trailer slabs", self._tails.close)])
 
-    def write(self, items: list[WriteItem]) -> list[int | None]:
+    @property
+    def devices(self) -> int:
+        """How many devices the slots stripe over."""
+        return self._ndev
+
+    @property
+    def depth(self) -> int:
+        """The engine's IOs in flight per batch."""
+        return self._depth
+
+    @property
+    def bounces(self) -> BouncePool:
+        """The bounce buffers (``slot_bytes`` each) for IO that O_DIRECT cannot do in caller memory."""
+        return self._bounce
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(fd, byte offset) of a global slot. Raises OSError where its segment cannot be opened or made."""
+        return self._arena(slot).locate(slot // self._ndev)
+
+    def submit(self, task: Callable[[], _T]) -> Future[_T]:
+        """Run ``task`` on this PageIO's part-read threads (``PART_READ_THREADS``, made on first use).
+        Raises StoreClosedError once the PageIO is closed."""
+        with self._threads_lock:
+            if self._closed:
+                raise StoreClosedError("page store is closed")
+            if self._part_threads is None:
+                self._part_threads = ThreadPoolExecutor(PART_READ_THREADS, thread_name_prefix="kvtier-parts")
+            return self._part_threads.submit(task)
+
+    def write(self, items: list[WriteItem]) -> list[Checksum | None]:
         """Write pages, each with its trailer, to their slots (one IO per slot, see the module docstring);
-        the xxh3-64 of each written page, or None where it failed.
+        the checksums of each written page (``store.parts.Checksum``), or None where it failed.
 
         Raises KVTierError on a PageIO without a ``SlotIdentity`` (a reader's)."""
         if self.identity is None:
             raise KVTierError("this PageIO has no writer identity (a reader's): it cannot write pages")
-        sums: list[int | None] = [None] * len(items)
+        sums: list[Checksum | None] = [None] * len(items)
         bounced = [self._needs_bounce(item[0]) for item in items]
         step = self._bounce.count if any(bounced) else self._tails_per_slab
         for start in range(0, len(items), step):
@@ -148,9 +199,9 @@ class PageIO:
         return sums
 
     def _write_chunk(self, items: list[WriteItem], chunk: range, bounced: list[bool], spare: list[AlignedBuffer],
-                     slab: AlignedBuffer | None, sums: list[int | None]) -> None:
+                     slab: AlignedBuffer | None, sums: list[Checksum | None]) -> None:
         ops: list[IOOp] = []
-        placed: list[tuple[int, int]] = []  # (item index, page checksum)
+        placed: list[tuple[int, Checksum]] = []  # (item index, page checksums)
         tails = bounces = 0  # used so far of the slab's tails and of ``spare`` (all given back by the caller)
         for j in chunk:
             runs, slot = items[j][0], items[j][1]
@@ -165,19 +216,20 @@ class PageIO:
                 bounce = spare[bounces]
                 bounces += 1
                 copy_runs_to(bounce.view, runs)
-                checksum = xxhash.xxh3_64_intdigest(bounce.view[:self.page_bytes])
-                self._put_tail(bounce.view[self.page_bytes:self.slot_bytes], items[j], checksum)
+                part_sums = [xxhash.xxh3_64_intdigest(bounce.view[:self.page_bytes])] if self._one_part \
+                    else self.parts.buffer_digests(bounce.view)
+                self._put_tail(bounce.view[self.page_bytes:self.slot_bytes], items[j], part_sums)
                 buffers = [bounce.view[:self.slot_bytes]]
             else:
                 buffers = [view(a, n) for a, n in runs]
-                checksum = digest(buffers)
+                part_sums = [digest(buffers)] if self._one_part else self.parts.run_digests(runs)
                 assert slab is not None
                 tail = slab.view[tails * self._tail:(tails + 1) * self._tail]
                 tails += 1
-                self._put_tail(tail, items[j], checksum)
+                self._put_tail(tail, items[j], part_sums)
                 buffers.append(tail)
             ops.append(IOOp(OpKind.WRITE, fd, offset, buffers, checksum=False, device=slot % self._ndev))
-            placed.append((j, checksum))
+            placed.append((j, pack_sums(part_sums)))
         results = self._run(ops)
         for (j, checksum), res, op in zip(placed, results, ops):
             self.health.record(op.device, res.ok, res.seconds)
@@ -189,11 +241,11 @@ class PageIO:
         if self._sync_writes:
             self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
 
-    def _put_tail(self, tail: memoryview, item: WriteItem, checksum: int) -> None:
+    def _put_tail(self, tail: memoryview, item: WriteItem, part_sums: list[int]) -> None:
         """Fill a slot's bytes after the page: the page's trailer, then zeros (the buffer is reused)."""
         assert self.identity is not None
         _, _, key, parent, seq = item
-        trailer = fmt.pack_trailer(self.identity.ns_digest, key, parent, self.identity.incarnation, seq, [checksum])
+        trailer = fmt.pack_trailer(self.identity.ns_digest, key, parent, self.identity.incarnation, seq, part_sums)
         n = len(trailer)
         tail[:n] = trailer
         tail[n:] = self._zeros[n:]
@@ -228,8 +280,9 @@ class PageIO:
         """The read of one page (its bytes only, not the trailer); one that needs a bounce buffer takes one
         of ``spare`` and reads the page rounded up to the alignment."""
         fd, offset = self._arena(slot).locate(slot // self._ndev)
-        if not self._needs_bounce(runs):
-            return IOOp(OpKind.READ, fd, offset, [view(a, n) for a, n in runs], device=slot % self._ndev), None
+        if not self._needs_bounce(runs):  # several parts: each verified after the batch, not the whole page
+            return IOOp(OpKind.READ, fd, offset, [view(a, n) for a, n in runs], checksum=self._one_part,
+                        device=slot % self._ndev), None
         bounce = spare.pop()
         length = round_up(self.page_bytes)
         return IOOp(OpKind.READ, fd, offset, [bounce.view[:length]], checksum=False, device=slot % self._ndev), bounce
@@ -292,7 +345,10 @@ class PageIO:
             self.counters.io_errors += 1
             self._errlog.error("read failed: %s", res.error)
             return ReadVerdict.IO_ERROR
-        got = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
+        if self._one_part:
+            got: Checksum | None = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
+        else:
+            got = pack_sums(self.parts.run_digests(runs) if bounce is None else self.parts.buffer_digests(bounce.view))
         if got != checksum:
             return ReadVerdict.CORRUPT
         if bounce is not None:

@@ -33,6 +33,8 @@ class StoreCounters:
     bad_requests: int = 0  # wrong key length, page size mismatch
     bytes_written: int = 0
     bytes_read: int = 0
+    parts_read: int = 0  # parts of pages read group-major (``get_parts``) and verified
+    parts_failed: int = 0  # such parts whose IO failed, came short or failed their checksum
 
     def snapshot(self) -> dict[str, int]:
         """A copy of the counters by field name."""

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from support import HostMemory, key, namespace, store_config
 
+from sgl_kvtier.io.files import PosixView
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.lease import LEASE, read_lease
@@ -81,7 +82,7 @@ def two_writers(path: Path, **extra: Any) -> tuple[SharedPool, SharedPool]:
     return a, b
 
 
-class Recording(jr.PosixView):
+class Recording(PosixView):
     """The plain view, recording every path it is asked about."""
 
     def __init__(self) -> None:
@@ -277,7 +278,7 @@ def test_a_lower_generation_seen_short_of_what_was_announced_is_not_left(tmp_pat
     assert state.cursor == (0, ends[0]) and set(state.slot_of) == {key(1)}
     data = jr.journal_path(tmp_path, 0).read_bytes()
 
-    class Short(jr.PosixView):  # generation 0 seen cut exactly after its second record (a stale size)
+    class Short(PosixView):  # generation 0 seen cut exactly after its second record (a stale size)
         def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes:
             if path.name == jr.journal_path(tmp_path, 0).name:
                 return data[offset:ends[1]]

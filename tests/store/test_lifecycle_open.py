@@ -167,7 +167,7 @@ def test_the_fold_fails_on_a_disk_still_full(tmp_path, threads_before, monkeypat
 def test_reader_recovery_fails(tmp_path, threads_before, monkeypatch):
     expected = populate(tmp_path)
 
-    def unreadable(meta):
+    def unreadable(meta, *_):
         raise OSError(errno.EIO, "checkpoint unreadable", str(meta))
 
     engine = TrackedEngine()

@@ -17,6 +17,7 @@ from test_announced import PAGE, Pages, beat, cluster_config, peer_of
 
 from sgl_kvtier.errors import DeviceError
 from sgl_kvtier.io.engine import ThreadPoolEngine
+from sgl_kvtier.io.files import POSIX
 from sgl_kvtier.io.stale import StaleFiles, StaleSlotEngine
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.store import format as fmt
@@ -62,7 +63,7 @@ def settle(a: SharedPool, b: SharedPool, beats: int = 1) -> None:
 @pytest.mark.parametrize("zero_share", [0.0, 1.0], ids=["prefix", "zeros"])
 def test_journal_lag_never_gives_wrong_bytes_and_every_page_shows_once_it_clears(tmp_path, zero_share):
     pages, rng = Pages(), random.Random(7)
-    view = StaleFiles(jr.POSIX, seed=3, lag_rate=0.7, zero_share=zero_share)
+    view = StaleFiles(POSIX, seed=3, lag_rate=0.7, zero_share=zero_share)
     with writer(tmp_path, "ha") as a, reading_through(view), writer(tmp_path, "hb") as b:
         assert a.own is not None
         meta, put, n, seen = a.own.layout.meta, [], 0, set()
@@ -91,7 +92,7 @@ def test_journal_lag_never_gives_wrong_bytes_and_every_page_shows_once_it_clears
 # ---------------------------------------------------------------------- (b) negative lookup
 def test_a_new_writer_directory_hidden_by_a_negative_lookup_shows_up_later(tmp_path):
     pages, clock = Pages(), Clock()
-    view = StaleFiles(jr.POSIX, clock=clock, hide_s=30.0, hide_match=("w-*",))
+    view = StaleFiles(POSIX, clock=clock, hide_s=30.0, hide_match=("w-*",))
     with reading_through(view), writer(tmp_path, "hb") as b:
         with writer(tmp_path, "ha") as a:
             pages.put(a, [1, 2])
@@ -109,7 +110,7 @@ def test_a_new_writer_directory_hidden_by_a_negative_lookup_shows_up_later(tmp_p
 
 def test_a_new_journal_hidden_by_a_negative_lookup_delays_only_its_records(tmp_path):
     pages, clock = Pages(), Clock()
-    view = StaleFiles(jr.POSIX, clock=clock, hide_s=30.0, hide_match=("journal-*.log",))
+    view = StaleFiles(POSIX, clock=clock, hide_s=30.0, hide_match=("journal-*.log",))
     with writer(tmp_path, "ha") as a, reading_through(view), writer(tmp_path, "hb") as b:
         pages.put(a, [1, 2])
         beat(a)
@@ -194,7 +195,7 @@ def test_a_suspect_named_again_by_the_journal_is_the_journals(tmp_path):
 # ---------------------------------------------------------------------- (d) stale lease
 def test_a_stale_lease_delays_a_page_by_one_beat(tmp_path):
     pages = Pages()
-    view = StaleFiles(jr.POSIX, stale_rate=1.0)  # every lease read: the lease before the last one seen
+    view = StaleFiles(POSIX, stale_rate=1.0)  # every lease read: the lease before the last one seen
     with writer(tmp_path, "ha") as a, reading_through(view), writer(tmp_path, "hb") as b:
         pages.put(a, [1])
         beat(a)
@@ -216,7 +217,7 @@ def test_a_stale_lease_delays_a_page_by_one_beat(tmp_path):
 # ---------------------------------------------------------------------- all at once
 def test_every_fault_at_once_over_random_rounds(tmp_path):
     pages, clock, rng = Pages(), Clock(), random.Random(11)
-    view = StaleFiles(jr.POSIX, seed=5, clock=clock, lag_rate=0.3, hide_s=3.0, hide_match=("journal-*.log",),
+    view = StaleFiles(POSIX, seed=5, clock=clock, lag_rate=0.3, hide_s=3.0, hide_match=("journal-*.log",),
                       stale_rate=0.3)
     with writer(tmp_path, "ha") as a, reading_through(view), writer(tmp_path, "hb") as b:
         put: list[int] = []

@@ -42,7 +42,7 @@ NAMES = {
     "device_breaker_trips", "store_pages", "store_bytes_used", "store_capacity_bytes",
     *(f"store_{c}" for c in ("put_pages", "put_present", "put_declined", "put_no_space", "get_hits", "get_misses",
                              "corrupt_pages", "remote_reuse_races", "io_errors", "evictions", "bad_requests",
-                             "bytes_written", "bytes_read")),
+                             "bytes_written", "bytes_read", "parts_read", "parts_failed")),
     *(f"readahead_{c}" for c in ("staged", "served", "joined", "failed", "dropped", "skipped_full")),
     "readahead_buffers_in_use", "prefill_per_token_seconds", "prefill_per_token_kctx_seconds",
     "prefill_fixed_seconds", "prefill_samples", "cost_policy_enabled", "boundary_errors",

@@ -1,0 +1,240 @@
+"""Group-major reads of a batch of pages: part group 0 of every page, verified and handed over, then group 1...
+
+``PageShard.get_parts`` and ``SharedPool.get_parts`` (the API; parts and groups: ``store.parts``) make one
+``PartRead`` per shard holding pages of the batch (``PageShard.part_read``) and run them in lock step
+(``drive``):
+
+    start(0) on every shard; then for each group g:
+        finish(g) on every shard     wait for g's IO: a page whose parts of g all verified stays a hit
+        start(g + 1) on every shard  only for the pages still hits: a page failing a part gets no more IO
+        on_part(g, ok)               the caller's work on group g (copies, a gate) while g + 1 is read
+    close() on every shard           (also when on_part raises) wait for the IO in flight, unpin, settle
+
+IO: one op per (page, part), a ``preadv`` of the part's bytes at ``slot offset + part offset`` straight
+into the runs covering them (``PartMap.split``), checked against the part's recorded xxh3-64 by the
+engine's digest of the op. With O_DIRECT, a part whose offset, length or runs are not 4 KiB aligned is
+read through a bounce buffer instead (its range rounded out to the alignment; one memcpy once it
+verified). A group's ops are one engine batch (``io_depth`` in flight; ops needing bounce buffers in
+chunks of the bounce pool), run on the shard's part-read threads (``PageIO.submit``): the caller's
+thread is free meanwhile.
+
+Safety, as ``get``'s: every page's slot is pinned from ``PageShard.part_read`` until ``close``, so no
+writer reuses a slot under the read; bounce buffers are taken and given back inside one group's task;
+``close`` waits for the task in flight before anything is unpinned, so no IO lands in caller memory after
+``get_parts`` returns or raises. Verdicts (``ReadVerdict``): a part short or failing its checksum makes
+its page ``CORRUPT`` (dropped at settle, as ``get`` drops it); a failed IO ``IO_ERROR`` and an open
+breaker ``SKIPPED`` (misses, the page kept); a page not read whole because ``on_part`` raised, ``SKIPPED``.
+Counters: ``parts_read`` (parts verified into caller memory), ``parts_failed`` (parts whose IO failed,
+came short or failed the checksum).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+
+from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer, Run, copy_to_runs, round_up, runs_aligned, view
+from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, digest
+from sgl_kvtier.store.lifecycle import Step, release_all, run_steps
+from sgl_kvtier.store.parts import Checksum, part_sum
+from sgl_kvtier.store.transfer import PageIO, ReadVerdict, busy_seconds
+from sgl_kvtier.telemetry.counters import RateLimitedLog
+
+log = logging.getLogger(__name__)
+OnPart = Callable[[int, list[bool]], None]  # (group, per page of the batch: all its groups so far verified)
+PartItem = tuple[int, Sequence[Run], tuple[int, Checksum]]  # (position in the batch, runs, (slot, checksums))
+Release = Callable[[list[ReadVerdict], float, list[float]], None]  # (verdicts, IO seconds, busy s per device)
+_Placed = tuple[int, int, IOOp, AlignedBuffer | None, int]  # (item, part, op, bounce, part's offset in it)
+
+
+@dataclass
+class _Group:
+    """What one group's IO found (made on a part-read thread, applied on the caller's by ``finish``)."""
+
+    failed: dict[int, ReadVerdict] = field(default_factory=dict)  # item -> why it is no longer a hit
+    parts_read: int = 0
+    parts_failed: int = 0
+    io_errors: int = 0
+    seconds: float = 0.0
+    busy: list[float] = field(default_factory=list)
+
+    def fail(self, item: int, verdict: ReadVerdict) -> None:
+        if self.failed.get(item) is not ReadVerdict.CORRUPT:  # one corrupt part makes the page corrupt
+            self.failed[item] = verdict
+
+
+class PartRead:
+    """One shard's share of a group-major read batch (see the module docstring); ``close`` it always."""
+
+    def __init__(self, io: PageIO, items: list[PartItem], plan: list[tuple[int, ...]], release: Release):
+        """``items``: the pinned pages; ``plan``: the groups (``PartMap.plan``); ``release``: called once by
+        ``close`` with the verdicts, the IO seconds and each device's busy seconds (unpins, settles)."""
+        self._io = io
+        self._items = items
+        self._plan = plan
+        self._release = release
+        self._pieces = [io.parts.split(runs) for _, runs, _ in items]  # per item, per part: its runs
+        self.verdicts = [ReadVerdict.HIT] * len(items)
+        self._pending: Future[_Group] | None = None
+        self._finished = 0  # groups landed
+        self._seconds = 0.0
+        self._busy = [0.0] * io.devices
+        self._closed = False
+        self._errlog = RateLimitedLog(log)
+
+    def start(self, group: int) -> None:
+        """Send group ``group``'s IO for the pages still hits, on a part-read thread."""
+        assert self._pending is None, "a group is in flight already"
+        alive = [k for k, v in enumerate(self.verdicts) if v is ReadVerdict.HIT]
+        if alive:
+            self._pending = self._io.submit(partial(self._read_group, self._plan[group], alive))
+
+    def finish(self, ok: list[bool]) -> None:
+        """Wait for the group started last; set ``ok[position]`` of each of this shard's pages that is still
+        a hit (every part of every group so far verified in its runs)."""
+        self._land()
+        self._finished += 1
+        for (position, _, _), verdict in zip(self._items, self.verdicts):
+            ok[position] = verdict is ReadVerdict.HIT
+
+    def close(self) -> None:
+        """Wait for the IO in flight, then hand the verdicts to ``release`` (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._land()
+        finally:
+            if self._finished < len(self._plan):  # left early: a page not read whole is a miss (kept)
+                self.verdicts = [ReadVerdict.SKIPPED if v is ReadVerdict.HIT else v for v in self.verdicts]
+            self._release(self.verdicts, self._seconds, self._busy)
+
+    def _land(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        group = pending.result()
+        for k, verdict in group.failed.items():
+            self.verdicts[k] = verdict
+        counters = self._io.counters
+        counters.parts_read += group.parts_read
+        counters.parts_failed += group.parts_failed
+        counters.io_errors += group.io_errors
+        self._seconds += group.seconds
+        self._busy = [a + b for a, b in zip(self._busy, group.busy)]
+
+    # ------------------------------------------------------------------ on a part-read thread
+    def _read_group(self, parts: tuple[int, ...], alive: list[int]) -> _Group:
+        io = self._io
+        started = time.perf_counter()
+        group = _Group(busy=[0.0] * io.devices)
+        chunk: list[tuple[int, int, bool]] = []  # (item, part, through a bounce buffer)
+        bounced = 0
+        for k in alive:
+            if not io.health.usable(self._items[k][2][0] % io.devices):
+                group.fail(k, ReadVerdict.SKIPPED)  # its device's circuit is open: no IO
+                continue
+            for p in parts:
+                bounce = self._needs_bounce(k, p)
+                if bounce and bounced == io.bounces.count:
+                    self._run_chunk(chunk, bounced, group)
+                    chunk, bounced = [], 0
+                chunk.append((k, p, bounce))
+                bounced += bounce
+        if chunk:
+            self._run_chunk(chunk, bounced, group)
+        group.seconds = time.perf_counter() - started
+        return group
+
+    def _needs_bounce(self, k: int, p: int) -> bool:
+        parts = self._io.parts
+        return self._io.layout.direct and (parts.offsets[p] % ALIGN != 0 or parts.sizes[p] % ALIGN != 0
+                                           or not runs_aligned(self._pieces[k][p], ALIGN))
+
+    def _run_chunk(self, chunk: list[tuple[int, int, bool]], bounced: int, group: _Group) -> None:
+        io = self._io
+        taken = io.bounces.acquire_many(bounced)  # all at once (``BouncePool``), all given back below
+        try:
+            spare = list(taken)
+            placed: list[_Placed] = []
+            for k, p, bounce in chunk:
+                if k in group.failed:
+                    continue  # an earlier chunk found the page bad: no more IO for it
+                slot = self._items[k][2][0]
+                try:
+                    fd, base = io.locate(slot)
+                except OSError as exc:
+                    group.io_errors += 1
+                    self._errlog.error("read of slot %d: %s", slot, exc)
+                    group.fail(k, ReadVerdict.IO_ERROR)
+                    continue
+                at, size, device = io.parts.offsets[p], io.parts.sizes[p], slot % io.devices
+                if bounce:
+                    buf, low = spare.pop(), at // ALIGN * ALIGN
+                    op = IOOp(OpKind.READ, fd, base + low, [buf.view[:round_up(at + size) - low]], checksum=False,
+                              device=device)
+                    placed.append((k, p, op, buf, at - low))
+                else:
+                    op = IOOp(OpKind.READ, fd, base + at, [view(a, n) for a, n in self._pieces[k][p]], device=device)
+                    placed.append((k, p, op, None, 0))
+            results = io.engine.run([op for _, _, op, _, _ in placed])
+            for (k, p, op, bounce_buf, skip), res in zip(placed, results):
+                io.health.record(op.device, res.ok or res.short, res.seconds)
+                verdict = self._verdict(k, p, res, bounce_buf, skip, group)
+                if verdict is ReadVerdict.HIT:
+                    group.parts_read += 1
+                else:
+                    group.parts_failed += 1
+                    group.fail(k, verdict)
+            step = busy_seconds([(op.device, res.seconds) for (_, _, op, _, _), res in zip(placed, results)],
+                                io.devices, io.depth)
+            group.busy = [a + b for a, b in zip(group.busy, step)]
+        finally:
+            for taken_buf in taken:
+                io.bounces.release(taken_buf)
+
+    def _verdict(self, k: int, p: int, res: IOResult, buf: AlignedBuffer | None, skip: int,
+                 group: _Group) -> ReadVerdict:
+        if res.short:
+            return ReadVerdict.CORRUPT
+        if not res.ok:
+            group.io_errors += 1
+            self._errlog.error("read failed: %s", res.error)
+            return ReadVerdict.IO_ERROR
+        size = self._io.parts.sizes[p]
+        got = res.checksum if buf is None else digest([buf.view[skip:skip + size]])
+        if got != part_sum(self._items[k][2][1], p):
+            return ReadVerdict.CORRUPT
+        if buf is not None:
+            copy_to_runs(buf.view[skip:skip + size], self._pieces[k][p])
+        return ReadVerdict.HIT
+
+
+def drive(reads: Sequence[PartRead], size: int, groups: int, on_part: OnPart) -> list[bool]:
+    """Run ``reads`` (one per shard holding pages of a batch of ``size`` pages) in lock step over ``groups``
+    groups, calling ``on_part(g, ok)`` after each (module docstring); returns the pages read whole. Every
+    read is closed on the way out, also when ``on_part`` or a read raises (that error is the one raised)."""
+    closes: list[Step] = [(f"part read {n}", read.close) for n, read in enumerate(reads)]
+    done = [False] * size
+    try:
+        for read in reads:
+            read.start(0)
+        for g in range(groups):
+            ok = [False] * size
+            for read in reads:
+                read.finish(ok)
+            if g + 1 < groups:
+                for read in reads:
+                    read.start(g + 1)
+            done = list(ok)
+            on_part(g, ok)
+    except BaseException:
+        for step, exc in run_steps(closes):
+            log.warning("%s failed after an error of the read: %r", step, exc)
+        raise
+    release_all(closes)
+    return done
