@@ -80,6 +80,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
         self.cost = CostPolicy(self._read_path, boundary=self.boundary)
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
+        warm_page_hash()
 
     @property
     def tiers(self) -> dict[str, PoolTier]:
@@ -301,6 +302,28 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             return miss()
 
 
+def warm_page_hash() -> None:
+    """Load SGLang's native page-hash extension now, at start-up, not at the first L3 lookup.
+
+    SGLang loads it lazily, at its first page hash, which in a fresh server is the prefetch thread's first
+    lookup: a torch JIT load (a rebuild, seconds, whenever a process of another checkout last built the
+    shared ``~/.cache/torch_extensions`` copy; queued behind any process building it now) inside that
+    request's prefetch deadline (``timeout`` policy: 1 s + 0.25 s per 1,024 tokens), which then expires
+    with nothing loaded: a storage hit lost. Loaded once per process (SGLang caches it). A failure is
+    logged, never raised: SGLang reports it at its own first hash."""
+    start = time.perf_counter()
+    try:
+        from sglang.srt.mem_cache.utils import get_hash_str
+
+        get_hash_str([0])
+    except Exception as exc:  # no compiler, a broken cache directory: SGLang's first hash says so again
+        log.warning("kvtier: SGLang's page hash did not load at start-up (%r); it loads at the first lookup", exc)
+        return
+    elapsed = time.perf_counter() - start
+    if elapsed > 1.0:
+        log.info("kvtier: SGLang's page hash extension loaded at start-up in %.1f s", elapsed)
+
+
 def _keys_or_none(keys: list[str]) -> list[PageKey | None]:
     out: list[PageKey | None] = []
     for k in keys:
@@ -334,4 +357,4 @@ def _parent_of(extra_info: HiCacheStorageExtraInfo | None) -> PageKey | None:
         return None
 
 
-__all__ = ["KVTierStorage", "EXPECTED_ERRORS", "check_indices"]
+__all__ = ["KVTierStorage", "EXPECTED_ERRORS", "check_indices", "warm_page_hash"]

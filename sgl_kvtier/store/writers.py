@@ -9,6 +9,8 @@ Claim (``claim_writer``): a starting writer takes the LOWEST ``k`` whose ``w-<ho
 until its close. So:
   * a restarted instance adopts a free directory, usually its own (a warm restart: its journal and pages);
   * N writers starting at once never fail: the loser of ``k`` moves on to ``k + 1``;
+  * a directory carrying a fence (``FENCE``, ``sharing = "cluster"``: another host retired it and is
+    deleting its files) is skipped, never adopted;
   * with ``sharing = "off"`` only ``k = 0`` is tried, and a held lock is ``StoreLockedError`` naming the
     holder's pid (written into ``LOCK`` by the holder).
 A live writer reclaiming a dead one's space (``store.quota_loop``) claims that SPECIFIC wid
@@ -51,6 +53,7 @@ from typing import Any
 
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import make_dir
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.lifecycle import abandon, release_all
@@ -153,6 +156,8 @@ def _claim_lowest(config: StoreConfig, host: str, ns_meta: Path) -> WriterClaim:
     for k in range(last):
         wid = f"{host}-{k}"
         path = ns_meta / writer_dirname(wid)
+        if _fenced(path):
+            continue  # retired by a writer of another host and being deleted: never adopted (sharing = "cluster")
         fd = _lock_file(path)
         holder = try_lock(fd, path)
         if holder is None:
@@ -243,6 +248,16 @@ def try_lock(fd: int, where: Path) -> str | None:
         abandon(exc, str(where), [("writer lock", WriterClaim("", "", 0, where, fd).release)])
         raise
     return None
+
+
+def _fenced(path: Path) -> bool:
+    """Whether writer directory ``path`` carries a fence (``store.format``: FENCE); none when unreadable."""
+    try:
+        with open(path / "FENCE", "rb") as f:
+            data = f.read(fmt.LEASE_BLOCK_BYTES)
+    except OSError:
+        return False
+    return fmt.unpack_fence(data, str(path / "FENCE")) is not None
 
 
 def _lock_file(path: Path) -> int:

@@ -51,9 +51,19 @@ def test_the_shared_host_example_launches_two_servers_on_one_pool():
     doc = load(path)
     extras = [extra_of(build_command(doc, c.split(" -- ", 1)[1].split(), gpu=True, make_model=False)[0]) for c in cmds]
     assert extras[0] == extras[1] and extras[0]["sharing"] == "host" and extras[0]["capacity_bytes"] > 0
+
+def test_the_shared_nfs_example_runs_cluster_mode_with_direct_io():
+    """Both command lines of its comment give one store in cluster mode with O_DIRECT; the two-hosts note
+    points at it and says plainly that a raw namespace shared by hosts is not supported."""
+    path = ROOT / "configs" / "shared-nfs.toml"
+    cmds = [line.split("$ ", 1)[1].strip() for line in path.read_text().splitlines() if "$ sgl-kvtier launch" in line]
+    assert len(cmds) == 2
+    doc = load(path)
+    extras = [extra_of(build_command(doc, c.split(" -- ", 1)[1].split(), gpu=True, make_model=False)[0]) for c in cmds]
+    assert extras[0] == extras[1]
+    assert extras[0]["sharing"] == "cluster" and extras[0]["direct_io"] == "on" and not extras[0].get("allow_local_fs")
     note = (ROOT / "configs" / "two-hosts.md").read_text()
-    assert "NOT SUPPORTED" in note and "shared-host.toml" in note
-    assert not any("two-host" in p.name for p in CONFIGS)
+    assert "shared-nfs.toml" in note and "raw NVMe-oF namespace: NOT SUPPORTED YET" in note
 
 
 def test_cpu_flags_and_flag_spelling(tmp_path):

@@ -102,7 +102,9 @@ def why_no_hit(srv: SGLangServer, log: Path) -> str:
     status, raw = srv.request("GET", "/metrics")
     figures = [line for line in raw.decode(errors="replace").splitlines()
                if not line.startswith("#") and ("prefetch" in line or "kvtier_pool" in line or "kvtier_writer" in line)]
-    kvtier = [line for line in read(log).splitlines() if "kvtier" in line.lower()]
+    # Ours, SGLang's prefetch outcomes, and its page-hash extension's load (a first lookup's deadline).
+    marks = ("kvtier", "hicache prefetch", "extension")
+    kvtier = [line[:300] for line in read(log).splitlines() if any(m in line.lower() for m in marks)]
     return "\n".join([f"/metrics {status}:", *figures, "log:", *kvtier[-40:]])
 
 

@@ -16,6 +16,7 @@ import pytest
 from support import namespace, open_store, store_config
 
 from sgl_kvtier.errors import StoreLockedError
+from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import writers
 from sgl_kvtier.store.layout import meta_dir
 from sgl_kvtier.store.lease import Lease, read_lease
@@ -45,6 +46,21 @@ def test_the_lowest_free_k_is_claimed_and_a_freed_one_is_adopted(tmp_path):
     for claim in (first, third, again):
         claim.release()
     first.release()  # idempotent
+
+
+def test_a_fenced_directory_is_never_adopted(tmp_path):
+    """A directory another host retired (a fence in it, its files being deleted) is skipped at claim: a
+    restart of its host takes the next k, and the deletion finishes under nobody's feet."""
+    config = store_config(tmp_path, host_id="h")
+    meta = ns_meta(tmp_path)
+    first = claim_writer(config, meta)
+    first.release()
+    (first.path / "FENCE").write_bytes(fmt.pack_fence_block({"incarnation": b"x" * 16, "by": "g-0"}))
+    again = claim_writer(config, meta)
+    assert again.wid == "h-1"
+    again.release()
+    (first.path / "FENCE").write_bytes(b"")  # an empty FENCE (every cluster writer makes one) is no fence
+    assert claim_writer(config, meta).wid == "h-0"
 
 
 def test_sharing_off_keeps_the_one_writer_rule_naming_the_holder(tmp_path):
