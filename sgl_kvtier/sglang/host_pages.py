@@ -5,10 +5,12 @@ so the zero-copy v1 path and the legacy copy path read and write identical bytes
   * MHA page_first / page_first_direct / page_head: [K run, V run] (``get_page_buffer_meta`` order);
   * MHA layer_first: ``get_page_buffer_meta`` gives K0,V0,K1,V1,...; the flat order is K0..K(L-1),
     V0..V(L-1), so the runs are reordered to that;
-  * MLA page_first(_direct): one run.
-Pools whose flat page is not a view of their memory (MLA layer_first, Mamba, ...) use the *copy*
+  * MLA page_first(_direct): one run; MLA layer_first: one run per layer, in layer order.
+Pools whose flat page is not a view of their memory (Mamba, ...) use the *copy*
 strategy: write from ``get_data_page(flat=True)``, read into ``get_dummy_flat_data_page()`` then
 ``set_from_flat_data_page``. The strategy is chosen once per pool and checked against the flat page.
+Zero-copy pools of a layout whose layer groups are contiguous get a ``plan`` (``parts_plan``): the parts of
+the KV pool's namespace and the layer groups they form.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from sgl_kvtier.io.buffers import Run
+from sgl_kvtier.sglang.parts_plan import LayerPlan, plan_for
 
 
 class Access(enum.Enum):
@@ -47,6 +50,9 @@ class HostPages:
     page_bytes: int
     access: Access
     mla: bool
+    # The layer groups of a streamable layout (``parts_plan``): the KV pool's parts and read groups; None:
+    # one part.
+    plan: LayerPlan | None = None
 
     @classmethod
     def of(cls, pool: Any) -> HostPages:
@@ -62,6 +68,7 @@ class HostPages:
             return hp
         if sum(n for _, n in runs) == page_bytes and hp._matches_flat_order(runs):
             hp.access = Access.ZERO_COPY
+        hp.plan = plan_for(hp)
         return hp
 
     @property
