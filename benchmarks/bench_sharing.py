@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="bench", help="tiny | bench | kvheavy (random models made offline) or a model path")
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)], help="model and KV dtype (see README, Dtype)")
-    p.add_argument("--configs", nargs="+", default=list(sharing.CONFIGS),
+    p.add_argument("--configs", nargs="+", default=list(sharing.DEFAULT),
                    help=f"subset of {list(sharing.CONFIGS)} (aliases: {sorted(sharing.ALIASES)})")
     p.add_argument("--out", type=Path, help="default benchmarks/results/sharing-<timestamp>/")
     dev = p.add_mutually_exclusive_group()

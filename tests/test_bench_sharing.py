@@ -72,6 +72,18 @@ def test_shared_configurations_point_both_instances_at_one_directory(tmp_path: P
     assert all("--hicache-storage-backend" in c.args(p, 0) for c in (kv, fl))
 
 
+def test_the_cluster_configuration_makes_each_instance_a_host_of_its_own(tmp_path: Path) -> None:
+    """Opt-in (not among the defaults): one directory, sharing = cluster, a host_id per instance, and the
+    local-filesystem refusal waived (one machine stands for two hosts)."""
+    p = plan(tmp_path)
+    cl = sharing.CONFIGS["kvtier-cluster"]
+    a, b = (extra_config(cl.args(p, i)) for i in range(2))
+    assert a["devices"] == b["devices"] and a["devices"] != extra_config(sharing.CONFIGS["kvtier-shared"].args(p, 0))["devices"]
+    assert a["sharing"] == b["sharing"] == "cluster" and a["allow_local_fs"] is True
+    assert (a["host_id"], b["host_id"]) == ("h0", "h1")
+    assert "kvtier-cluster" not in sharing.DEFAULT and sharing.resolve(["cluster"]) == [cl]
+
+
 def test_per_instance_kvtier_gets_two_directories_and_radix_none(tmp_path: Path) -> None:
     p = plan(tmp_path)
     per = sharing.CONFIGS["kvtier-per-instance"]

@@ -7,7 +7,11 @@ lives (bench_serving's flags, ``benchmarks.serving.configs``, for each instance)
 - ``kvtier-per-instance``: HiCache + a kvtier store per instance (two ``devices`` directories);
 - ``file-shared``: HiCache + SGLang's ``file`` backend, both instances on ONE ``file_storage_path``;
 - ``kvtier-shared``: HiCache + ONE kvtier store (one ``devices`` directory, ``sharing: host``): each
-  instance writes its own writer directory and reads every writer's pages.
+  instance writes its own writer directory and reads every writer's pages;
+- ``kvtier-cluster`` (not run by default): the same store in ``sharing: cluster``, each instance as a host
+  of its own (``host_id`` h0 / h1; ``allow_local_fs``: one machine stands for two): other-host liveness by
+  lease counters, and each instance sees the other's pages only once its lease announced them (up to
+  ``heartbeat_s`` later): what cluster mode costs against ``kvtier-shared``.
 
 Each instance also logs its requests (``--log-requests --log-requests-level 0 --log-requests-format json``
 into its own directory): the request ids there say which instance served each request.
@@ -31,6 +35,7 @@ class SharingConfig:
     summary: str
     base: str  # bench_serving's configuration key: b (radix), d (file-l3), e (kvtier-l3)
     shared: bool = False  # both instances on one L3 directory
+    cluster: bool = False  # kvtier in sharing = "cluster", each instance a host of its own
 
     @property
     def l3(self) -> str | None:
@@ -39,7 +44,11 @@ class SharingConfig:
     def plan_for(self, plan: configs.ServerPlan, instance: int) -> configs.ServerPlan:
         """Instance ``instance``'s plan: its L3 under ``<l3_root>/<name>`` (shared) or ``<name>/w<i>``."""
         root = plan.l3_root / self.name if self.shared else plan.l3_root / self.name / f"w{instance}"
-        extra = {**plan.kvtier_extra, **({"sharing": "host"} if self.shared and self.l3 == "kvtier" else {})}
+        mode: dict[str, Any] = {}
+        if self.shared and self.l3 == "kvtier":
+            mode = {"sharing": "cluster", "allow_local_fs": True, "host_id": f"h{instance}"} if self.cluster \
+                else {"sharing": "host"}
+        extra = {**plan.kvtier_extra, **mode}
         return dataclasses.replace(plan, l3_root=root, kvtier_extra=extra)
 
     def l3_dir(self, plan: configs.ServerPlan, instance: int) -> Path | None:
@@ -69,8 +78,12 @@ CONFIGS: dict[str, SharingConfig] = {c.name: c for c in (
     SharingConfig("file-shared", "HiCache + SGLang's `file` L3, both instances on one directory", "d", shared=True),
     SharingConfig("kvtier-shared", "HiCache + one kvtier store shared by both instances (sharing=host)", "e",
                   shared=True),
+    SharingConfig("kvtier-cluster", "as kvtier-shared in sharing=cluster, each instance a host of its own", "e",
+                  shared=True, cluster=True),
 )}  # fmt: skip
-ALIASES = {"per-instance": "kvtier-per-instance", "shared": "kvtier-shared", "file": "file-shared"}
+DEFAULT = [name for name, c in CONFIGS.items() if not c.cluster]
+ALIASES = {"per-instance": "kvtier-per-instance", "shared": "kvtier-shared", "file": "file-shared",
+           "cluster": "kvtier-cluster"}
 
 
 def resolve(names: list[str]) -> list[SharingConfig]:
