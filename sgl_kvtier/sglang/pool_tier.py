@@ -9,10 +9,18 @@ it read-only, lazily: no writer may have created it yet, so a failed open is ret
 (``config.readahead_bytes``; 0 = none): ``stage`` starts the reads of pages an exists query found, and
 every read of this tier goes through it.
 
-``snapshot`` lists every writer of the pool: the own one from its usage now, the others from the leases
-the pool last read (``SharedPool.leases``, refreshed with the journals) with their liveness
-(``SharedPool.peer_alive``: a shared ``flock`` probe of each one's LOCK) and lease age (its LEASE mtime):
-one stat and one probe per other writer, at most once per metrics interval.
+``snapshot`` lists every writer of the pool: the own one from its usage now (``retired`` while it is
+fenced and not re-registered yet), the others from the leases the pool last read (``SharedPool.leases``,
+refreshed with the journals) with the pool's verdict on each (``SharedPool.verdict``: a shared ``flock``
+probe of a LOCK of this host, the lease watch for another host's, whose ``unchanged_s`` is reported too;
+under ``sharing = "cluster"`` a FENCE read) and lease age (its LEASE mtime): one stat and one probe per
+other writer, at most once per metrics interval. The pool's view is refreshed first (``SharedPool.refresh``,
+rate-limited to ``follow_interval_s`` as lookups are), so that an idle server's figures follow the pool
+and the verdicts judge current leases (a verdict on a lease read long ago, interleaved with the quota
+loop's fresh reads, would keep resetting the watch: a dead writer of another host judged live forever). A writer that left the pool (a peer dropped: retired,
+its directory removed; an own store replaced after a fence) is listed ``retired`` with no pages for
+``RETIRED_SHOWN_S`` after it was last seen, so that a scrape sees it go; then it is no longer listed. The
+pool's sharing counters (``SharedPool.sharing_stats``) come with the writers.
 
 ``close`` stops the read-ahead and closes the store, both whatever the other raises, each detached from
 the tier before it is released (a failed release is reported, never retried); the first failure is
@@ -38,10 +46,12 @@ from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
 from sgl_kvtier.store.lifecycle import release_all
+from sgl_kvtier.store.liveness import Verdict
 from sgl_kvtier.store.pool import SharedPool
 from sgl_kvtier.store.pool_view import lease_age
 from sgl_kvtier.store.read_rates import TransferEstimator
 from sgl_kvtier.telemetry.snapshot import (
+    SHARING_COUNTERS,
     Breaker,
     DeviceSnapshot,
     PoolSnapshot,
@@ -55,6 +65,7 @@ from sgl_kvtier.telemetry.snapshot import (
 
 log = logging.getLogger(__name__)
 READER_RETRY_S = 5.0
+RETIRED_SHOWN_S = 60.0  # a writer that left the pool is listed ``retired`` this long (see the module docstring)
 _READAHEAD_FIELDS = tuple(f.name for f in dataclasses.fields(ReadAheadCounters))
 
 
@@ -71,6 +82,7 @@ class PoolTier:
     readahead: ReadAhead | None = None
     opened: bool = False  # ``open`` ran (a reader's store may still be None: its shard is not there yet)
     _next_open: float = field(default=0.0, repr=False)
+    _gone: WritersGone = field(default_factory=lambda: WritersGone(), repr=False)
 
     @classmethod
     def bind(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> PoolTier:
@@ -216,8 +228,8 @@ class PoolTier:
             snap = readahead.snapshot()  # one consistent copy, under the stage's lock
             staged = ReadAheadSnapshot(int(snap["buffers_in_use"]),
                                        frozen_counts({f: int(snap[f]) for f in _READAHEAD_FIELDS}))
-        return PoolSnapshot(self.name, self.pages.page_bytes, None if store is None else _store_snapshot(store),
-                            staged)
+        return PoolSnapshot(self.name, self.pages.page_bytes,
+                            None if store is None else _store_snapshot(store, self._gone), staged)
 
     def close(self) -> None:
         """Stop read-ahead, then close the store: both attempted, whatever the other raises; then the first
@@ -236,36 +248,77 @@ def _rate(estimator: TransferEstimator) -> RateSnapshot:
                         estimator.samples)
 
 
-def _store_snapshot(store: SharedPool) -> StoreSnapshot:
+def _store_snapshot(store: SharedPool, gone: WritersGone | None = None) -> StoreSnapshot:
+    # The pool's view first (rate-limited as lookups do it; never raises): an idle server's snapshot follows
+    # the other writers too, and the verdicts below judge the leases as read now, not as of the last lookup.
+    store.refresh()
     stats, rates = store.stats(), store.read_rates
     devices = tuple(DeviceSnapshot(h["device"], _rate(est), Breaker(h["state"]), int(h["trips"]))
                     for h, est in zip(store.health.summary(), rates.devices))
     writers = _writers(store)
+    if gone is not None:
+        writers = gone.update(writers, time.monotonic(), set(store.peers()))
     own = sum(w.bytes_used for w in writers if w.own)
     cap = store.config.capacity_bytes
+    sharing = store.sharing_stats()
     return StoreSnapshot(stats.pages, stats.bytes_used, stats.capacity_bytes, _rate(rates.total), devices,
                          frozen_counts(stats.counters), store.namespace.digest().hex(), writers,
                          own + sum(int(lease.get("bytes_used", 0)) for lease in store.leases().values()),
-                         stats.capacity_bytes if cap is None else cap)
+                         stats.capacity_bytes if cap is None else cap,
+                         frozen_counts({k: int(sharing.get(k, 0)) for k in SHARING_COUNTERS}))
+
+
+_STATE = {Verdict.LIVE: WriterState.LIVE, Verdict.DEAD: WriterState.DEAD, Verdict.RETIRED: WriterState.RETIRED,
+          Verdict.UNKNOWN: WriterState.UNKNOWN}
 
 
 def _writers(store: SharedPool) -> tuple[WriterSnapshot, ...]:
-    """The own writer (its usage now, its last beat's age) and every other one from its last lease."""
+    """The own writer (its usage now, its last beat's age) and every other one from its last lease, judged
+    by the pool's lease watch."""
     rows = []
     own = store.own
     if own is not None:
         usage = own.usage()
         beat = None if own.lease is None else own.lease.last_beat
         age = None if own.lease is None or beat is None else max(0.0, own.lease.clock() - beat)
-        rows.append(WriterSnapshot(own.wid, own.claim.host_id, WriterState.LIVE, int(usage["pages"]), int(usage["bytes_used"]),
+        state = WriterState.LIVE if own.fenced is None else WriterState.RETIRED
+        rows.append(WriterSnapshot(own.wid, own.claim.host_id, state, int(usage["pages"]), int(usage["bytes_used"]),
                                    age, own=True))
     now = time.time()
     for wid, lease in sorted(store.leases().items()):
-        alive = store.peer_alive(wid)
-        state = WriterState.UNKNOWN if alive is None else WriterState.LIVE if alive else WriterState.DEAD
-        rows.append(WriterSnapshot(wid, str(lease.get("host_id", "")), state, int(lease.get("pages", 0)),
-                                   int(lease.get("bytes_used", 0)), lease_age(store.ns_meta / f"w-{wid}", now)))
+        judged = store.verdict(wid)
+        rows.append(WriterSnapshot(wid, str(lease.get("host_id", "")), _STATE[judged.verdict], int(lease.get("pages", 0)),
+                                   int(lease.get("bytes_used", 0)), lease_age(store.ns_meta / f"w-{wid}", now),
+                                   lease_unchanged_s=None if judged.same_host else judged.unchanged_s))
     return tuple(rows)
+
+
+@dataclass
+class WritersGone:
+    """The writers one pool tier listed, to list those that left the pool as ``retired`` for a while
+    (``RETIRED_SHOWN_S``; see the module docstring)."""
+
+    shown_s: float = RETIRED_SHOWN_S
+    _last: dict[str, tuple[WriterSnapshot, float]] = field(default_factory=dict)  # wid -> (row, last seen)
+
+    def update(self, rows: tuple[WriterSnapshot, ...], now: float, followed: set[str]) -> tuple[WriterSnapshot, ...]:
+        """``rows`` plus a ``retired`` row (no pages, no lease figures) for each writer listed within
+        ``shown_s`` that is in neither ``rows`` nor ``followed`` (the peers followed now: a peer whose lease
+        was unreadable this once is still in the pool)."""
+        listed = {w.wid for w in rows}
+        for w in rows:
+            self._last[w.wid] = (w, now)
+        extra = []
+        for wid, (row, seen) in list(self._last.items()):
+            if wid in listed:
+                continue
+            if wid in followed:
+                continue  # still followed: not gone, just no lease this time (its last row is not repeated)
+            if now - seen > self.shown_s:
+                del self._last[wid]
+                continue
+            extra.append(WriterSnapshot(wid, row.host, WriterState.RETIRED, 0, 0, own=row.own))
+        return rows + tuple(extra)
 
 
 def _check(host_indices: Any, n_keys: int, page_tokens: int) -> None:

@@ -127,9 +127,11 @@ class LeaseWatch:
         now = self.clock()
         with self._lock:
             seen = self._seen.get(str(directory))
-            if seen is None or seen[0] != mark:
+            if seen is None or (seen[0] != mark and not _older(mark, seen[0])):
                 self._seen[str(directory)] = (mark, now, seen is not None)
                 return 0.0, seen is not None
+            # The same mark, or an older read of the same incarnation (a lease read before the last one
+            # recorded, e.g. the pool's last refresh after the quota's fresh read): no change.
             return max(0.0, now - seen[1]), seen[2]
 
     def judge(self, directory: Path, lease: dict[str, Any] | None) -> Judged:
@@ -220,3 +222,13 @@ class OwnFence:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _older(mark: Any, seen: Any) -> bool:
+    """Whether lease mark ``mark`` (counter, incarnation) is an earlier beat of the incarnation of ``seen``."""
+    if mark is None or seen is None or mark[1] != seen[1]:
+        return False
+    try:
+        return int(mark[0]) <= int(seen[0])
+    except (TypeError, ValueError):
+        return False

@@ -15,11 +15,16 @@ plus ``device`` (index) and ``path`` for per-device series):
   total (``kvtier_store_<field>``), and per device the circuit breaker (0 closed, 0.5 half open: probing,
   1 open) and how often it tripped; read-ahead counters (``kvtier_readahead_<field>``, buffers in use);
 - the shared pool (labels ``pool``, ranks, ``namespace``: the digest of its ``ns-<digest>`` directory):
-  the bytes its pool-wide cap counts and that cap, writers by ``state`` (live / dead / unknown: another
-  host's), and per writer (plus ``wid``, ``host``) its pages, bytes used, lease age and ``live`` (1 / 0;
-  no series for another host's writer, whose liveness is unknown here). The state is no label of the
+  the bytes its pool-wide cap counts and that cap, writers by ``state`` (live / dead / retired / unknown, as
+  the pool's lease watch judges them: a LOCK on this host, the lease counter for another host's), the
+  sharing counters as gauges of their running totals (``kvtier_pool_peers_dropped``, ``_writers_retired``,
+  ``_fenced_pages``, ``_reregistrations``: ``SharedPool.sharing_stats``), and per writer (plus ``wid``,
+  ``host``) its pages, bytes used, lease age, ``live`` (1 live, 0 dead or retired; no series while unknown)
+  and, for another host's writer, ``lease_unchanged_seconds`` (how long this process has seen its lease
+  counter stand still, on its own clock: dead at ``dead_after_s``). The state is no label of the
   per-writer series: a writer that dies would leave its ``live``-labelled series behind in SGLang's
-  multiprocess files. A writer directory removed since keeps its last values until the process restarts;
+  multiprocess files. A writer that left the pool is listed ``retired`` (live 0, no pages) for a minute,
+  then keeps those last values until the process restarts;
 - the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``).
 
 Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
@@ -51,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_kvtier.telemetry.counters import ErrorBoundary, ErrorKind, StoreCounters
-from sgl_kvtier.telemetry.snapshot import Breaker, StoreSnapshot, TelemetrySnapshot, WriterState
+from sgl_kvtier.telemetry.snapshot import SHARING_COUNTERS, Breaker, StoreSnapshot, TelemetrySnapshot, WriterState
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +90,23 @@ _GAUGES = (
       for c in READAHEAD),
     ("pool_bytes_used", "Bytes the shared pool's cap counts: own pages + the other writers' leased bytes", SHARED),
     ("pool_capacity_bytes", "Pool-wide byte cap of the namespace shard, over all its writers", SHARED),
-    ("pool_writers", "Writers of the shared pool by state (live, dead; unknown: another host's)", (*SHARED, "state")),
+    ("pool_writers", "Writers of the shared pool by state (live, dead, retired, unknown), as this process judges them",
+     (*SHARED, "state")),
+    ("pool_peers_dropped", "Other writers this pool stopped reading (retired, or their directory removed or made "
+     "anew): running total since the pool opened", SHARED),
+    ("pool_writers_retired", "Writers of other hosts this pool's writer retired (fence, then files): running "
+     "total", SHARED),
+    ("pool_fenced_pages", "Pages refused because this pool's own writer was fenced (retired by another host): "
+     "running total", SHARED),
+    ("pool_reregistrations", "Times this pool's own writer, once fenced, re-registered in a fresh directory: "
+     "running total", SHARED),
     ("writer_pages", "Pages of one writer of the pool (another writer's: its last lease)", WRITER),
     ("writer_bytes_used", "Bytes of one writer of the pool (another writer's: its last lease)", WRITER),
     ("writer_lease_age_seconds", "Seconds since one writer's last lease beat (another's: its LEASE mtime)", WRITER),
-    ("writer_live", "1: the writer holds its lock (alive), 0: dead; no series for another host's writer", WRITER),
+    ("writer_live", "1: the writer is alive (its LOCK held; another host's: its lease advancing), 0: dead or "
+     "retired; no series while unknown", WRITER),
+    ("writer_lease_unchanged_seconds", "Another host's writer: seconds this process has seen its lease counter "
+     "unchanged (its own clock; dead at dead_after_s)", WRITER),
     ("readahead_buffers_in_use", "Read-ahead staging buffers (one page each) held now", POOL),
     ("prefill_per_token_seconds", "Prefill model: seconds per new token", RANKS),
     ("prefill_per_token_kctx_seconds", "Prefill model: seconds per new token per 1000 tokens of attention span",
@@ -159,12 +176,15 @@ class Exporter:
         self._set("pool_capacity_bytes", shared, store.pool_capacity_bytes)
         for state in WriterState:
             self._set("pool_writers", (*shared, state.value), sum(w.state is state for w in store.writers))
+        for c in SHARING_COUNTERS:
+            self._set(f"pool_{c}", shared, store.sharing.get(c))
         for w in store.writers:
             labels = (*shared, w.wid, w.host)
             self._set("writer_pages", labels, w.pages)
             self._set("writer_bytes_used", labels, w.bytes_used)
             self._set("writer_lease_age_seconds", labels, w.lease_age_s)
             self._set("writer_live", labels, None if w.state is WriterState.UNKNOWN else w.state is WriterState.LIVE)
+            self._set("writer_lease_unchanged_seconds", labels, w.lease_unchanged_s)
 
 
 class ProcessGauges:

@@ -2,7 +2,8 @@
 
 ``KVTierStorage.telemetry()`` builds one ``TelemetrySnapshot`` per call (per pool: the store's occupancy,
 counters, read rates and circuit breakers, every writer of its shared pool (the own one's usage now, the
-others' from their last leases) and its read-ahead counters; the prefill model; the policy switch; the
+others' from their last leases, each with the pool's verdict on it) and the pool's sharing counters (peers
+dropped, writers retired, pages refused while fenced, re-registrations), and its read-ahead counters; the prefill model; the policy switch; the
 adapter's caught exceptions; the rank labels). Consumers (the Prometheus exporter, the cost
 inputs log line, tests) read only this, never the backend's attributes.
 
@@ -21,6 +22,8 @@ from typing import Any
 from sgl_kvtier.telemetry.counters import BoundaryCounts
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
+# The keys of ``store.pool.SharedPool.sharing_stats`` (a higher layer: named here, checked equal by the tests).
+SHARING_COUNTERS = ("peers_dropped", "writers_retired", "fenced_pages", "reregistrations")
 
 
 def frozen_counts(counts: Mapping[str, int]) -> Mapping[str, int]:
@@ -61,11 +64,14 @@ class DeviceSnapshot:
 
 
 class WriterState(enum.Enum):
-    """A writer of a shared pool as seen from this process (``store.writers.writer_alive``)."""
+    """A writer of a shared pool as this process judges it (the pool's lease watch, ``store.liveness``)."""
 
-    LIVE = "live"  # its LOCK is held (this host)
-    DEAD = "dead"  # its LOCK is free, or its host rebooted since its lease (this host); its pages stay readable
-    UNKNOWN = "unknown"  # a writer of another host
+    LIVE = "live"  # this host: its LOCK is held; another host: its lease counter advances (``dead_after_s``)
+    DEAD = "dead"  # its LOCK is free, its host rebooted, or its lease stood still for ``dead_after_s``; its
+    # pages stay readable until it is retired
+    RETIRED = "retired"  # fenced by a live writer of another host (``sharing = "cluster"``), or gone from the
+    # pool since (its directory removed or retired): its pages are no longer read
+    UNKNOWN = "unknown"  # no readable lease and no LOCK (being created, or damaged)
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,9 @@ class WriterSnapshot:
     bytes_used: int
     lease_age_s: float | None = None  # since its last beat (another writer's: its LEASE file's mtime); None: none yet
     own: bool = False  # this process's writer
+    # Another host's writer: how long this process's watch has seen its lease counter unchanged (on our own
+    # clock; dead at ``dead_after_s``). None: a writer of this host (judged by its LOCK), or not judged now.
+    lease_unchanged_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,8 @@ class StoreSnapshot:
     writers: tuple[WriterSnapshot, ...] = ()
     pool_bytes_used: int | None = None  # own bytes + every other writer's leased bytes_used (dead ones too)
     pool_capacity_bytes: int | None = None  # the pool-wide cap (``capacity_bytes``)
+    # ``SharedPool.sharing_stats``: running totals since the pool opened (``SHARING_COUNTERS``)
+    sharing: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True)
@@ -174,4 +185,4 @@ class TelemetrySnapshot:
 
 
 __all__ = ["Breaker", "RateSnapshot", "DeviceSnapshot", "WriterState", "WriterSnapshot", "StoreSnapshot", "ReadAheadSnapshot", "PoolSnapshot", "PrefillSource",
-           "PrefillSnapshot", "RankLabels", "TelemetrySnapshot", "frozen_counts"]
+           "PrefillSnapshot", "RankLabels", "TelemetrySnapshot", "SHARING_COUNTERS", "frozen_counts"]

@@ -9,6 +9,7 @@ scheduler calls ``KVTierStorage.get_stats`` (which refreshes the gauges) on ever
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,18 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from sgl_kvtier.policy.cost_inputs import ENV_POLICY, PrefillSampler  # noqa: E402
 from sgl_kvtier.policy.cost_model import DeviceModel, PrefillEstimator  # noqa: E402
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
+from sgl_kvtier.sglang.pool_tier import WritersGone  # noqa: E402
 from sgl_kvtier.telemetry import prometheus  # noqa: E402
+from sgl_kvtier.telemetry.snapshot import SHARING_COUNTERS, WriterSnapshot, WriterState  # noqa: E402
 
 PS = 16
 RANKS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
 KV = {"pool": "kv", **RANKS}
 
 
-def make_backend(tmp_path, seed: int = 21) -> KVTierStorage:
-    """Our backend on a real host pool, its shard striped over ``tmp_path``/d0 and d1 (made if missing)."""
+def make_backend(tmp_path, seed: int = 21, **more) -> KVTierStorage:
+    """Our backend on a real host pool, its shard striped over ``tmp_path``/d0 and d1 (made if missing);
+    ``more``: further keys of its config."""
     devices = [tmp_path / "d0", tmp_path / "d1"]
     for d in devices:
         d.mkdir(exist_ok=True)
@@ -39,7 +43,8 @@ def make_backend(tmp_path, seed: int = 21) -> KVTierStorage:
     page_bytes = pool.get_dummy_flat_data_page().numel() * 2
     cfg = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
            "interface_v1": 1, "devices": [str(d) for d in devices], "capacity_bytes": 32 * page_bytes,
-           "readahead_bytes": 256 << 20, "follow_interval_s": 0.0}  # read-ahead is off by default; tested here
+           "readahead_bytes": 256 << 20, "follow_interval_s": 0.0,  # read-ahead is off by default; tested here
+           **more}
     b = KVTierStorage(storage_config(cfg), {})
     b.register_mem_pool_host(pool)
     b.on_host_pools_registered()  # as SGLang's controller does once every pool is registered
@@ -148,6 +153,96 @@ def test_gauges_show_every_writer_of_the_shared_pool(backend, tmp_path):
     assert value("kvtier_writer_live", theirs) == 0 and value("kvtier_writer_pages", theirs) == 4
     assert value("kvtier_pool_writers", {**shared, "state": "live"}) == 1
     assert value("kvtier_pool_writers", {**shared, "state": "dead"}) == 1
+
+
+def cluster(host: str, **more) -> dict:
+    """``sharing = "cluster"`` on this machine's local disk, as "host" ``host`` (see test_cluster_servers)."""
+    return {"sharing": "cluster", "allow_local_fs": True, "direct_io": "auto", "host_id": host,
+            "heartbeat_s": 0.1, **more}
+
+
+def wait_for(what: str, ok, timeout_s: float = 60.0, poll_s: float = 0.05):
+    """``ok()`` once it is truthy (polled), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := ok()):
+        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        time.sleep(poll_s)
+    return got
+
+
+def test_sharing_counters_are_the_pools(backend):
+    assert tuple(backend.kv.store.sharing_stats()) == SHARING_COUNTERS
+    store = backend.telemetry().pool("kv").store
+    assert store.sharing == dict.fromkeys(SHARING_COUNTERS, 0)
+    registry = CollectorRegistry()
+    prometheus.Exporter(registry).update(backend.telemetry())
+    shared = {**KV, "namespace": store.namespace}
+    assert [registry.get_sample_value(f"kvtier_pool_{c}", shared) for c in SHARING_COUNTERS] == [0, 0, 0, 0]
+
+
+def test_another_hosts_writer_is_watched_then_dead_then_retired(tmp_path, monkeypatch):
+    """``sharing = "cluster"``, two "hosts" in one process: A sees B live (its lease counter advancing; how
+    long it stood still is exported), then, once B is gone, dead after ``dead_after_s`` (its pages still
+    counted), then retired by A's quota loop after ``reclaim_after_s``: dropped, counted, listed retired."""
+    monkeypatch.delenv(ENV_POLICY, raising=False)
+    a = make_backend(tmp_path, **cluster("ha", dead_after_s=1.0, reclaim_after_s=1.5))
+    try:
+        _watched_then_dead_then_retired(a, tmp_path)
+    finally:
+        a.close()
+
+
+def _watched_then_dead_then_retired(a: KVTierStorage, tmp_path) -> None:
+    b = make_backend(tmp_path, seed=22, **cluster("hb"))  # B would judge A dead only after 60 s
+    registry = CollectorRegistry()
+    exporter = prometheus.Exporter(registry)
+    value = registry.get_sample_value
+    store = a.kv.store
+    try:
+        assert b.batch_set_v1(keys(4), slots(range(4))) == [True] * 4
+        b_wid = b.kv.store.wid
+        wait_for("B's lease announces 4 pages", lambda: (store.refresh(force=True), store.leases().get(b_wid, {}))[1]
+                 .get("pages") == 4)
+        assert a.batch_exists(keys(4)) == 4  # announced: A serves B's pages
+        exporter.update(a.telemetry())
+        shared = {**KV, "namespace": store.namespace.digest().hex()}
+        theirs = {**shared, "wid": b_wid, "host": "hb"}
+        mine = {**shared, "wid": store.wid, "host": "ha"}
+        assert value("kvtier_writer_live", theirs) == value("kvtier_writer_live", mine) == 1
+        assert value("kvtier_writer_pages", theirs) == 4
+        assert 0 <= value("kvtier_writer_lease_unchanged_seconds", theirs) < 1.0  # B beats every 0.1 s
+        assert value("kvtier_writer_lease_unchanged_seconds", mine) is None  # its own: no watch
+    finally:
+        b.close()  # B's lease stands still from here on: A's watch times it on A's clock
+
+    def judged(state: WriterState):
+        store.refresh(force=True)
+        row = next((w for w in a.telemetry().pool("kv").store.writers if w.wid == b_wid), None)
+        return row if row is not None and row.state is state else None
+
+    dead = wait_for("A judges B dead", lambda: judged(WriterState.DEAD), timeout_s=30)
+    assert dead.pages == 4 and dead.lease_unchanged_s >= 1.0
+    retired = wait_for("A retires B", lambda: judged(WriterState.RETIRED), timeout_s=30)
+    assert retired.pages == 0 and retired.bytes_used == 0 and a.batch_exists(keys(4)) == 0  # no longer read
+    exporter.update(a.telemetry())
+    assert value("kvtier_writer_live", theirs) == 0 and value("kvtier_writer_pages", theirs) == 0
+    assert value("kvtier_pool_writers", {**shared, "state": "retired"}) == 1
+    assert value("kvtier_pool_writers", {**shared, "state": "live"}) == 1
+    assert value("kvtier_pool_peers_dropped", shared) == value("kvtier_pool_writers_retired", shared) == 1
+    assert value("kvtier_pool_fenced_pages", shared) == value("kvtier_pool_reregistrations", shared) == 0
+
+
+def test_a_writer_that_left_the_pool_is_listed_retired_for_a_while():
+    live = WriterSnapshot("h-1", "h", WriterState.LIVE, 3, 3 * 4096, 0.1)
+    own = WriterSnapshot("h-0", "h", WriterState.LIVE, 1, 4096, 0.1, own=True)
+    gone = WritersGone(shown_s=60.0)
+    assert gone.update((own, live), 0.0, {"h-1"}) == (own, live)
+    assert gone.update((own,), 1.0, {"h-1"}) == (own,)  # still followed (no lease this once): not gone
+    left = gone.update((own,), 2.0, set())
+    assert left == (own, WriterSnapshot("h-1", "h", WriterState.RETIRED, 0, 0))
+    assert gone.update((own,), 59.0, set()) == left  # listed for shown_s after it was last seen ...
+    assert gone.update((own,), 62.0, set()) == (own,)  # ... then no longer
+    assert gone.update((own,), 63.0, set()) == (own,)
 
 
 def test_get_stats_refreshes_the_gauges_once_per_interval(backend, monkeypatch, tmp_path):

@@ -178,3 +178,22 @@ def test_host_mode_pools_make_no_fence(tmp_path):
         mem = HostMemory(1, PAGE)
         mem.fill(0, 1)
         assert a.put([key(1)], [mem.runs(0)]) == [True]
+
+
+def test_an_older_read_of_the_same_incarnation_is_no_change(tmp_path):
+    """Two readers of one pool (its last refresh, the quota's fresh read) feed one watch: a lease read
+    before the last one recorded must not count as the writer advancing, or a dead writer never dies."""
+    now = [0.0]
+    config = store_config(tmp_path, host_id="a", sharing="cluster", allow_local_fs=True, dead_after_s=10.0,
+                          heartbeat_s=1.0)
+    watch = LeaseWatch(config, clock=lambda: now[0])
+    other = tmp_path / "w-b-0"
+    other.mkdir()
+    old, new = ({"host_id": "b", "counter": c, "incarnation": b"i" * 16} for c in (4, 5))
+    watch.judge(other, old)
+    now[0] = 1.0
+    watch.judge(other, new)  # it beat once
+    for t in range(2, 13):
+        now[0] = float(t)
+        judged = watch.judge(other, old if t % 2 else new)  # alternating stale and fresh reads
+    assert judged.verdict is Verdict.DEAD and judged.unchanged_s >= 10.0

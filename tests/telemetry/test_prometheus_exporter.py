@@ -17,6 +17,7 @@ from sgl_kvtier.store.health import BreakerState
 from sgl_kvtier.telemetry import prometheus
 from sgl_kvtier.telemetry.counters import BoundaryCounts, ErrorBoundary, StoreCounters
 from sgl_kvtier.telemetry.snapshot import (
+    SHARING_COUNTERS,
     Breaker,
     DeviceSnapshot,
     PoolSnapshot,
@@ -49,6 +50,9 @@ NAMES = {
     # the shared pool (#12)
     "pool_bytes_used", "pool_capacity_bytes", "pool_writers", "writer_pages", "writer_bytes_used",
     "writer_lease_age_seconds", "writer_live",
+    # sharing = "cluster" (#13)
+    "pool_peers_dropped", "pool_writers_retired", "pool_fenced_pages", "pool_reregistrations",
+    "writer_lease_unchanged_seconds",
 }
 
 
@@ -122,6 +126,7 @@ def test_gauges_show_every_writer_of_the_shared_pool():
     assert value("kvtier_pool_bytes_used", shared) == 16 * PAGE
     assert value("kvtier_pool_capacity_bytes", shared) == 32 * PAGE
     assert [value("kvtier_pool_writers", {**shared, "state": s}) for s in ("live", "dead", "unknown")] == [1, 1, 1]
+    assert value("kvtier_pool_writers", {**shared, "state": "retired"}) == 0
     a0, a1, b0 = ({**shared, "wid": w, "host": h} for w, h in (("a-0", "a"), ("a-1", "a"), ("b-0", "b")))
     assert [value("kvtier_writer_pages", w) for w in (a0, a1, b0)] == [8, 3, 5]
     assert [value("kvtier_writer_bytes_used", w) for w in (a0, a1, b0)] == [8 * PAGE, 3 * PAGE, 5 * PAGE]
@@ -131,6 +136,32 @@ def test_gauges_show_every_writer_of_the_shared_pool():
     empty = CollectorRegistry()
     prometheus.Exporter(empty).update(snapshot())
     assert empty.get_sample_value("kvtier_pool_writers", {**KV, "namespace": "", "state": "live"}) is None
+
+
+def test_gauges_show_the_sharing_counters_and_other_hosts_writers():
+    writers = (WriterSnapshot("a-0", "a", WriterState.LIVE, 8, 8 * PAGE, 0.2, own=True),
+               WriterSnapshot("b-0", "b", WriterState.LIVE, 5, 5 * PAGE, 0.3, lease_unchanged_s=0.1),
+               WriterSnapshot("c-0", "c", WriterState.DEAD, 2, 2 * PAGE, 90.0, lease_unchanged_s=61.5),
+               WriterSnapshot("d-0", "d", WriterState.RETIRED, 0, 0))
+    sharing = {"peers_dropped": 1, "writers_retired": 1, "fenced_pages": 3, "reregistrations": 1}
+    base = snapshot()
+    store = dataclasses.replace(base.pools[0].store, namespace="cd" * 16, writers=writers,
+                                pool_bytes_used=15 * PAGE, pool_capacity_bytes=32 * PAGE, sharing=frozen_counts(sharing))
+    registry = CollectorRegistry()
+    prometheus.Exporter(registry).update(dataclasses.replace(base, pools=(PoolSnapshot("kv", PAGE, store),)))
+    value = registry.get_sample_value
+    shared = {**KV, "namespace": "cd" * 16}
+    assert {c: value(f"kvtier_pool_{c}", shared) for c in SHARING_COUNTERS} == sharing
+    states = ("live", "dead", "retired", "unknown")
+    assert [value("kvtier_pool_writers", {**shared, "state": s}) for s in states] == [2, 1, 1, 0]
+    a0, b0, c0, d0 = ({**shared, "wid": f"{h}-0", "host": h} for h in "abcd")
+    assert [value("kvtier_writer_live", w) for w in (a0, b0, c0, d0)] == [1, 1, 0, 0]  # retired: not live
+    assert [value("kvtier_writer_lease_unchanged_seconds", w) for w in (a0, b0, c0, d0)] == [None, 0.1, 61.5, None]
+    assert value("kvtier_writer_pages", d0) == 0 and value("kvtier_writer_lease_age_seconds", d0) is None
+    # Without sharing counters in the snapshot (no shared pool): no series.
+    empty = CollectorRegistry()
+    prometheus.Exporter(empty).update(snapshot())
+    assert empty.get_sample_value("kvtier_pool_peers_dropped", {**KV, "namespace": ""}) is None
 
 
 def test_an_unmeasured_prefill_model_has_no_series():

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from sgl_kvtier.telemetry.snapshot import (
+    SHARING_COUNTERS,
     Breaker,
     DeviceSnapshot,
     PoolSnapshot,
@@ -59,7 +60,20 @@ def test_a_store_snapshot_carries_the_pools_writers():
     store = StoreSnapshot(3, 3 * 4096, 8 * 4096, RateSnapshot(), namespace="ab" * 16, writers=writers,
                           pool_bytes_used=3 * 4096, pool_capacity_bytes=8 * 4096)
     assert [w.wid for w in store.writers if w.own] == ["h-0"] and store.writers[1].lease_age_s is None
-    assert {s.value for s in WriterState} == {"live", "dead", "unknown"}
+    assert {s.value for s in WriterState} == {"live", "dead", "retired", "unknown"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         writers[0].pages = 5  # type: ignore[misc]
     assert StoreSnapshot(0, 0, 0, RateSnapshot()).writers == ()  # a snapshot without a pool: no writers
+    assert StoreSnapshot(0, 0, 0, RateSnapshot()).sharing == {}  # ... and no sharing counters
+
+
+def test_a_store_snapshot_carries_the_sharing_counters_and_the_watch():
+    counts = {"peers_dropped": 1, "writers_retired": 1, "fenced_pages": 0, "reregistrations": 0}
+    other = WriterSnapshot("b-0", "b", WriterState.RETIRED, 0, 0, lease_unchanged_s=4.5)
+    store = StoreSnapshot(0, 0, 0, RateSnapshot(), writers=(other,), sharing=frozen_counts(counts))
+    counts["peers_dropped"] = 7  # the pool moves on; the snapshot does not
+    assert store.sharing == {**counts, "peers_dropped": 1} and tuple(store.sharing) == SHARING_COUNTERS
+    with pytest.raises(TypeError):
+        store.sharing["fenced_pages"] = 1  # type: ignore[index]
+    assert store.writers[0].lease_unchanged_s == 4.5
+    assert WriterSnapshot("a-0", "a", WriterState.LIVE, 0, 0).lease_unchanged_s is None  # this host's: by LOCK
