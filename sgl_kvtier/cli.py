@@ -9,6 +9,9 @@
     sgl-kvtier check-shared DIR [--peer-wait S] [--json]   is DIR fit for sharing = "cluster": filesystem type
                                               and class, O_DIRECT, create-once, rename, fsync; with
                                               --peer-wait, another host running it at once seen there
+    sgl-kvtier pool-format DEV [DEV ...] --hosts H [--yes] [--json]   format raw namespaces (blank: all zeros at
+                                              their first and last MiB) once, from one host, as a shared raw
+                                              pool of H host slots; without --yes only shows what it would write
     sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.serving.launch)
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
 
@@ -196,6 +199,31 @@ def cmd_check_shared(args: argparse.Namespace, console: Console) -> int:
     return 1
 
 
+def cmd_pool_format(args: argparse.Namespace, console: Console) -> int:
+    """``sgl-kvtier pool-format``: ``store.pool_dev.format_pool``; 0 once written, 1 with nothing written
+    (no ``--yes``, or a device refused: never formatted over)."""
+    from sgl_kvtier.store.pool_dev import format_pool
+
+    sbs = format_pool(list(args.devices), args.hosts, write=args.yes)
+    if args.json:
+        print(json.dumps({"written": args.yes, "devices": [{"path": sb.path, **sb.fields()} for sb in sbs]}, indent=2))
+    else:
+        table = Table(title=f"shared raw pool {sbs[0].pool_id}: {args.hosts} host slots"
+                            + ("" if args.yes else " (NOT written)"))
+        for col in ("device", "index", "bytes", "data from", "per host"):
+            table.add_column(col)
+        for sb in sbs:
+            table.add_row(sb.path, f"{sb.device_index} of {sb.device_count}", str(sb.device_bytes),
+                          str(sb.data_at), _human(sb.share_bytes))
+        console.print(table)
+        if args.yes:
+            console.print(f'every host: sharing = "cluster", devices = {list(args.devices)} in this order, and its own '
+                          f"host_index (0..{args.hosts - 1}); no meta_dir", highlight=False, soft_wrap=True)
+        else:
+            console.print("nothing written: run again with --yes to format", highlight=False)
+    return 0 if args.yes else 1
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     """``sgl-kvtier demo``: see ``sgl_kvtier.serving.demo``."""
     from sgl_kvtier.serving.demo import main as demo_main
@@ -225,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave a probe and wait up to S seconds for one of another host running this at once")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_check_shared)
+    p = sub.add_parser("pool-format", help="format blank raw namespaces once as a pool shared by several hosts")
+    p.add_argument("devices", nargs="+", help="raw block devices (NVMe-oF namespaces), in striping order")
+    p.add_argument("--hosts", type=int, required=True, help="host slots: each host gets host_index 0..H-1")
+    p.add_argument("--yes", action="store_true", help="write it (without: show what would be written)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pool_format)
     p = sub.add_parser("demo", help="the README's main job: real SGLang on CPU, flush, restart, hits from flash")
     p.add_argument("--dir", default=".kvtier-demo", help="directory used as the flash device (wiped first)")
     p.add_argument("--turns", type=int, default=3, help="turns of the conversation")

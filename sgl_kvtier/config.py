@@ -105,6 +105,9 @@ class StoreConfig:
     sharing: Sharing = Sharing.HOST
     # This host's name in writer ids (``w-<host_id>-<k>``); unique per host. None: the hostname.
     host_id: str | None = None
+    # sharing = "cluster" on a shared raw pool (``sgl-kvtier pool-format``): this host's slot, 0..hosts-1,
+    # distinct per host (checked against the pool's superblock at open). None: not a shared raw pool.
+    host_index: int | None = None
     # A writer rewrites its lease (liveness, usage, page ages for the quota) this often.
     heartbeat_s: float = 2.0
     # Other writers' journals and leases are re-read at most this often (and on a lookup that falls short).
@@ -168,7 +171,8 @@ class StoreConfig:
             raise ConfigError("quota_low", f"must be in (0, quota_high = {self.quota_high}], got {self.quota_low}")
         if self.min_share_bytes < 0:
             raise ConfigError("min_share_bytes", f"must be 0 or a byte count, got {self.min_share_bytes}")
-        if not (3 * self.heartbeat_s if self.sharing is Sharing.CLUSTER else 0) < self.dead_after_s <= 86_400:
+        least = 3 * self.heartbeat_s if self.sharing is Sharing.CLUSTER else 0.0
+        if not (0 < self.dead_after_s <= 86_400 and self.dead_after_s >= least):
             raise ConfigError("dead_after_s", f"must be at least 3 heartbeats ({3 * self.heartbeat_s:g} s) and at "
                                               f"most a day, got {self.dead_after_s}")
         if not self.dead_after_s <= self.reclaim_after_s <= 30 * 86_400:
@@ -177,6 +181,9 @@ class StoreConfig:
         if self.sharing is Sharing.CLUSTER and self.direct_io is DirectIO.OFF:
             raise ConfigError("direct_io", 'must be "on" or "auto" (meaning "on") with sharing = "cluster": another '
                                            "host's writes are only seen past the page cache")
+        if self.host_index is not None and (self.host_index < 0 or self.sharing is not Sharing.CLUSTER):
+            raise ConfigError("host_index", 'a shared raw pool\'s host slot: 0 or more, with sharing = "cluster" '
+                                            f"only (got {self.host_index} with sharing = \"{self.sharing.value}\")")
         if self.host_id is not None and not _HOST_ID.fullmatch(self.host_id):
             raise ConfigError("host_id", f"must be 1-64 of [A-Za-z0-9._] (no '-'), got {self.host_id!r}")
         self.throttle_spec()

@@ -6,6 +6,7 @@ config is built; its errors name ``fault_injection.<key>``). Faults, per op:
     enospc_rate                          a write fails with ENOSPC
     stall_rate + stall_s                 the op completes, ``stall_s`` seconds late
     torn_write_rate                      only the first half of a write reaches the device, reported done
+                                         (with the digests of the whole write: ``prepare_write`` runs first)
     down                                 device indices whose every op fails with EIO (the device is gone)
 ``control_file``, if given, is a JSON file with any of these keys; it is re-read when it changes, so a test
 can make a device vanish and come back under a running server; a half-written or invalid control file
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 
 from sgl_kvtier.config import FaultSpec
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, digest
+from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, digest, prepare_write
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class FaultyEngine:
             knobs = self._knobs()
             plan = [self._decide(op, knobs) for op in ops]
         passed = [fault in (None, Fault.STALL, Fault.TORN) for fault in plan]
+        # A torn write was handed to the device whole: its digests taken, its ``before_write`` called.
+        sealed = [prepare_write(op) if fault is Fault.TORN else None for op, fault in zip(ops, plan)]
         sent = [self._torn(op) if fault is Fault.TORN else op for op, fault in zip(ops, plan)]
         real = self.inner.run([op for op, p in zip(sent, passed) if p]) if any(passed) else []
         results: list[IOResult] = []
@@ -95,7 +98,7 @@ class FaultyEngine:
         stall = knobs.stall_s if Fault.STALL in plan else 0.0
         if stall:
             time.sleep(stall)  # the fault being simulated is a slow device
-        for op, fault, p in zip(ops, plan, passed):
+        for op, fault, p, parts in zip(ops, plan, passed, sealed):
             if not p:
                 code = errno.ENOSPC if fault is Fault.ENOSPC else errno.EIO
                 results.append(IOResult(0, None, OSError(code, f"injected {fault.value if fault else 'fault'}")))
@@ -106,7 +109,7 @@ class FaultyEngine:
             if fault is Fault.TORN and res.ok:
                 # The device kept half, but says it took it all, with the checksum of the whole page.
                 full = digest(op.buffers) if op.checksum else None
-                res = IOResult(sum(b.nbytes for b in op.buffers), full, None, seconds=res.seconds)
+                res = IOResult(sum(b.nbytes for b in op.buffers), full, None, seconds=res.seconds, part_digests=parts)
             results.append(res)
         return results
 

@@ -6,6 +6,18 @@ the ``OSError`` that stopped it. An engine never raises for a failed op; the cal
 failure means. Checksums are taken over the buffers in order, so the digest of a page is the same
 whether it was moved as one run or as many.
 
+Range digests (a page of several checksummed parts): an op's ``digest_ranges`` lists ``(start, length)``
+byte ranges of its bytes (the buffers back to back); the engine returns the xxh3-64 of each, in order, as
+``IOResult.part_digests``, taken where it takes the op's whole digest: for a read after its last byte
+arrived, for a write before its first byte goes out (``prepare_write``). A write's ``before_write`` is
+then called with those digests, still before any byte is sent, and may fill bytes of the op outside the
+ranges (a slot trailer that carries the page's checksums goes out in the same IO as the page). Both run
+on the engine's IO thread (the thread engine's pool; the io_uring engine's submitting thread while other
+ops are in flight), never while the op's bytes move. A failed or short op carries no range digests; a
+write failed before it reached the engine's IO (an injected fault) may never have called ``before_write``.
+An exception from ``before_write`` (a bug, not an IO failure) is raised by ``run`` after every op of the
+batch it started has ended.
+
 This module imports no engine: ``engine.py`` (threads), ``uring.py`` (io_uring) and the wrappers all
 build on it, and ``factory.py`` is the one place that picks and stacks them.
 """
@@ -16,11 +28,15 @@ import enum
 import errno
 import os
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import xxhash
+
+_EMPTY = xxhash.xxh3_64_intdigest(b"")
 
 
 class OpKind(enum.Enum):
@@ -40,6 +56,10 @@ class IOOp:
     buffers: list[memoryview]
     checksum: bool = True
     device: int = 0  # which of the store's devices (for health tracking and fault injection)
+    # (start, length) byte ranges of the op's bytes, each digested on its own (module docstring); None: none
+    digest_ranges: Sequence[tuple[int, int]] | None = None
+    # A write's: called with the ranges' digests before its bytes go out (fills e.g. a trailer in its buffers)
+    before_write: Callable[[list[int]], None] | None = None
 
 
 @dataclass
@@ -51,6 +71,7 @@ class IOResult:
     error: OSError | None = None
     short: bool = False  # the device returned fewer bytes than asked: a truncated or torn slot
     seconds: float = 0.0  # time the op spent in the device (0 where the engine does not measure it)
+    part_digests: list[int] | None = None  # xxh3-64 of each of the op's ``digest_ranges``, when it had some
 
     @property
     def ok(self) -> bool:
@@ -85,6 +106,51 @@ def digest(buffers: Sequence[memoryview]) -> int:
     return h.intdigest()
 
 
+def range_digests(buffers: Sequence[memoryview], ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """xxh3-64 of each ``(start, length)`` range of the buffers' bytes taken back to back, in the order of
+    ``ranges`` (which may cross buffer boundaries, overlap or leave bytes out). A range within one buffer
+    is hashed in one call, without a hasher object. Raises ValueError for a range outside the bytes."""
+    ends = list(accumulate(b.nbytes for b in buffers))
+    total = ends[-1] if ends else 0
+    out: list[int] = []
+    for start, length in ranges:
+        stop = start + length
+        if start < 0 or length < 0 or stop > total:
+            raise ValueError(f"digest range ({start}, {length}) outside the op's {total} bytes")
+        if length == 0:
+            out.append(_EMPTY)
+            continue
+        i = bisect_right(ends, start)  # the buffer holding byte ``start``
+        lo = start - (ends[i] - buffers[i].nbytes)
+        if stop <= ends[i]:
+            out.append(xxhash.xxh3_64_intdigest(buffers[i][lo:lo + length]))
+            continue
+        h = xxhash.xxh3_64(buffers[i][lo:])
+        i += 1
+        while ends[i] < stop:
+            h.update(buffers[i])
+            i += 1
+        h.update(buffers[i][:stop - (ends[i] - buffers[i].nbytes)])
+        out.append(h.intdigest())
+    return out
+
+
+def prepare_write(op: IOOp) -> list[int] | None:
+    """Before a write's bytes go out: its range digests (None when it has no ``digest_ranges``), handed to
+    its ``before_write`` (with ``[]`` when it has no ranges). Every engine calls this once per write it sends."""
+    parts = None if op.digest_ranges is None else range_digests(op.buffers, op.digest_ranges)
+    if op.before_write is not None:
+        op.before_write([] if parts is None else parts)
+    return parts
+
+
+def read_digests(op: IOOp) -> tuple[int | None, list[int] | None]:
+    """A read's whole digest (None unless ``checksum``) and range digests (None without ranges), taken
+    once its bytes are in its buffers."""
+    return (digest(op.buffers) if op.checksum else None,
+            None if op.digest_ranges is None else range_digests(op.buffers, op.digest_ranges))
+
+
 def short_error(op: IOOp, done: int) -> OSError:
     """The EIO error of an op that ended (EOF, a torn slot) after ``done`` of its bytes."""
     return OSError(errno.EIO, f"short {op.kind.value}: {done} of {op_length(op)} bytes at offset {op.offset}")
@@ -93,16 +159,20 @@ def short_error(op: IOOp, done: int) -> OSError:
 def run_op_blocking(op: IOOp) -> IOResult:
     """One op with plain syscalls, retrying partial transfers; the unit of work of the thread engine."""
     want = op_length(op)
+    write = op.kind is OpKind.WRITE
+    crc, parts = None, None
+    if write:  # digests (and the caller's ``before_write``) before the clock: ``seconds`` is device time
+        parts = prepare_write(op) if op.digest_ranges is not None or op.before_write is not None else None
+        crc = digest(op.buffers) if op.checksum else None
     start = time.perf_counter()
     try:
-        crc = digest(op.buffers) if op.checksum and op.kind is OpKind.WRITE else None
-        done = _transfer(os.pwritev if op.kind is OpKind.WRITE else os.preadv, op)
+        done = _transfer(os.pwritev if write else os.preadv, op)
         seconds = time.perf_counter() - start
         if done != want:
             return IOResult(done, None, short_error(op, done), short=True, seconds=seconds)
-        if op.kind is OpKind.READ and op.checksum:
-            crc = digest(op.buffers)
-        return IOResult(done, crc, seconds=seconds)
+        if not write and (op.checksum or op.digest_ranges is not None):
+            crc, parts = read_digests(op)
+        return IOResult(done, crc, seconds=seconds, part_digests=parts)
     except OSError as exc:
         return IOResult(0, None, exc, seconds=time.perf_counter() - start)
 
@@ -124,4 +194,5 @@ def _transfer(call: Callable[[int, list[memoryview], int], int], op: IOOp) -> in
     return total
 
 
-__all__ = ["IOEngine", "IOOp", "IOResult", "OpKind", "digest", "op_length", "run_op_blocking", "short_error"]
+__all__ = ["IOEngine", "IOOp", "IOResult", "OpKind", "digest", "op_length", "prepare_write", "range_digests",
+           "read_digests", "run_op_blocking", "short_error"]

@@ -22,8 +22,8 @@ counts each fault served.
 ``StaleSlotEngine(inner)`` wraps an IO engine (``io.ops``): a read at a (file, offset) with an old version
 on record (``remember(path, offset, data)``, or ``capture(path, offset, length)``: the bytes there now,
 taken before the writer rewrites them) returns those old bytes (a stale data cache serving a slot as it
-was before its last rewrite), with the checksum of what it served; ``forget()`` ends the fault.
-``served`` counts the reads it answered so. Every other op runs on ``inner``.
+was before its last rewrite), with the checksum (and range digests) of what it served; ``forget()`` ends
+the fault. ``served`` counts the reads it answered so. Every other op runs on ``inner``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, digest, op_length, short_error
+from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, op_length, read_digests, short_error
 
 
 class Files(Protocol):
@@ -192,7 +192,8 @@ class StaleSlotEngine:
             done += n
         if done < op_length(op):
             return IOResult(done, None, short_error(op, done), short=True)
-        return IOResult(done, digest(op.buffers) if op.checksum else None)
+        crc, parts = read_digests(op)
+        return IOResult(done, crc, part_digests=parts)
 
     def close(self) -> None:
         """Close the wrapped engine."""

@@ -6,8 +6,10 @@ Invariants (the contract of every engine, see ``ops.py``):
   completion becomes ``OSError(-res)`` (EINTR/EAGAIN are retried); a 0-byte transfer before the op is
   complete (EOF) ends it with ``short=True`` and an EIO error, as ``run_op_blocking`` does. A partial
   transfer is resubmitted from ``offset + n`` with the remaining buffer slices.
-* Checksums are ``digest(op.buffers)`` (xxh3-64, buffers in order): for writes taken before submission,
-  for reads after the op's last completion. Failed and short ops carry none.
+* Checksums are ``digest(op.buffers)`` (xxh3-64, buffers in order), and range digests those of the op's
+  ``digest_ranges``: for writes taken before submission (``prepare_write``, which also calls the op's
+  ``before_write``), for reads after the op's last completion, once the queue is refilled (so while other
+  ops are in flight). Both on the thread calling ``run``. Failed and short ops carry none.
 * At most ``depth`` ops are in flight per ring. Each ``Iovec`` and buffer slice given to the kernel stays
   referenced from the in-flight table until its completion is reaped; ``run`` waits for every in-flight
   completion before it returns, also when it leaves by an exception.
@@ -39,7 +41,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from sgl_kvtier.io import probe as probes
-from sgl_kvtier.io.ops import IOOp, IOResult, OpKind, digest, op_length, run_op_blocking, short_error
+from sgl_kvtier.io.ops import (
+    IOOp,
+    IOResult,
+    OpKind,
+    digest,
+    op_length,
+    prepare_write,
+    read_digests,
+    run_op_blocking,
+    short_error,
+)
 
 _RETRY = (errno.EINTR, errno.EAGAIN)
 _MAX_TRIES = 16
@@ -108,11 +120,11 @@ class _Ring:
 class _Xfer:
     """One op in flight: what is left to move, and what the kernel may touch (kept alive here)."""
 
-    __slots__ = ("op", "bufs", "offset", "done", "want", "crc", "iov", "tries")
+    __slots__ = ("op", "bufs", "offset", "done", "want", "crc", "parts", "iov", "tries")
 
-    def __init__(self, op: IOOp, want: int, crc: int | None):
+    def __init__(self, op: IOOp, want: int, crc: int | None, parts: list[int] | None = None):
         self.op, self.bufs, self.offset = op, list(op.buffers), op.offset
-        self.done, self.want, self.crc, self.tries = 0, want, crc, 0
+        self.done, self.want, self.crc, self.parts, self.tries = 0, want, crc, parts, 0
         self.iov: Any = None
 
     def prep(self, ring: _Ring, user_data: int) -> None:
@@ -144,7 +156,7 @@ class _Xfer:
             self.bufs[0] = self.bufs[0][n:]
         if self.done < self.want:
             return None
-        return IOResult(self.done, self.crc)
+        return IOResult(self.done, self.crc, part_digests=self.parts)
 
 
 def _start(op: IOOp) -> _Xfer | IOResult:
@@ -153,9 +165,16 @@ def _start(op: IOOp) -> _Xfer | IOResult:
     if not (0 <= op.fd < 2**31 and 0 <= op.offset < 2**63):
         bad = errno.EINVAL if 0 <= op.fd < 2**31 else errno.EBADF
         return IOResult(0, None, OSError(bad, os.strerror(bad)))
+    crc: int | None = None
+    parts: list[int] | None = None
+    if op.kind is OpKind.WRITE:
+        parts = prepare_write(op) if op.digest_ranges is not None or op.before_write is not None else None
+        crc = digest(op.buffers) if op.checksum else None  # after ``before_write`` filled its bytes
+    elif want == 0:
+        crc, parts = read_digests(op)
     if want == 0:
-        return IOResult(0, digest(op.buffers) if op.checksum else None)
-    x = _Xfer(op, want, digest(op.buffers) if op.kind is OpKind.WRITE and op.checksum else None)
+        return IOResult(0, crc, part_digests=parts)
+    x = _Xfer(op, want, crc, parts)
     try:
         x.iov = _lu.Iovec(x.bufs)
     except (TypeError, ValueError) as exc:  # not buffers, or more than IOV_MAX of them
@@ -244,7 +263,7 @@ class UringEngine:
                     ring.submit()
                     prepped = 0
                 for op, done in unhashed:  # hash once the device has work again, not while it idles
-                    done.checksum = digest(op.buffers)
+                    done.checksum, done.part_digests = read_digests(op)
                 unhashed.clear()
                 if not inflight:  # the fill above leaves nothing to do only at the end
                     break
@@ -258,7 +277,7 @@ class UringEngine:
                     else:
                         op = inflight.pop(i).op
                         results[i] = result
-                        if result.ok and op.kind is OpKind.READ and op.checksum:
+                        if result.ok and op.kind is OpKind.READ and (op.checksum or op.digest_ranges is not None):
                             unhashed.append((op, result))
         finally:
             if inflight:

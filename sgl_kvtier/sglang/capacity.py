@@ -5,8 +5,10 @@ Mamba, draft KV, ...), each in a shard of its own. ``capacity_bytes``, or the fr
 limit of the *backend*: the tiers share it, they never each get all of it.
 
 The limit: ``capacity_bytes`` when set; otherwise, per device, 90 % of (its free space + the segment
-files this backend's shards already hold there) on a directory, or the device's size less its region
-table on a raw block device, divided by the number of rank shards sharing the devices; then the
+files this backend's shards already hold there) on a directory, the device's size less its region
+table on a raw block device, or on a pool formatted for several hosts (``sgl-kvtier pool-format``) this
+host's share less the journal areas every shard's region keeps on the device, 95 % of it (the checkpoint
+areas), divided by the number of rank shards sharing the devices; then the
 smallest device's share times the number of devices (pages are striped, so the smallest device fills
 first). The same rule the store applies to one shard, taken once for all of a backend's shards.
 
@@ -27,9 +29,12 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError, DeviceError
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store.devices import is_block_like
-from sgl_kvtier.store.format import BLOCK_HEADER_BYTES, slot_bytes_for
+from sgl_kvtier.store.format import BLOCK_HEADER_BYTES, JOURNAL_AREAS, slot_bytes_for
+from sgl_kvtier.store.pool_dev import superblock_of
+from sgl_kvtier.store.pool_regions import journal_bytes_for
 
 FREE_SPACE_SHARE = 0.9  # of a directory device's free space, as the store's own default
+POOL_SHARE = 0.95  # of a host's share of a pool device, after the journal areas (the rest: checkpoint areas)
 
 
 def slot_bytes(namespace: Namespace) -> int:
@@ -42,8 +47,19 @@ def backend_limit(config: StoreConfig, namespaces: Sequence[Namespace]) -> int:
     if config.capacity_bytes is not None:
         return config.capacity_bytes
     shards = max(1, namespaces[0].shard_count) if namespaces else 1
-    per_device = [_device_budget(i, path, namespaces) // shards for i, path in enumerate(config.devices)]
+    per_device = [_budget(config, i, path, namespaces, shards) for i, path in enumerate(config.devices)]
     return min(per_device) * len(config.devices)
+
+
+def _budget(config: StoreConfig, index: int, path: str, namespaces: Sequence[Namespace], shards: int) -> int:
+    """One rank's budget on device ``path``. On a pool device: its part of this host's share, less every
+    shard's journal areas (kept on the first device only, but counted on each: the smallest decides)."""
+    sb = superblock_of(path)
+    if sb is None:
+        return _device_budget(index, path, namespaces) // shards
+    parts = max((len(ns.part_sizes()) for ns in namespaces), default=1)
+    journals = JOURNAL_AREAS * journal_bytes_for(config.checkpoint_interval, parts) * max(1, len(namespaces))
+    return max(0, int((sb.share_bytes // shards - journals) * POOL_SHARE))
 
 
 def _device_budget(index: int, path: str, namespaces: Sequence[Namespace]) -> int:

@@ -11,7 +11,7 @@ Raw block device (or a regular file standing in for one): the first ``BLOCK_HEAD
 table (format.REGION_MAGIC) naming, per (namespace digest, wid), its header fields and its
 ``[offset, length)``. Writers claim regions under an exclusive ``flock`` on the device. A device whose
 first MiB is neither zeros nor our table is refused, so a disk holding someone's data is never formatted
-over.
+over; a shared raw pool's device (``store.pool_dev``) is refused here naming what it needs.
 
 A read-only arena (``create=False``: a reader of another writer's pages) never creates nor writes a file:
 it opens segments ``O_RDONLY`` as it first needs them; one that is not there (not made yet, or removed)
@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
+from sgl_kvtier.errors import ConfigError, CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import holes
@@ -333,6 +333,9 @@ class BlockArena(Arena):
 
     def _read_table(self, size: int) -> dict[str, Any] | None:
         head = os.pread(self._meta_fd, fmt.BLOCK_HEADER_BYTES, 0)
+        if head.startswith(fmt.POOL_MAGIC):
+            raise ConfigError("sharing", f'{self.path} is a shared raw pool (sgl-kvtier pool-format): it needs '
+                                         'sharing = "cluster" and this host\'s host_index, and no meta_dir')
         if head[:len(fmt.REGION_MAGIC)] == fmt.REGION_MAGIC:
             return fmt.unpack_header(fmt.REGION_MAGIC, head, f"{self.path} region table")
         if head.count(0) != len(head):

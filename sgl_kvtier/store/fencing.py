@@ -18,6 +18,11 @@
     ``RETIRED`` and finishes the deletion, and another directory is claimed at once (up to
     REREGISTER_TRIES in a row, each fenced one held meanwhile so that the claim moves past it).
 
+A shared raw pool (``host_index``) has no fences (no writer of another host retires one there): a store's
+lease checks instead that its host slot was not taken over by another machine (``PageStore.host_check``,
+``store.pool_claim``); once it was, the store is fenced the same way, and re-registering is refused (logged,
+tried again later) while that machine beats.
+
 Closing reads the fence once more: a store retired since its last beat writes no checkpoint either.
 Under ``sharing = "host"`` (and "off") no fence is armed and the own store is never replaced.
 """
@@ -99,6 +104,8 @@ class OwnWriter:
         fence = self._fences.get(id(self.store))
         if self.store.fenced is None and fence is not None:  # retired since the last beat: no checkpoint there
             self.store.fenced = fence.check()
+        elif self.store.fenced is None and self.store.host_check is not None:  # its host slot taken over
+            self.store.fenced = self.store.host_check()
         fences = list(self._fences.values())
         self._fences.clear()
         return [("writer", self.store.close), *[("fence", f.close) for f in fences]]
@@ -106,6 +113,10 @@ class OwnWriter:
     # ------------------------------------------------------------------ fence
     def _arm(self, store: PageStore) -> None:
         if store.config.sharing is not Sharing.CLUSTER or store.lease is None:
+            return
+        if store.host_check is not None:  # a shared raw pool: its host slot, not a FENCE (module docstring)
+            store.lease.fence_check = store.host_check
+            store.lease.on_fenced = partial(self._on_fenced, store)
             return
         try:
             fence = OwnFence(store.claim.path, store.incarnation)  # made empty here where absent

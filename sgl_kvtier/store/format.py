@@ -64,6 +64,43 @@ Reads verify every part of the page against the index's checksums (the trailer i
 checksums the page bytes do not match (torn, stale) is skipped; of several good slots of one key the highest
 seq wins.
 
+Shared raw pool (``sharing = "cluster"`` with ``host_index``; ``store.pool_dev``, ``store.region_meta``): one raw
+device (an NVMe-oF namespace attached to several hosts) formatted once by ``sgl-kvtier pool-format DEV --hosts
+H``. Every byte of it is read and written with O_DIRECT, in whole 4 KiB blocks; nothing lives in a ``meta_dir``.
+    [0, 4 KiB)        superblock: header (POOL_MAGIC): pool_id, hosts, device_index, device_count,
+                      device_bytes, host_slots_at, host_slot_bytes, data_at, share_bytes. Written once.
+    host slot h       at host_slots_at + h * HOST_SLOT_BYTES (h = 0..hosts-1), written by host h only:
+                      [0, 8 KiB) host lease: two blocks (HOST_LEASE_MAGIC) as a writer's LEASE, the valid one
+                      with the higher counter wins: host_id, machine_id, boot_id, pid, host_index, counter,
+                      heartbeat_s; [HOST_TABLE_AT, +2 x HOST_TABLE_BYTES) region table A/B (HOST_TABLE_MAGIC):
+                      generation, regions [{ns, wid, offset, length, data_at, slots, checkpoint_bytes,
+                      journal_bytes, journals}]; the valid copy with the higher generation wins, a change
+                      rewrites the other copy.
+    data area         [data_at, data_at + hosts * share_bytes): host h's share is the h-th share_bytes; its
+                      regions are carved from it, in table order, and from nothing else.
+    region            (offsets from the region's start; one per (namespace digest, wid), on every device of
+                      the pool; only the first device's carries the meta areas, the others' sizes are 0):
+        REGION_HEADER_AT      the region's header (HEADER_MAGIC: the device header of a directory device).
+                              Its first byte is the writer's lock: an OFD ``fcntl`` write lock, host-local.
+        REGION_LEASE_AT       LEASE: two blocks, exactly a writer's LEASE file (plus host_index).
+        REGION_CONFIG_AT      CONFIG: a header (CONFIG_MAGIC) {config: the writer's config mapping}.
+        REGION_CHECKPOINT_AT  two checkpoint areas of checkpoint_bytes: a header block (CHECKPOINT_AREA_MAGIC:
+                              serial, generation, length) then the checkpoint file's bytes (CHECKPOINT_MAGIC,
+                              as above). The valid one (header and checkpoint checksums) with the higher serial
+                              wins; a checkpoint rewrites the other area: its bytes, fdatasync, then its header.
+        journal areas         ``journals`` areas of journal_bytes; generation g uses area g % journals:
+                              JOURNAL_AREA_MAGIC | u32 FORMAT_VERSION | u64 generation, then records framed as
+                              a journal file's but with the xxh32 SEEDED by ``area_seed(generation)``, so a record
+                              of an older generation left beyond the tail fails its checksum: replay of an area
+                              stops at the first record that is short, torn or of another generation. A
+                              generation may take an area only when the durable checkpoint covers the
+                              generation the area held (else the writer checkpoints in place first).
+                              Read through a region view (``region_meta.RegionFiles``), an area is presented as
+                              the journal file ``journal-<g>.log``: JOURNAL_MAGIC header, its valid records with
+                              their unseeded xxh32, the same offsets; an area holding another generation is no
+                              such file.
+        data_at               ``slots`` slots of slot_bytes, as a segment's.
+
 Parts: the namespace header's ``parts`` lists the byte length of each checksummed range of a page, in
 order (default: one part, the whole page); they are the namespace's (``Namespace.parts``, part of its digest
 when there are several), and a header with other ones is refused. A part is verified as soon as its bytes
@@ -91,6 +128,20 @@ LEASE_MAGIC = b"KVTIERL2"
 TRAILER_MAGIC = b"KVTIERS2"
 FENCE_MAGIC = b"KVTIERF2"
 LEASE_BLOCK_BYTES = 4096
+POOL_MAGIC = b"KVTIERP2"
+HOST_LEASE_MAGIC = b"KVTIERO2"
+HOST_TABLE_MAGIC = b"KVTIERT2"
+CONFIG_MAGIC = b"KVTIERG2"
+CHECKPOINT_AREA_MAGIC = b"KVTIERK2"
+JOURNAL_AREA_MAGIC = b"KVTIERJ2"
+POOL_BLOCK = 4096  # every read and write of a shared raw pool: whole, aligned blocks of this size
+HOST_SLOTS_AT = 1 << 20
+HOST_SLOT_BYTES = 256 << 10
+HOST_TABLE_AT = 8192
+HOST_TABLE_BYTES = 124 << 10
+REGION_HEADER_AT, REGION_LEASE_AT, REGION_CONFIG_AT, REGION_CHECKPOINT_AT = 0, 4096, 12288, 65536
+REGION_CONFIG_BYTES = REGION_CHECKPOINT_AT - REGION_CONFIG_AT
+JOURNAL_AREAS = 4
 
 _HEADER = struct.Struct("<8sIQ")
 _JOURNAL_FILE = struct.Struct("<8sIQ")
@@ -105,6 +156,11 @@ BLOCK_HEADER_BYTES = 1 << 20  # reserved at the start of a raw block device for 
 def pack_header(magic: bytes, fields: dict[str, Any]) -> bytes:
     payload: bytes = msgpack.packb({"format_version": FORMAT_VERSION, **fields})
     return _HEADER.pack(magic, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+def header_bytes(data: bytes) -> int:
+    """How many bytes the header at the start of ``data`` takes (its prefix and payload); 0 if none fits."""
+    return _HEADER.size + _HEADER.unpack_from(data)[1] if len(data) >= _HEADER.size else 0
 
 
 def unpack_header(magic: bytes, data: bytes, what: str) -> dict[str, Any]:
@@ -136,6 +192,58 @@ def check_journal_file_header(data: bytes, what: str) -> int:
     if version != FORMAT_VERSION:
         raise CorruptRecordError(f"{what}: journal format {version}, this build reads {FORMAT_VERSION}")
     return int(generation)
+
+
+def area_seed(generation: int) -> int:
+    """The xxh32 seed of the records of a journal area holding ``generation`` (never 0: a journal file's)."""
+    return (generation + 1) & 0xFFFFFFFF or 1
+
+
+def seal_record(record: bytes, seed: int) -> bytes:
+    """A packed record (``pack_record``) with its xxh32 taken under ``seed`` instead (0: as packed)."""
+    length = _RECORD.unpack_from(record)[0]
+    payload = record[_RECORD.size:_RECORD.size + length]
+    return _RECORD.pack(length, xxhash.xxh32_intdigest(payload, seed)) + payload
+
+
+def unseal_records(data: bytes, start: int, seed: int) -> tuple[int, bytes, bool]:
+    """Records of ``data`` from ``start`` sealed under ``seed``, until one is short, empty or fails: (the offset
+    after the last good one, those records with their unseeded xxh32, whether it stopped only because the
+    data ended)."""
+    out: list[bytes] = []
+    pos, end = start, len(data)
+    while True:
+        if pos + _RECORD.size > end:
+            return pos, b"".join(out), True
+        length, crc = _RECORD.unpack_from(data, pos)
+        body = pos + _RECORD.size
+        if not 0 < length <= MAX_RECORD_BYTES:
+            return pos, b"".join(out), False
+        if body + length > end:
+            return pos, b"".join(out), True
+        payload = data[body:body + length]
+        if xxhash.xxh32_intdigest(payload, seed) != crc:
+            return pos, b"".join(out), False
+        out.append(_RECORD.pack(length, xxhash.xxh32_intdigest(payload)) + payload)
+        pos = body + length
+
+
+def record_estimate(parts: int) -> int:
+    """Bytes a journal record of a page of ``parts`` parts takes at most in practice (a PUT with a parent)."""
+    return 112 + 9 * parts
+
+
+def journal_area_header(generation: int) -> bytes:
+    """The first bytes of a journal area holding ``generation`` (as a journal file's header)."""
+    return _JOURNAL_FILE.pack(JOURNAL_AREA_MAGIC, FORMAT_VERSION, generation)
+
+
+def journal_area_generation(data: bytes) -> int | None:
+    """The generation a journal area's first bytes name, or None (empty, another magic or format)."""
+    if len(data) < _JOURNAL_FILE.size:
+        return None
+    magic, version, generation = _JOURNAL_FILE.unpack_from(data)
+    return int(generation) if magic == JOURNAL_AREA_MAGIC and version == FORMAT_VERSION else None
 
 
 def pack_record(fields: list[Any]) -> bytes:
@@ -193,6 +301,27 @@ def unpack_checkpoint(data: bytes, what: str) -> dict[str, Any]:
     if fields.get("version") != FORMAT_VERSION:
         raise CorruptRecordError(f"{what}: checkpoint format {fields.get('version')}, this build reads {FORMAT_VERSION}")
     return fields
+
+
+def checkpoint_intact(data: bytes) -> bool:
+    """Whether ``data`` starts with a whole checkpoint whose payload passes its checksum (not decoded)."""
+    if len(data) < _CHECKPOINT.size:
+        return False
+    magic, length, crc = _CHECKPOINT.unpack_from(data)
+    payload = data[_CHECKPOINT.size:_CHECKPOINT.size + length]
+    return bool(magic == CHECKPOINT_MAGIC and len(payload) == length and xxhash.xxh3_64_intdigest(payload) == crc)
+
+
+def newest_header(magic: bytes, blocks: list[bytes], order: str, what: str) -> tuple[int, dict[str, Any]] | None:
+    """Of ``blocks`` (A/B copies), (index, fields) of the valid header with the highest ``order`` field; None
+    when neither is valid."""
+    found = []
+    for i, block in enumerate(blocks):
+        try:
+            found.append((i, unpack_header(magic, block, what)))
+        except (CorruptRecordError, ValueError):
+            continue
+    return max(found, key=lambda f: int(f[1].get(order, -1)), default=None)
 
 
 # ---------------------------------------------------------------------------------------------- lease, fence

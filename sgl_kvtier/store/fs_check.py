@@ -15,7 +15,9 @@ visible from one host: ``check-shared --peer-wait`` run on two hosts at once sho
 directory.
 
 Open rules (``check_cluster_open``, called by ``PageStore.open`` before any file is made; a no-op unless
-``sharing = "cluster"``): a raw block device is refused (``devices[i]``); a device or the ``meta_dir`` on a
+``sharing = "cluster"``): raw block devices must be one shared raw pool (``pool_dev.check_pool_open``: formatted
+by ``sgl-kvtier pool-format``, ``host_index`` set, no ``meta_dir``; else ``devices[i]`` / ``host_index`` /
+``meta_dir``), and ``host_index`` is refused for directories; a device or the ``meta_dir`` on a
 LOCAL_ONLY filesystem is refused (``devices[i]`` / ``meta_dir``) unless ``allow_local_fs``; UNKNOWN logs
 one warning per mount; O_DIRECT must write and read back a block in every device directory
 (``direct_io``: "auto" means "on" here, see ``layout.direct_mode``). All ``ConfigError``s naming the field,
@@ -42,6 +44,7 @@ from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import ConfigError, DeviceError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.store.devices import create_once, fsync_dir, is_block_like, write_file_atomic
+from sgl_kvtier.store.pool_dev import check_pool_open
 from sgl_kvtier.store.writers import boot_id, machine_id
 
 log = logging.getLogger(__name__)
@@ -199,6 +202,12 @@ def check_cluster_open(config: StoreConfig, mountinfo: str | None = None) -> lis
     the O_DIRECT probe cannot even write)."""
     if config.sharing is not Sharing.CLUSTER:
         return []
+    if os.path.exists(config.devices[0]) and is_block_like(config.devices[0]):
+        check_pool_open(config)  # a shared raw pool: no filesystem to check
+        return []
+    if config.host_index is not None:
+        raise ConfigError("host_index", f"only for a shared raw pool (sgl-kvtier pool-format); {config.devices[0]} "
+                                        "is a directory: remove host_index")
     places = [(f"devices[{i}]", d) for i, d in enumerate(config.devices)]
     if config.meta_dir is not None:
         places.append(("meta_dir", config.meta_dir))
@@ -207,9 +216,8 @@ def check_cluster_open(config: StoreConfig, mountinfo: str | None = None) -> lis
         if not os.path.exists(path):
             continue
         if name != "meta_dir" and is_block_like(path):
-            raise ConfigError(name, f'{path} is a raw block device: not supported yet with sharing = "cluster" '
-                                    "(a raw namespace shared by hosts needs per-host regions and journals on the "
-                                    "device); use a directory on a shared filesystem")
+            raise ConfigError(name, f"{path} is a raw device, but devices[0] is a directory: a shared raw pool "
+                                    "is raw devices only, a shared filesystem pool directories only")
         info = detect(path, mountinfo)
         found.append(info)
         if info.fs_class is FsClass.LOCAL_ONLY and not config.allow_local_fs:

@@ -1,7 +1,10 @@
 """Offline inspection and verification of stores, for ``sgl-kvtier inspect`` and ``sgl-kvtier fsck``.
 
 ``find_shards(path)`` finds the namespace shards reachable from a path: a directory device (or meta dir)
-holds ``ns-*/HEADER``; a raw block device's region table names each shard's meta directory.
+holds ``ns-*/HEADER``; a raw block device's region table names each shard's meta directory; a shared raw
+pool's host tables name every host's regions (read with O_DIRECT, ``store.pool_regions``), so ``inspect`` and
+``fsck`` show and verify the writers of every host. ``fsck --repair`` opens only dead writers of this host
+there (their region, by wid); ``fsck --rebuild`` is not available for a shared raw pool (reported per writer).
 
 ``fsck`` reads every indexed page of one writer (``fsck_pool``: of every writer directory of the
 namespace, each opened read-only) and checks it against its recorded checksum, and reports journal or
@@ -38,6 +41,8 @@ from sgl_kvtier.store.devices import is_block_like
 from sgl_kvtier.store.layout import load_config, open_layout
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.pool_dev import superblock_of
+from sgl_kvtier.store.pool_regions import pool_namespaces
 from sgl_kvtier.store.pool_view import DEAD, pool_summary, state_of
 from sgl_kvtier.store.reader import PageReader
 from sgl_kvtier.store.rebuild import RebuildReport, rebuild, slots_to_scan
@@ -81,6 +86,9 @@ def find_shards(path: str) -> list[Shard]:
     metas: list[Path] = []
     if p.is_dir():
         metas = sorted(d for d in ([p] if (p / "HEADER").exists() else p.glob("ns-*")) if (d / "HEADER").exists())
+    elif p.exists() and is_block_like(path) and superblock_of(path) is not None:  # a shared raw pool
+        return [Shard(meta, Namespace.from_mapping(header["namespace"]), header)
+                for meta, header in pool_namespaces(path) or []]
     elif p.exists() and is_block_like(path):
         with open(path, "rb") as f:
             head = f.read(fmt.BLOCK_HEADER_BYTES)
@@ -117,6 +125,8 @@ def open_writer_at(shard: Shard, wid: str) -> PageStore:
     if match is None:
         raise StoreLockedError(f"{wid}: not a writer id of the form <host>-<k>")
     host, k = match.group(1), int(match.group(2))
+    if shard_config(shard, wid).host_index is not None:  # a shared raw pool: that region, by wid
+        return PageStore.open(shard_config(shard, wid), shard.namespace, wid=wid)
     config = replace(shard_config(shard, wid), host_id=host, sharing=Sharing.HOST)
     held: list[tuple[int, Path | None]] = []
     try:
@@ -277,6 +287,10 @@ def rebuild_shard(shard: Shard, wids: list[str] | None = None,
     """Rebuild each writer of ``shard`` (``wids``: only those) from its pages (``store.rebuild``).
     ``progress(label, slots)`` is called as each writer starts and returns its per-read callback.
     A writer that cannot be rebuilt (a live writer holds it, a device is missing) gets its ``error``."""
+    if superblock_of(str(shard.meta.parent)) is not None:
+        return [WriterRebuild(shard.namespace.describe(), wid, error="fsck --rebuild is not available for a shared "
+                                                                     "raw pool yet (fsck and fsck --repair are)")
+                for wid in wids or [w for w, _ in writer_dirs(shard.meta)]]
     done = []
     for wid in wids if wids is not None else writer_ids(shard, shard_config(shard)):
         outcome = WriterRebuild(shard.namespace.describe(), wid)

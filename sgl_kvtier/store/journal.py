@@ -26,6 +26,9 @@ Crash rules:
     column is not ``n * parts`` long is unreadable (journals are replayed instead); a PUT record carrying
     another number of checksums indexes nothing (its slot is still taken from the key that held it) and
     is reported in ``problems``. So every indexed page has exactly ``parts`` checksums.
+  * Where files are (``store.meta``): a writer directory (``Journal``, ``replace_checkpoint``), or a shared raw
+    pool's region (``store.region_meta``: journal areas, checkpoint A/B), read back as these files through
+    its view: recovery and following are the same code for both.
   * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
     old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
     still there (journals are deleted only after the new checkpoint is durable). A ``Journal`` whose
@@ -335,6 +338,8 @@ def _walk(meta: Path, state: Recovered, announced: Mapping[int, int], view: File
 class Journal:
     """The writer's journal file of one generation. Not thread-safe: the store serialises appends."""
 
+    nearly_full = False  # a file grows as needed (a shared raw pool's journal areas do not: ``room``)
+
     def __init__(self, meta: Path, generation: int):
         self.meta = meta
         self.generation = generation
@@ -368,6 +373,10 @@ class Journal:
             os.write(self._fd, data)
             self.records += len(records)
             self.size += len(data)
+
+    def room(self) -> int | None:
+        """Bytes it may still grow by: None, no bound."""
+        return None
 
     def sync(self) -> None:
         """fsync the journal file; ``synced`` becomes the size it had before (every record appended by then)."""
@@ -404,15 +413,26 @@ def write_checkpoint(meta: Path, keys: list[PageKey], slots: np.ndarray, checksu
                      parents: np.ndarray, seq: int, generation: int) -> None:
     """Persist an index (coldest first; ``parents[i]`` indexes ``keys`` or is -1) as covering every
     journal generation below ``generation``, then delete those journals."""
-    fields = {
+    replace_checkpoint(meta, checkpoint_blob(keys, slots, checksums, parents, seq, generation), generation)
+
+
+def checkpoint_blob(keys: list[PageKey], slots: np.ndarray, checksums: np.ndarray, parents: np.ndarray,
+                    seq: int, generation: int) -> bytes:
+    """A checkpoint's bytes (``format.pack_checkpoint``) of an index snapshot (``PageIndex.snapshot``)."""
+    return fmt.pack_checkpoint({
         "generation": generation,
         "seq": seq,
         "keys": b"".join(keys),
         "slots": np.asarray(slots, dtype=np.int64).tobytes(),
         "checksums": np.asarray(checksums, dtype=np.uint64).tobytes(),
         "parents": np.asarray(parents, dtype=np.int64).tobytes(),
-    }
-    write_file_atomic(meta / CHECKPOINT, fmt.pack_checkpoint(fields))
+    })
+
+
+def replace_checkpoint(meta: Path, blob: bytes, generation: int) -> None:
+    """``blob`` as ``meta``'s checkpoint (tmp, fsync, rename, fsync the directory), then delete the journals
+    below ``generation`` (which it covers)."""
+    write_file_atomic(meta / CHECKPOINT, blob)
     for gen in journal_generations(meta):
         if gen < generation:
             journal_path(meta, gen).unlink(missing_ok=True)

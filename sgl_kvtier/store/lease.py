@@ -21,21 +21,28 @@ for a beat in progress) and closes the file. Nothing raises from that thread: a 
 (``failures``) and logged at a bounded rate, and the next beat tries again. Tests call ``beat()`` directly
 and never wait for the thread; ``interval_s`` and ``clock`` are injectable.
 
-Readers (``read_lease``) only read: a missing, short or torn-in-both-blocks file is ``None``.
+Where the blocks go (``blocks``, a ``LeaseBlocks``): the ``LEASE`` file of a writer directory
+(``FileBlocks``: pwrite + fdatasync), or the LEASE area of a writer's region of a shared raw pool
+(``region_meta.AreaBlocks``: O_DIRECT, synced, then the host lease's beat).
+
+Readers (``read_lease``) only read: a missing, short or torn-in-both-blocks file is ``None``. A path under a
+shared raw pool's device (ENOTDIR: no directory there) is read from that writer's region.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.pool_regions import region_read
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -49,12 +56,38 @@ def read_lease(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             data = f.read(2 * fmt.LEASE_BLOCK_BYTES)
-    except OSError:
-        return None
+    except OSError as exc:
+        found = region_read(path, fmt.REGION_LEASE_AT, 2 * fmt.LEASE_BLOCK_BYTES) if exc.errno == errno.ENOTDIR else None
+        if found is None:
+            return None
+        data = found
     try:
         return fmt.unpack_lease(data, str(path))
     except CorruptRecordError:
         return None
+
+
+class LeaseBlocks(Protocol):
+    """Where a lease's two blocks go: ``write_block`` is durable when it returns."""
+
+    def write_block(self, index: int, data: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class FileBlocks:
+    """A ``LEASE`` file's blocks (created 0600 where absent): pwrite + fdatasync."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def write_block(self, index: int, data: bytes) -> None:
+        os.pwrite(self.fd, data, index * fmt.LEASE_BLOCK_BYTES)
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1  # detached first: closed once
+        if fd >= 0:
+            os.close(fd)
 
 
 class Lease:
@@ -62,7 +95,7 @@ class Lease:
     called at each beat for the changing ones."""
 
     def __init__(self, path: Path, identity: dict[str, Any], usage: Usage, interval_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, blocks: LeaseBlocks | None = None):
         self.path = path
         self.identity = dict(identity)
         self.usage = usage
@@ -79,7 +112,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._errlog = RateLimitedLog(log)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._blocks: LeaseBlocks | None = FileBlocks(path) if blocks is None else blocks
 
     def beat(self) -> None:
         """Write the next lease block now (pwrite + fdatasync), then run ``after_beat``. Raises OSError if
@@ -95,7 +128,7 @@ class Lease:
             if self.fenced is not None:
                 return True
             check = self.fence_check
-            reason = None if check is None or self._fd < 0 else check()
+            reason = None if check is None or self._blocks is None else check()
             if reason is None:
                 return False
             self.fenced = reason
@@ -107,13 +140,12 @@ class Lease:
 
     def _write_beat(self) -> bool:
         with self._lock:
-            if self._fd < 0:
+            if self._blocks is None:
                 return False
             fields = {**self.identity, **self.usage(), "counter": self.counter, "heartbeat_s": self.interval_s}
             block = fmt.pack_lease_block(fields)
             # Crash rule: only block ``counter % 2`` is rewritten, so a torn beat leaves the previous lease.
-            os.pwrite(self._fd, block, (self.counter % 2) * fmt.LEASE_BLOCK_BYTES)
-            os.fdatasync(self._fd)
+            self._blocks.write_block(self.counter % 2, block)
             self.counter += 1
             self.last_beat = self.clock()
             return True
@@ -136,12 +168,12 @@ class Lease:
             self._errlog.error("%s: lease beat failed: %r", self.path, exc)
 
     def close(self) -> None:
-        """Stop the beat thread (waiting for a beat in progress), then close the file. Idempotent."""
+        """Stop the beat thread (waiting for a beat in progress), then close its blocks. Idempotent."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         with self._lock:
-            fd, self._fd = self._fd, -1  # detached first: closed once
-        if fd >= 0:
-            os.close(fd)
+            blocks, self._blocks = self._blocks, None  # detached first: closed once
+        if blocks is not None:
+            blocks.close()

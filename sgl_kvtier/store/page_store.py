@@ -39,6 +39,12 @@ lock) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new jour
 appending to an old one) -> fold what was replayed -> lease; an open failing at any step releases what
 it took, the lock last.
 
+Meta (``store.meta``): a writer directory, or on a shared raw pool (``host_index``) its region's areas
+(``store.region_meta``: claimed by ``store.pool_claim``, lease beats also beat the host lease, whose
+takeover by another machine fences the store). There a journal area is bounded: a batch that would not
+fit is refused (``put_no_space``), a checkpoint is due at half full, and a generation whose area the
+durable checkpoint does not cover yet is preceded by a checkpoint in place (``checkpoint``).
+
 Close order: checkpoint -> lease (its thread ends) -> journal -> engine (its threads end) -> devices ->
 writer lock, each step
 attempted whatever an earlier one raised; the first failure is raised after as ``StoreCloseError``
@@ -60,11 +66,15 @@ from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.policy.admission import AdmissionFilter
+from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import pool_claim
 from sgl_kvtier.store.fs_check import check_cluster_open
-from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout, save_config
+from sgl_kvtier.store.index import PageIndex
+from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout
 from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
+from sgl_kvtier.store.meta import WriterJournal, writer_meta
 from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.pool_side import PoolSide
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
@@ -80,6 +90,9 @@ class _PutBatch:
     reserved: list[tuple[int, int, int]] = field(default_factory=list)  # (page index, slot, seq) to write
 
 
+JOURNAL_SLACK = 16 << 10  # a bounded journal keeps this much for the DELs and TOUCHes outside put batches
+
+
 class PageStore(PageShard, PoolSide):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
 
@@ -88,7 +101,7 @@ class PageStore(PageShard, PoolSide):
     fenced: str | None = None
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: WriterClaim,
-                 recovered: jr.Recovered, engine: IOEngine, journal: jr.Journal, *,
+                 recovered: jr.Recovered, engine: IOEngine, journal: WriterJournal, *,
                  shared: SharedTelemetry | None = None, clock: Callable[[], float] | None = None):
         self.incarnation = os.urandom(16)  # new per open: slot trailers and the lease name it
         super().__init__(config, namespace, layout, recovered, layout.capacity_slots, engine,
@@ -109,6 +122,9 @@ class PageStore(PageShard, PoolSide):
         self._inflight: set[PageKey] = set()  # reserved, not yet published: a second put of one is "present"
         self._seq = recovered.seq
         self._journal = journal
+        self._meta = writer_meta(layout)
+        self._host: pool_claim.HostLease | None = None  # a shared raw pool's host lease (``_start_lease``)
+        self.host_check: Callable[[], str | None] | None = None  # why another machine took the host slot
 
     # ------------------------------------------------------------------ open / close
     @classmethod
@@ -128,20 +144,29 @@ class PageStore(PageShard, PoolSide):
         """
         with Acquired(f"a writer of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
-            ns_meta = meta_dir(config, namespace)
             check_cluster_open(config)  # what sharing = "cluster" needs of the storage, before any file is made
-            claim = claim_writer(config, ns_meta, wid)  # first file: nothing of the directory is touched without it
+            ns_meta = meta_dir(config, namespace)
+            # First file: nothing of the directory (or region) is touched without it.
+            claim = claim_writer(config, ns_meta, wid) if config.host_index is None else \
+                pool_claim.claim(config, namespace, wid)
             held.push("writer lock", claim.release)
             check_meta_present(config, namespace, claim.path, claim.wid)
             layout = open_layout(config, namespace, ns_meta, claim.wid, create=True)
             held.push("devices", layout.close)
-            save_config(claim.path, config)
+            if layout.files is not None:
+                layout.files.check_present(namespace)
+            meta = writer_meta(layout)
+            meta.save_config(config)
             io_engine = open_shard_engine(config, engine, held, place)
             with collector_paused():
-                recovered = jr.recover(claim.path, len(namespace.part_sizes()))
+                recovered = jr.recover(layout.meta, len(namespace.part_sizes()), view=meta.view)
                 jr.drain_touched(recovered)  # its own uses of others' pages: nothing to its own index
+                if not meta.may_rotate(recovered.generation):  # a region's area its checkpoint does not cover
+                    fold = PageIndex(recovered, config.eviction, layout.capacity_slots).snapshot()
+                    meta.write_checkpoint(jr.checkpoint_blob(*fold, recovered.seq, recovered.generation),
+                                          recovered.generation)
                 # A new generation: a torn tail of an earlier run stays where that file's replay stops.
-                journal = jr.Journal(claim.path, recovered.generation)
+                journal = meta.open_journal(recovered.generation)
                 held.push("journal", journal.close)
                 store = cls(config, namespace, layout, claim, recovered, io_engine, journal, shared=shared,
                             clock=clock)
@@ -154,7 +179,14 @@ class PageStore(PageShard, PoolSide):
     def _start_lease(self) -> None:
         identity = {"wid": self.wid, "host_id": self.claim.host_id, "machine_id": machine_id(), "boot_id": boot_id(),
                     "pid": os.getpid(), "incarnation": self.incarnation}
-        self.lease = Lease(self.claim.path / LEASE, identity, self.usage, self.config.heartbeat_s)
+        files, blocks = self.layout.files, None
+        if files is not None:  # a shared raw pool: each beat also beats the host lease (``store.pool_claim``)
+            identity["host_index"] = self.config.host_index
+            self._host = pool_claim.HostLease(files.dev, files.sb, int(self.config.host_index or 0),
+                                              pool_claim.host_identity(self.config))
+            self.host_check = self._host.taken_over
+            blocks = files.lease_blocks(self._host.beat)
+        self.lease = Lease(self.claim.path / LEASE, identity, self.usage, self.config.heartbeat_s, blocks=blocks)
         self.lease.start()
 
     def close(self) -> None:
@@ -177,13 +209,18 @@ class PageStore(PageShard, PoolSide):
         # Crash rule: the writer lock goes last, once every file of the shard is closed, so the next writer
         # never overlaps a descriptor of this one; the lease thread ends first (it reads the journal), then
         # the journal (nothing is appended after).
-        return [("lease", self._close_lease), ("journal", self._close_journal), *super()._release_steps(),
-                ("writer lock", self.claim.release)]
+        return [("lease", self._close_lease), ("host lease", self._close_host), ("journal", self._close_journal),
+                *super()._release_steps(), ("writer lock", self.claim.release)]
 
     def _close_lease(self) -> None:
         lease, self.lease = self.lease, None  # detached first: closed once
         if lease is not None:
             lease.close()
+
+    def _close_host(self) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            host.close()
 
     def _close_journal(self) -> None:
         self._journal.close()  # late-bound: ``checkpoint`` replaces the journal
@@ -210,6 +247,10 @@ class PageStore(PageShard, PoolSide):
         batch = _PutBatch([True] * len(keys))
         evicted: list[bytes] = []
         with self._lock:
+            room = self._journal.room()
+            if room is not None and room < JOURNAL_SLACK + 2 * (len(keys) + 1) * fmt.record_estimate(self._index.parts):
+                self.counters.put_no_space += len(keys)  # a bounded journal (a region's area) nearly full
+                return _PutBatch([False] * len(keys))
             seen: set[PageKey] = set()
             for i, (key, runs) in enumerate(zip(keys, pages)):
                 if not self._valid_page(key, runs, "put"):
@@ -248,23 +289,31 @@ class PageStore(PageShard, PoolSide):
         """Phase 3 (under the lock): journal and publish the written pages, free the slots of failed ones.
         True when a checkpoint is due."""
         records: list[bytes] = []
+        written: list[tuple[int, int, Checksum]] = []
         with self._lock:
             for (i, slot, seq), checksum in zip(batch.reserved, checksums):
-                key = keys[i]
-                self._inflight.discard(key)
+                self._inflight.discard(keys[i])
                 if checksum is None:
                     batch.results[i] = False
                     self._slots.release(slot)
                     continue
-                chain_parent = keys[i - 1] if i > 0 else parent
-                records.append(jr.put_record(seq, key, slot, checksum, chain_parent))
-                self._index.add(key, slot, checksum, chain_parent)
-                self.counters.put_pages += 1
-                self.counters.bytes_written += self.page_bytes
+                records.append(jr.put_record(seq, keys[i], slot, checksum, keys[i - 1] if i > 0 else parent))
+                written.append((i, slot, checksum))
             # Crash rule: records are appended in the section that publishes their pages, so the journal's
             # order is the order readers saw (a later DEL of a page can never precede its PUT).
-            self._journal.append(records)
-            return self._journal.records >= self.config.checkpoint_interval
+            try:
+                self._journal.append(records)
+            except OSError:  # a bounded journal full (a region's area): not stored, a checkpoint is due
+                for i, slot, _ in written:
+                    batch.results[i] = False
+                    self._slots.release(slot)
+                self.counters.put_no_space += len(written)
+                return True
+            for i, slot, checksum in written:
+                self._index.add(keys[i], slot, checksum, keys[i - 1] if i > 0 else parent)
+                self.counters.put_pages += 1
+                self.counters.bytes_written += self.page_bytes
+            return self._journal.records >= self.config.checkpoint_interval or self._journal.nearly_full
 
     def _persist(self, checkpoint_due: bool) -> None:
         """Phase 4 (no lock): make the batch's records durable, then checkpoint if one is due."""
@@ -315,7 +364,10 @@ class PageStore(PageShard, PoolSide):
         records.append(self._del_record(key))
 
     def _dropped(self, keys: list[PageKey]) -> None:
-        self._journal.append([self._del_record(key) for key in keys])
+        try:
+            self._journal.append([self._del_record(key) for key in keys])
+        except OSError:  # a full journal area: replay may map them again, and they fail their checksum again
+            return
 
     def _del_record(self, key: PageKey) -> bytes:
         self._seq += 1
@@ -350,20 +402,32 @@ class PageStore(PageShard, PoolSide):
         return self.delete(keys)
 
     def checkpoint(self) -> None:
-        """Snapshot the index into ``checkpoint.bin`` and start a new journal generation.
+        """Snapshot the index into the checkpoint and start a new journal generation.
 
         Crash rule: the snapshot and the rotation happen in one lock section, so the checkpoint covers
-        exactly the journals below the new generation; ``write_checkpoint`` replaces the file atomically
-        and only then deletes those journals (a crash leaves the old checkpoint with all its journals).
+        exactly the journals below the new generation; ``write_checkpoint`` replaces it atomically and only
+        then are those journals deleted (a crash leaves the old checkpoint with all its journals). A region
+        whose next journal area holds a generation the durable checkpoint does not cover (earlier
+        checkpoints failed) first checkpoints in place: covering the generations below the current one with
+        a snapshot that already holds some of the current one's records (replaying those again over it
+        changes nothing: each key ends as its last record in the journal left it), then rotates.
         """
         if self.fenced is not None:  # its directory is being deleted
             return
         with self._checkpoint_lock:
-            with self._lock:
-                snapshot = self._index.snapshot()
-                seq = self._seq
-                old = self._journal
-                old.sync()
-                self._journal = jr.Journal(self.layout.meta, old.generation + 1)
-                old.close()
-            jr.write_checkpoint(self.layout.meta, *snapshot, seq, self._journal.generation)
+            for _ in range(2):
+                with self._lock:
+                    snapshot = self._index.snapshot()
+                    seq = self._seq
+                    old = self._journal
+                    old.sync()
+                    generation = old.generation + 1
+                    rotate = self._meta.may_rotate(generation)
+                    if rotate:
+                        self._journal = self._meta.open_journal(generation)
+                        old.close()
+                    else:
+                        generation = old.generation
+                self._meta.write_checkpoint(jr.checkpoint_blob(*snapshot, seq, generation), generation)
+                if rotate:
+                    return

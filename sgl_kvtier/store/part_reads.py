@@ -13,10 +13,10 @@
 IO: one op per (page, part), a ``preadv`` of the part's bytes at ``slot offset + part offset`` straight
 into the runs covering them (``PartMap.split``), checked against the part's recorded xxh3-64 by the
 engine's digest of the op. With O_DIRECT, a part whose offset, length or runs are not 4 KiB aligned is
-read through a bounce buffer instead (its range rounded out to the alignment; one memcpy once it
-verified). A group's ops are one engine batch (``io_depth`` in flight; ops needing bounce buffers in
-chunks of the bounce pool), run on the shard's part-read threads (``PageIO.submit``): the caller's
-thread is free meanwhile.
+read through a bounce buffer instead (its range rounded out to the alignment; the engine digests the
+part's bytes in it, ``digest_ranges``; one memcpy once it verified). A group's ops are one engine batch
+(``io_depth`` in flight; ops needing bounce buffers in chunks of the bounce pool), run on the shard's
+part-read threads (``PageIO.submit``): the caller's thread is free meanwhile.
 
 Safety, as ``get``'s: every page's slot is pinned from ``PageShard.part_read`` until ``close``, so no
 writer reuses a slot under the read; bounce buffers are taken and given back inside one group's task;
@@ -176,7 +176,7 @@ class PartRead:
                 if bounce:
                     buf, low = spare.pop(), at // ALIGN * ALIGN
                     op = IOOp(OpKind.READ, fd, base + low, [buf.view[:round_up(at + size) - low]], checksum=False,
-                              device=device)
+                              device=device, digest_ranges=((at - low, size),))
                     placed.append((k, p, op, buf, at - low))
                 else:
                     op = IOOp(OpKind.READ, fd, base + at, [view(a, n) for a, n in self._pieces[k][p]], device=device)
@@ -206,7 +206,10 @@ class PartRead:
             self._errlog.error("read failed: %s", res.error)
             return ReadVerdict.IO_ERROR
         size = self._io.parts.sizes[p]
-        got = res.checksum if buf is None else digest([buf.view[skip:skip + size]])
+        if buf is None:
+            got = res.checksum
+        else:  # the engine's digest of the part's range in the bounce buffer (or, if it ignored it, ours)
+            got = res.part_digests[0] if res.part_digests else digest([buf.view[skip:skip + size]])
         if got != part_sum(self._items[k][2][1], p):
             return ReadVerdict.CORRUPT
         if buf is not None:

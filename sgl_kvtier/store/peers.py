@@ -17,7 +17,10 @@ refresh records every lease mark, so the watch times a silent writer from the po
     writer under the same wid: another inode, or a lease of a new incarnation whose journal generation is
     not past the last one announced; a new incarnation in the SAME directory always starts a new, higher
     generation, ``PageStore.open``). A directory made anew is opened again in the same refresh.
-  * ``bytes_leased``: the peers' last leased ``bytes_used`` (dead ones' until retired or reclaimed).
+  * ``bytes_leased``: the peers' last leased ``bytes_used`` (dead ones' until retired or reclaimed); on a
+    shared raw pool only its own host slot's writers' (the quota there is the host's share).
+  * A region of a shared raw pool stands in for a directory: its identity is (host slot, offset), and it
+    is never made anew (``store.pool_regions``).
 
 ``InUse``: every IO call the pool makes on a shard runs between ``enter`` and ``exit``. ``retire(shard)``
 closes a shard taken out of the pool at once when no call is in it, else when the last one exits; an
@@ -42,6 +45,7 @@ from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.liveness import LeaseWatch
+from sgl_kvtier.store.pool_regions import in_share, region_identity
 from sgl_kvtier.store.reader import PageReader
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
 from sgl_kvtier.store.writers import writer_dirname, writer_dirs
@@ -219,7 +223,8 @@ class Peers:
             if lease is not None:
                 leases[wid] = lease
         self.readers, self.leases = readers, leases
-        self.bytes_leased = sum(int(lease.get("bytes_used", 0)) for lease in leases.values())
+        self.bytes_leased = sum(int(lease.get("bytes_used", 0)) for lease in leases.values()
+                                if in_share(self.config, lease))
         return dropped
 
     def _anew(self, wid: str, lease: dict[str, Any] | None) -> bool:
@@ -252,6 +257,8 @@ class Peers:
 def _dir_id(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
+    except NotADirectoryError:
+        return region_identity(path)  # a region of a shared raw pool
     except OSError:
         return None
     return st.st_dev, st.st_ino

@@ -23,6 +23,7 @@ from sgl_kvtier.keys import PageKey
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout
+from sgl_kvtier.store.meta import WriterJournal
 from sgl_kvtier.store.slots import SlotTable
 from sgl_kvtier.telemetry.counters import StoreCounters
 
@@ -41,7 +42,7 @@ class PoolSide:
     _lock: threading.Lock
     _index: PageIndex
     _slots: SlotTable
-    _journal: jr.Journal
+    _journal: WriterJournal
     _touched: dict[PageKey, float]
     _seq: int
     _ndev: int
@@ -129,4 +130,7 @@ class PoolSide:
                 self._touched[key] = now
                 self._seq += 1
                 records.append(jr.touch_record(self._seq, key))
-            self._journal.append(records)
+            try:
+                self._journal.append(records)
+            except OSError:  # a full journal area (a shared raw pool's): a lost use costs warmth only
+                return

@@ -29,6 +29,10 @@ beats (the ``kvtier-lease`` thread, through ``Lease.after_beat``, installed by t
      short, by anyone) has its deletion continued. Writers of this host are never retired (step 3), and in
      ``sharing = "host"`` nobody is.
 
+A shared raw pool (``host_index``): the quota is the host's share. Writers of other host slots count
+nothing here and are never retired (a host's share is its own: their pages stay readable until their
+host_index starts again and adopts or reclaims them); dead writers of this host slot are reclaimed as in 3.
+
 Invariants: a writer only ever evicts its own pages (or, holding its LOCK, a dead writer's of this host; or
 deletes every file of a writer of another host that it has fenced, or that is fenced); one step at a
 time per writer (a step finding one in progress returns at once); a step never raises past the lease
@@ -51,6 +55,7 @@ from sgl_kvtier.store import retire as rt
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.pool_regions import in_share
 from sgl_kvtier.store.writers import host_id, writer_dirname, writer_dirs
 
 log = logging.getLogger(__name__)
@@ -157,6 +162,8 @@ class QuotaLoop:
             lease = read_lease(path / LEASE)
             if lease is None and not cluster:
                 continue  # nothing published (and, outside cluster mode, no fence to look for)
+            if lease is not None and not in_share(self.own.config, lease):
+                continue  # another host slot of a shared raw pool: not in this host's quota
             judged = self.watch.judge(path, lease)
             if judged.verdict is Verdict.RETIRED:
                 going.append(wid)
@@ -168,7 +175,7 @@ class QuotaLoop:
             usages.append(quota.WriterUsage(wid, not dead, int(lease.get("bytes_used", 0)), hist, judged.unchanged_s))
             if dead and judged.same_host:
                 dead_here.append(wid)
-            elif dead and cluster:
+            elif dead and cluster and self.own.config.host_index is None:  # never retired on a raw pool
                 dead_there.append((wid, lease, judged))
         return usages, dead_here, dead_there, going
 

@@ -35,6 +35,9 @@ files stale):
     module's default, ``reading_through``; tests inject ``io.stale.StaleFiles``); a writer directory the
     view does not show is not there yet (``DeviceError``: the pool tries again later).
 
+A writer of a shared raw pool (``host_index``) has no directory: its files are its region's areas, read
+through the layout's ``region_meta.RegionFiles`` (fresh O_DIRECT reads of the device) whatever ``view`` says.
+
 Its state is one followed journal (``recovery``, whose dicts the index shares and replay updates in
 place); the pool keeps one reader per other writer.
 """
@@ -143,15 +146,17 @@ class PageReader(PageShard):
         with Acquired(f"a reader of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
             ns_meta = meta_dir(config, namespace)
+            raw = config.host_index is not None  # a shared raw pool: regions, read through their own view
             if wid is None:
-                present = [w for w, path in writer_dirs(ns_meta) if view.exists(path)]
+                present = [w for w, path in writer_dirs(ns_meta) if raw or view.exists(path)]
                 if not present:
                     raise DeviceError(f"{ns_meta}: no store here (no writer has made it yet)")
                 wid = present[0]
-            elif not view.exists(ns_meta / writer_dirname(wid)):
+            elif not raw and not view.exists(ns_meta / writer_dirname(wid)):
                 raise DeviceError(f"{ns_meta / writer_dirname(wid)}: not there (yet)")
             layout = open_layout(config, namespace, ns_meta, wid, create=False)
             held.push("devices", layout.close)
+            view = view if layout.files is None else layout.files
             io_engine = open_shard_engine(config, engine, held, place)
             lease, bounds = None, None
             if config.sharing is Sharing.CLUSTER:

@@ -10,7 +10,7 @@ own clock) retires it when the pool quota needs its bytes or once it has been de
   2. ``delete_writer``: its segments on every directory device (``<dev>/ns-<digest>/w-<wid>/seg-*.dat``,
      ``store.devices.DirectoryArena``), then its journals and checkpoint, then every other file (CONFIG,
      tmp leftovers), then LEASE, then LOCK, the directories synced, FENCE last; then the directories
-     (``rmdir``). Raw block devices are not part of cluster mode (refused at open): not handled here.
+     (``rmdir``). A shared raw pool retires nobody (a host's share is its own, ``store.quota_loop``).
 
 Every step is idempotent (a file already gone, ``ENOENT``, and a directory not empty or gone, ``ENOTEMPTY``
 / ``ENOENT``, are fine), so a retirer that dies half-way leaves a directory that every observer still judges

@@ -8,14 +8,21 @@ data files of a write batch unless durability is ``none``. It knows slots, not t
 Writes (format 2, ``store.format`` "Slot"): each page write is ONE IO covering its whole slot: the page at
 offset 0, its trailer (``fmt.pack_trailer``: namespace digest, key, parent key, writer incarnation, seq,
 the xxh3-64 of each of the page's parts, ``store.parts``) at ``page_bytes``, zeros up to ``slot_bytes``.
-So a torn write leaves a trailer whose checksums the page bytes fail, and ``store.rebuild`` can skip it. An aligned page (runs aligned, page_bytes a
-multiple of 4 KiB) goes out as its runs plus one aligned tail buffer from a slab pool; any other page is
-copied with its trailer into one bounce buffer. Only a PageIO given a ``SlotIdentity`` (the writer) writes;
-one without (a reader) raises. The page's checksums are taken before its IO (the trailer carries them), in
-the calling thread. Reads move the page's bytes only (the trailer is not read), one IO per page, and verify
-them against the checksums the index recorded: one part by the engine's digest of the IO, several ones
-part by part after the batch (in the calling thread); a page is a hit only if every part passes.
-Group-major reads of parts are ``store.part_reads``, on this PageIO's ``locate``/``submit``.
+So a torn write leaves a trailer whose checksums the page bytes fail, and ``store.rebuild`` can skip it.
+An aligned page (runs aligned, page_bytes a multiple of 4 KiB) goes out as its runs plus one aligned tail
+buffer from a slab pool; any other page is copied into one bounce buffer, its tail after it. Only a PageIO
+given a ``SlotIdentity`` (the writer) writes; one without (a reader) raises.
+
+Checksums are taken by the engine, inside each page's IO (``io.ops``, range digests): a write op names
+the page's parts as its ``digest_ranges``, and its ``before_write`` packs the trailer from their digests
+into the op's tail, after the digests and before any byte of the IO is sent; so the trailer still goes
+out in the page's own IO, and the checksums the journal records are the ones ``IOResult.part_digests``
+returns (the ones the trailer carries). A read op of an aligned one-part page asks for the op's whole
+digest (the fast path, as before parts); any other read names the parts as ranges (through a bounce
+buffer, their offsets in it). The engine hashes on its IO threads (io_uring: while other ops are in
+flight), not the calling thread after the batch. Reads move the page's bytes only (the trailer is not
+read), one IO per page, verified against the checksums the index recorded; a page is a hit only if every
+part passes. Group-major reads of parts are ``store.part_reads``, on this PageIO's ``locate``/``submit``.
 
 Each page read gets a ``ReadVerdict``: ``HIT`` (verified bytes are in the caller's runs), ``CORRUPT``
 (short or failing its checksum: the caller drops the page), ``IO_ERROR`` (the IO failed; the page may
@@ -35,9 +42,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
-
-import xxhash
 
 from sgl_kvtier.errors import KVTierError, StoreClosedError, StoreFormatError
 from sgl_kvtier.io.buffers import (
@@ -51,7 +57,7 @@ from sgl_kvtier.io.buffers import (
     runs_aligned,
     view,
 )
-from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind, digest
+from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import Arena
 from sgl_kvtier.store.health import DeviceHealth
@@ -113,6 +119,7 @@ class PageIO:
         if self.parts.page_bytes != page_bytes:
             raise ValueError(f"parts {list(self.parts.sizes)} do not add up to the page's {page_bytes} bytes")
         self._one_part = self.parts.count == 1
+        self._ranges = tuple(zip(self.parts.offsets, self.parts.sizes))  # each part's (offset, size) in a page
         self._tail = self.slot_bytes - page_bytes  # the bytes after the page: trailer, then zeros
         need = fmt.trailer_bytes(self.parts.count)
         if identity is not None and self._tail < need:
@@ -201,7 +208,7 @@ class PageIO:
     def _write_chunk(self, items: list[WriteItem], chunk: range, bounced: list[bool], spare: list[AlignedBuffer],
                      slab: AlignedBuffer | None, sums: list[Checksum | None]) -> None:
         ops: list[IOOp] = []
-        placed: list[tuple[int, Checksum]] = []  # (item index, page checksums)
+        placed: list[int] = []  # the item index of each op
         tails = bounces = 0  # used so far of the slab's tails and of ``spare`` (all given back by the caller)
         for j in chunk:
             runs, slot = items[j][0], items[j][1]
@@ -216,25 +223,28 @@ class PageIO:
                 bounce = spare[bounces]
                 bounces += 1
                 copy_runs_to(bounce.view, runs)
-                part_sums = [xxhash.xxh3_64_intdigest(bounce.view[:self.page_bytes])] if self._one_part \
-                    else self.parts.buffer_digests(bounce.view)
-                self._put_tail(bounce.view[self.page_bytes:self.slot_bytes], items[j], part_sums)
+                tail = bounce.view[self.page_bytes:self.slot_bytes]
                 buffers = [bounce.view[:self.slot_bytes]]
             else:
-                buffers = [view(a, n) for a, n in runs]
-                part_sums = [digest(buffers)] if self._one_part else self.parts.run_digests(runs)
                 assert slab is not None
                 tail = slab.view[tails * self._tail:(tails + 1) * self._tail]
                 tails += 1
-                self._put_tail(tail, items[j], part_sums)
+                buffers = [view(a, n) for a, n in runs]
                 buffers.append(tail)
-            ops.append(IOOp(OpKind.WRITE, fd, offset, buffers, checksum=False, device=slot % self._ndev))
-            placed.append((j, pack_sums(part_sums)))
+            # The engine digests the page's parts, then (still before the IO) fills the tail from them.
+            ops.append(IOOp(OpKind.WRITE, fd, offset, buffers, checksum=False, device=slot % self._ndev,
+                            digest_ranges=self._ranges, before_write=partial(self._put_tail, tail, items[j])))
+            placed.append(j)
         results = self._run(ops)
-        for (j, checksum), res, op in zip(placed, results, ops):
+        for j, res, op in zip(placed, results, ops):
             self.health.record(op.device, res.ok, res.seconds)
-            if res.ok:
-                sums[j] = checksum
+            got = res.part_digests
+            if res.ok and got is not None and len(got) == self.parts.count:
+                sums[j] = pack_sums(got)
+            elif res.ok:  # an engine that ignored the ranges: the trailer was not made, the page is not kept
+                self.counters.io_errors += 1
+                self._errlog.error("write to %s: engine %s returned no part checksums", self._arena(items[j][1]).path,
+                                   self.engine.name)
             else:
                 self.counters.io_errors += 1
                 self._errlog.error("write to %s failed: %s", self._arena(items[j][1]).path, res.error)
@@ -242,7 +252,8 @@ class PageIO:
             self._sync_data({op.fd for op, res in zip(ops, results) if res.ok})
 
     def _put_tail(self, tail: memoryview, item: WriteItem, part_sums: list[int]) -> None:
-        """Fill a slot's bytes after the page: the page's trailer, then zeros (the buffer is reused)."""
+        """Fill a slot's bytes after the page: the page's trailer, then zeros (the buffer is reused). The
+        page op's ``before_write``: called by the engine, on its IO thread, with the parts' digests."""
         assert self.identity is not None
         _, _, key, parent, seq = item
         trailer = fmt.pack_trailer(self.identity.ns_digest, key, parent, self.identity.incarnation, seq, part_sums)
@@ -280,12 +291,13 @@ class PageIO:
         """The read of one page (its bytes only, not the trailer); one that needs a bounce buffer takes one
         of ``spare`` and reads the page rounded up to the alignment."""
         fd, offset = self._arena(slot).locate(slot // self._ndev)
-        if not self._needs_bounce(runs):  # several parts: each verified after the batch, not the whole page
+        if not self._needs_bounce(runs):  # one part: the op's digest (the fast path); several: one per part
             return IOOp(OpKind.READ, fd, offset, [view(a, n) for a, n in runs], checksum=self._one_part,
-                        device=slot % self._ndev), None
+                        device=slot % self._ndev, digest_ranges=None if self._one_part else self._ranges), None
         bounce = spare.pop()
         length = round_up(self.page_bytes)
-        return IOOp(OpKind.READ, fd, offset, [bounce.view[:length]], checksum=False, device=slot % self._ndev), bounce
+        return IOOp(OpKind.READ, fd, offset, [bounce.view[:length]], checksum=False, device=slot % self._ndev,
+                    digest_ranges=self._ranges), bounce
 
     def _run(self, ops: list[IOOp]) -> list[IOResult]:
         return self.engine.run(ops)
@@ -345,9 +357,12 @@ class PageIO:
             self.counters.io_errors += 1
             self._errlog.error("read failed: %s", res.error)
             return ReadVerdict.IO_ERROR
-        if self._one_part:
-            got: Checksum | None = res.checksum if bounce is None else digest([bounce.view[:self.page_bytes]])
-        else:
+        got: Checksum | None
+        if self._one_part and bounce is None:
+            got = res.checksum
+        elif res.part_digests is not None:
+            got = pack_sums(res.part_digests)
+        else:  # an engine that ignored the ranges: the parts hashed here, after the batch
             got = pack_sums(self.parts.run_digests(runs) if bounce is None else self.parts.buffer_digests(bounce.view))
         if got != checksum:
             return ReadVerdict.CORRUPT

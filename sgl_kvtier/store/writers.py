@@ -31,6 +31,9 @@ here (no start waits more than 10 s), so a machine beating that rarely, or whose
 than the window, is not seen here (``store.liveness`` still calls such a writer live). ``ClaimWatch`` injects the clock, the
 sleep and the lease reader (tests).
 
+Shared raw pool (``host_index``): ``store.pool_claim`` claims regions instead; ``writer_dirs`` lists every
+host slot's regions of the namespace and ``writer_alive`` probes a region's OFD lock (``store.pool_dev``).
+
 Liveness (``writer_alive``, same host only): a ``LOCK`` nobody holds means the writer is dead at once.
 The probe takes a shared ``flock`` for an instant, so a writer starting in that instant may skip that
 ``k`` and take the next one: a cold start in a fresh directory, never an error. A lease naming this host
@@ -57,6 +60,7 @@ from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import make_dir
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.lifecycle import abandon, release_all
+from sgl_kvtier.store.pool_regions import pool_writers, region_alive
 
 WRITER_PREFIX = "w-"
 MAX_WRITERS_PER_HOST = 4096  # claim gives up past this many held directories (a runaway, not a real host)
@@ -83,8 +87,10 @@ def writer_dirs(ns_meta: Path) -> list[tuple[str, Path]]:
     namespace directory at all)."""
     try:
         entries = list(ns_meta.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return []
+    except NotADirectoryError:  # a shared raw pool's namespace: every host slot's regions of it
+        return [(wid, ns_meta / writer_dirname(wid)) for wid in pool_writers(ns_meta) or []]
     found = [(p.name[len(WRITER_PREFIX):], p) for p in entries
              if p.name.startswith(WRITER_PREFIX) and p.is_dir()]
     return sorted(found)
@@ -308,6 +314,8 @@ def writer_alive(path: Path, lease: dict[str, object] | None, this_host: str) ->
         fd = os.open(path / "LOCK", os.O_RDONLY)
     except FileNotFoundError:
         return False
+    except NotADirectoryError:  # a region of a shared raw pool: its OFD writer lock (``store.pool_dev``)
+        return region_alive(path)
     except OSError:
         return None
     try:

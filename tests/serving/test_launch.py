@@ -43,7 +43,7 @@ def test_expected_configs_exist():
 
 def test_the_shared_host_example_launches_two_servers_on_one_pool():
     """Both command lines of its comment: one store, one pool-wide cap, sharing on; the two-hosts note says
-    that case is not supported (and ships no config that would look as if it were)."""
+    that case needs a shared filesystem or a shared raw pool."""
     path = ROOT / "configs" / "shared-host.toml"
     text = path.read_text()
     cmds = [line.split("#", 1)[1].strip() for line in text.splitlines() if "sgl-kvtier launch" in line]
@@ -54,7 +54,7 @@ def test_the_shared_host_example_launches_two_servers_on_one_pool():
 
 def test_the_shared_nfs_example_runs_cluster_mode_with_direct_io():
     """Both command lines of its comment give one store in cluster mode with O_DIRECT; the two-hosts note
-    points at it and says plainly that a raw namespace shared by hosts is not supported."""
+    points at it, and at the shared raw pool's example."""
     path = ROOT / "configs" / "shared-nfs.toml"
     cmds = [line.split("$ ", 1)[1].strip() for line in path.read_text().splitlines() if "$ sgl-kvtier launch" in line]
     assert len(cmds) == 2
@@ -63,7 +63,19 @@ def test_the_shared_nfs_example_runs_cluster_mode_with_direct_io():
     assert extras[0] == extras[1]
     assert extras[0]["sharing"] == "cluster" and extras[0]["direct_io"] == "on" and not extras[0].get("allow_local_fs")
     note = (ROOT / "configs" / "two-hosts.md").read_text()
-    assert "shared-nfs.toml" in note and "raw NVMe-oF namespace: NOT SUPPORTED YET" in note
+    assert "shared-nfs.toml" in note and "raw NVMe-oF namespace: supported" in note and "raw-shared.toml" in note
+
+
+def test_the_raw_shared_example_is_a_host_slot_of_a_shared_raw_pool():
+    """Its command line gives cluster mode on a raw namespace with this host's host_index, O_DIRECT and no
+    meta_dir; its comment formats the namespace once, as the two-hosts note does."""
+    path = ROOT / "configs" / "raw-shared.toml"
+    text = path.read_text()
+    assert "sgl-kvtier pool-format /dev/nvme1n1 --hosts 2 --yes" in text
+    extra = extra_of(build_command(load(path), ["--port", "30000"], gpu=True, make_model=False)[0])
+    assert extra["sharing"] == "cluster" and extra["host_index"] == 0 and extra["direct_io"] == "on"
+    assert "meta_dir" not in extra and extra["devices"] == ["/dev/nvme1n1"]
+    assert "pool-format /dev/nvme1n1 --hosts 2 --yes" in (ROOT / "configs" / "two-hosts.md").read_text()
 
 
 def test_cpu_flags_and_flag_spelling(tmp_path):

@@ -25,6 +25,7 @@ from sgl_kvtier.sglang import capacity as capacity_module  # noqa: E402
 from sgl_kvtier.sglang.capacity import slot_bytes  # noqa: E402
 from sgl_kvtier.sglang.tiers import UnservedPoolError  # noqa: E402
 from sgl_kvtier.store.format import BLOCK_HEADER_BYTES  # noqa: E402
+from sgl_kvtier.store.pool_dev import format_pool, superblock_of  # noqa: E402
 
 LIMIT = 64 << 20
 
@@ -152,6 +153,30 @@ def test_the_free_space_default_is_one_limit_for_all_pools(tmp_path, monkeypatch
     limit = int(free * capacity_module.FREE_SPACE_SHARE)
     assert sum(held.values()) <= limit
     assert len({n // slot_bytes(t.namespace) for n, t in zip(held.values(), backend.tiers.values())}) == 1
+    backend.close()
+
+
+def test_the_default_on_a_pool_device_is_this_hosts_share_less_the_journal_areas(tmp_path):
+    """A device formatted for several hosts: without capacity_bytes the backend's limit comes from this
+    host's share (not the device's size), so every pool's region fits in the share and pages round-trip."""
+    dev = tmp_path / "pool.img"
+    with open(dev, "wb") as f:
+        f.truncate(96 << 20)
+    format_pool([str(dev)], 2)
+    share = superblock_of(str(dev)).share_bytes
+    kv = mha_host_pool("page_first")
+    fill_random(kv, seed=35)
+    backend = new_backend([dev], capacity_bytes=None, sharing="cluster", host_index=1, host_id="hostb",
+                          heartbeat_s=600.0, dead_after_s=1800.0, reclaim_after_s=1800.0, checkpoint_interval=1000)
+    register(backend, kv, **side_pools())
+    held = capacities(backend)
+    assert 0 < sum(held.values()) < share
+    keys = chain_keys(4)
+    expected = [page_bytes(kv, p * PS) for p in range(4)]
+    assert backend.batch_set_v1(keys, slots(list(range(4)))) == [True] * 4
+    zero(kv)
+    assert backend.batch_get_v1(keys, slots(list(range(4)))) == [True] * 4
+    assert [page_bytes(kv, p * PS) for p in range(4)] == expected
     backend.close()
 
 

@@ -91,14 +91,16 @@ def test_an_unknown_filesystem_warns_once_and_opens(tmp_path, monkeypatch, caplo
     assert len(warnings) == 1 and "virtiofs at" in warnings[0] and "not known to be a shared filesystem" in warnings[0]
 
 
-def test_a_raw_block_device_is_refused(tmp_path):
+def test_a_raw_block_device_not_pool_formatted_is_refused(tmp_path):
+    """Cluster mode on a raw device needs a shared raw pool (``sgl-kvtier pool-format``; the rest of its rules:
+    ``test_raw_shared.py``): a blank one is refused naming the command, and nothing is made anywhere."""
     raw = tmp_path / "raw.img"
     raw.write_bytes(b"\0" * (8 << 20))
     meta = device(tmp_path, "meta")
-    with pytest.raises(ConfigError, match=r'devices\[0\]: .*raw.img is a raw block device: not supported yet with '
-                                          r'sharing = "cluster" .a raw namespace shared by hosts needs per-host'):
+    with pytest.raises(ConfigError, match=r"devices\[0\]: .*raw.img is not a shared raw pool: run `sgl-kvtier "
+                                          r"pool-format .*raw.img --hosts H` once"):
         open_store(raw, sharing="cluster", allow_local_fs=True, meta_dir=str(meta))
-    assert list(meta.iterdir()) == []
+    assert list(meta.iterdir()) == [] and raw.read_bytes().count(0) == 8 << 20
 
 
 @pytest.fixture

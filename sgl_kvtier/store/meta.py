@@ -1,0 +1,87 @@
+"""A writer's meta directory, as what a writer needs of it: where its journal generations, checkpoint,
+lease and config go, and how it reads them back.
+
+Two kinds (``writer_meta`` picks the layout's):
+  * ``DirMeta``: a writer directory ``w-<wid>/`` on a filesystem (``store.format``): ``journal.Journal``
+    files, the checkpoint replaced by tmp + rename (``journal.replace_checkpoint``, which deletes the
+    journals it covers), ``LEASE`` / ``CONFIG`` files; read back with plain syscalls (``io.files.POSIX``).
+  * ``region_meta.RegionFiles``: a writer's region of a shared raw pool (its areas on the device, O_DIRECT);
+    it is its own ``view``.
+``PageStore`` writes its meta only through one (``open_journal``, ``may_rotate``, ``write_checkpoint``,
+``lease_blocks``, ``save_config``) and recovers through its ``view``; readers of other writers read
+through the same views, so ``journal``'s recovery and following never know which kind they read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.io.files import POSIX, FileView
+from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.layout import Layout, save_config
+from sgl_kvtier.store.lease import LEASE, FileBlocks, LeaseBlocks
+
+
+class WriterJournal(Protocol):
+    """One journal generation a writer appends to (``journal.Journal``, ``region_meta.AreaJournal``)."""
+
+    generation: int
+    path: Path
+    records: int
+    size: int
+    synced: int
+
+    @property
+    def nearly_full(self) -> bool: ...  # a checkpoint is due (a bounded journal past half full)
+    def room(self) -> int | None: ...  # bytes it may still grow by (None: no bound)
+    def append(self, records: list[bytes]) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class WriterMeta(Protocol):
+    """A writer's meta directory (see the module docstring)."""
+
+    path: Path
+
+    @property
+    def view(self) -> FileView: ...
+    def open_journal(self, generation: int) -> WriterJournal: ...
+    def may_rotate(self, generation: int) -> bool: ...
+    def write_checkpoint(self, blob: bytes, generation: int) -> None: ...
+    def lease_blocks(self, host_beat: Callable[[], bool] | None = None) -> LeaseBlocks: ...
+    def save_config(self, config: StoreConfig) -> None: ...
+
+
+class DirMeta:
+    """A writer directory on a filesystem (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @property
+    def view(self) -> FileView:
+        return POSIX
+
+    def open_journal(self, generation: int) -> WriterJournal:
+        return jr.Journal(self.path, generation)
+
+    def may_rotate(self, generation: int) -> bool:
+        return True  # a new file each generation
+
+    def write_checkpoint(self, blob: bytes, generation: int) -> None:
+        jr.replace_checkpoint(self.path, blob, generation)
+
+    def lease_blocks(self, host_beat: Callable[[], bool] | None = None) -> LeaseBlocks:
+        return FileBlocks(self.path / LEASE)
+
+    def save_config(self, config: StoreConfig) -> None:
+        save_config(self.path, config)
+
+
+def writer_meta(layout: Layout) -> WriterMeta:
+    """The meta directory of ``layout``'s writer: its region's areas on a shared raw pool, else its directory."""
+    return layout.files if layout.files is not None else DirMeta(layout.meta)
