@@ -19,16 +19,9 @@ from sgl_kvtier.keys import parse_keys  # noqa: E402
 from sgl_kvtier.sglang.group_reads import read_layer_groups  # noqa: E402
 from sgl_kvtier.sglang.host_pages import HostPages  # noqa: E402
 from sgl_kvtier.sglang.parts_plan import choose_groups, even_bounds, plan_for  # noqa: E402
-from sgl_kvtier.sglang.settings import STREAMING_ENV, streaming_enabled  # noqa: E402
 
 STREAMABLE = [("mha", "layer_first"), ("mha", "page_first_direct"), ("mla", "page_first_direct"), ("mla", "layer_first")]
 UNSTREAMABLE = [("mha", "page_first"), ("mha", "page_head"), ("mla", "page_first")]
-
-
-@pytest.fixture(autouse=True)
-def streaming_on(monkeypatch):
-    """Parts are chosen only with streaming on (``settings.kv_parts``)."""
-    monkeypatch.setenv(STREAMING_ENV, "1")
 
 
 def make_pool(kind: str, layout: str, layers: int = 8):
@@ -187,7 +180,9 @@ def test_forced_group_count_and_side_pools_keep_one_part(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("kind", "layout"), STREAMABLE)
-def test_streaming_off_keeps_one_part_and_the_old_namespace(tmp_path, monkeypatch, kind, layout) -> None:
+def test_parts_name_another_namespace_than_one_part(tmp_path, kind, layout) -> None:
+    """The parts are in the KV pool's namespace identity: a store written with one part per page (an older
+    build) is another shard, never read against other checksums."""
     from pools import storage_config
 
     from sgl_kvtier.keys import Namespace
@@ -195,18 +190,7 @@ def test_streaming_off_keeps_one_part_and_the_old_namespace(tmp_path, monkeypatc
 
     pages = HostPages.of(make_pool(kind, layout))
     cfg = storage_config({"devices": [str(tmp_path)], "model_fingerprint": "w"}, mla=kind == "mla")
-    on = namespace_for(cfg, pages)
-    monkeypatch.setenv(STREAMING_ENV, "0")
-    off = namespace_for(cfg, pages)
-    assert on.parts == pages.plan.parts and off.parts == ()
-    assert off.digest() == Namespace.from_mapping({k: v for k, v in on.to_mapping().items() if k != "parts"}).digest()
-    assert on.digest() != off.digest()  # switching streaming names another shard
-
-
-def test_streaming_switch_reads_the_environment(monkeypatch) -> None:
-    monkeypatch.delenv(STREAMING_ENV, raising=False)
-    assert not streaming_enabled()
-    monkeypatch.setenv(STREAMING_ENV, "1")
-    assert streaming_enabled()
-    monkeypatch.setenv(STREAMING_ENV, "0")
-    assert not streaming_enabled()
+    ns = namespace_for(cfg, pages)
+    one = Namespace.from_mapping({k: v for k, v in ns.to_mapping().items() if k != "parts"})
+    assert ns.parts == pages.plan.parts and one.parts == ()
+    assert ns.digest() != one.digest()
