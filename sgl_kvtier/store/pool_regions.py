@@ -16,6 +16,8 @@ ENOTDIR: ``writers.writer_dirs`` / ``writer_alive``, ``lease.read_lease``, ``lay
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,20 +116,30 @@ _regions: dict[tuple[str, str, bytes, str], Region] = {}
 def pool_namespaces(dev: str) -> list[tuple[Path, dict[str, Any]]] | None:
     """Every namespace with a region on pool device ``dev``: (its path ``<dev>/ns-<digest>``, the header of
     its first region), in table order; None when ``dev`` is no pool."""
-    try:
-        fd = open_direct(dev, False)
-    except DeviceError:
-        return None
-    try:
-        sb = read_superblock(fd, dev)
-        if sb is None:
+    with _pool(dev) as opened:
+        if opened is None:
             return None
+        fd, sb = opened
         out: dict[bytes, dict[str, Any]] = {}
         for region in regions_of(fd, sb):
             if region.ns not in out:
                 where = f"{dev} region of writer {region.wid}"
                 out[region.ns] = fmt.unpack_header(fmt.HEADER_MAGIC, read_at(fd, region.offset, BLOCK), where)
         return [(Path(dev) / ("ns-" + ns.hex()), header) for ns, header in out.items()]
+
+
+@contextmanager
+def _pool(dev: str) -> Iterator[tuple[int, Superblock] | None]:
+    """``(fd, superblock)`` of pool device ``dev`` opened read-only with O_DIRECT (closed after), or None
+    when it cannot be opened or holds no pool."""
+    try:
+        fd = open_direct(dev, False)
+    except DeviceError:
+        yield None
+        return
+    try:
+        sb = read_superblock(fd, dev)
+        yield None if sb is None else (fd, sb)
     finally:
         os.close(fd)
 
@@ -140,25 +152,20 @@ def region_of(path: Path) -> tuple[str, Superblock, Region, str] | None:
         return None
     dev, ns, wid, name = parsed[0], parsed[1], parsed[2], parsed[3]
     try:
-        fd = open_direct(dev, False)
-    except DeviceError:
-        return None
-    try:
-        sb = read_superblock(fd, dev)
-        if sb is None:
-            return None
-        key = (dev, sb.pool_id, ns, wid)
-        region = _regions.get(key)
-        if region is None:
-            region = next((r for r in regions_of(fd, sb, ns) if r.wid == wid), None)
-            if region is None:
+        with _pool(dev) as opened:
+            if opened is None:
                 return None
-            _regions[key] = region
-        return dev, sb, region, name
+            fd, sb = opened
+            key = (dev, sb.pool_id, ns, wid)
+            region = _regions.get(key)
+            if region is None:
+                region = next((r for r in regions_of(fd, sb, ns) if r.wid == wid), None)
+                if region is None:
+                    return None
+                _regions[key] = region
+            return dev, sb, region, name
     except (KVTierError, OSError):
         return None  # unreadable or damaged: no region here now (the open of a writer reports why)
-    finally:
-        os.close(fd)
 
 
 def _parse(path: Path) -> tuple[str, bytes, str | None, str] | None:
@@ -182,15 +189,8 @@ def pool_writers(ns_meta: Path) -> list[str] | None:
     if parsed is None:
         return None
     dev, ns = parsed[0], parsed[1]
-    try:
-        fd = open_direct(dev, False)
-    except DeviceError:
-        return None
-    try:
-        sb = read_superblock(fd, dev)
-        return None if sb is None else sorted(r.wid for r in regions_of(fd, sb, ns))
-    finally:
-        os.close(fd)
+    with _pool(dev) as opened:
+        return None if opened is None else sorted(r.wid for r in regions_of(opened[0], opened[1], ns))
 
 
 def region_read(path: Path, rel: int, size: int) -> bytes | None:
