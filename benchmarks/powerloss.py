@@ -18,6 +18,12 @@ interrupts, that the reopened store does not hold: must be 0 under ``batch``/``a
 promises nothing here) and refused opens (an open that raises after a legal cut: must be 0). A cut
 inside call ``i`` needs ``S[i-1] & S[i]``, the pages held both before and after that call.
 Prints a table per durability mode and writes ``benchmarks/results/powerloss.json``.
+
+Layout ``raw`` (``--layouts raw``; ``benchmarks.store.powerloss_raw``): the same checks on a shared raw pool,
+one pool file under the recorded root, one writer (or two, of host_index 0 and 1, the second also reading
+the first's pages), every lease, config, checkpoint and journal in the writers' regions on the device
+(O_DIRECT + fdatasync), ``checkpoint_interval`` 6 so the journal areas rotate; each cut reopens every host
+after a reboot. Its figures are under ``"raw"`` in the JSON.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Any
 from rich.table import Table
 
 from benchmarks.common import REPO, RESULTS, make_console, progress, scratch_dir, write_json
+from benchmarks.store import powerloss_raw as raw
 from benchmarks.store.crash import key, page_bytes_for
 from benchmarks.store.hostpool import HostPool
 from sgl_kvtier.config import StoreConfig
@@ -50,6 +57,7 @@ from sgl_kvtier.store.pool import SharedPool
 PAGE = 56 * 1024  # halves of 28 KiB: aligned runs, so pages go straight from host memory (O_DIRECT where it works)
 CAPACITY_PAGES = 40  # evictions, and three 1 MiB segments of 17 slots
 MODES = ("batch", "always", "none")
+LAYOUTS = ("dir", "raw")
 
 
 def namespace() -> Namespace:
@@ -70,9 +78,9 @@ def number(k: bytes) -> int:
 
 
 @contextlib.contextmanager
-def recording(root: Path) -> Iterator[Recorder]:
+def recording(root: Path, direct_durable: bool = False) -> Iterator[Recorder]:
     """A ``Recorder`` on ``root`` that also logs the holes the store punches through libc."""
-    rec = Recorder(root)
+    rec = Recorder(root, direct_durable=direct_durable)
     real_punch = holes.punch
 
     def punch(fd: int, offset: int, length: int) -> bool:
@@ -135,7 +143,7 @@ def workload(root: Path, durability: str, seed: int, writers: int = 1, steps: in
 
 def must_have(rec: Recording, cut: int) -> set[int]:
     """The acknowledged pages a cut before ``cut`` may not lose: held before and after the call it interrupts."""
-    states = [(i, set(e.payload)) for i, e in rec.marks()]
+    states = [(i, set(e.payload)) for i, e in rec.marks() if e.label == "state"]
     before = [s for i, s in states if i < cut]
     after = [s for i, s in states if i >= cut]
     if not before:
@@ -189,17 +197,27 @@ def check_cut(rec: Recording, cut: int, policy: CutPolicy, rng: random.Random, s
 
 
 def run_suite(scratch: Path, durability: str, seed: int, cuts: int, writers: int = 1, cuts_per_run: int = 25,
-              policy: CutPolicy | None = None) -> list[CutResult]:
-    """``cuts`` cuts over ``ceil(cuts / cuts_per_run)`` recorded workloads (seeds from ``seed``)."""
+              policy: CutPolicy | None = None, layout: str = "dir") -> list[CutResult]:
+    """``cuts`` cuts over ``ceil(cuts / cuts_per_run)`` recorded workloads (seeds from ``seed``); ``layout``
+    ``raw``: the shared raw pool workload (``benchmarks.store.powerloss_raw``)."""
     rng = random.Random(seed)
     results: list[CutResult] = []
     run = 0
     while len(results) < cuts:
-        root = scratch / f"run-{durability}-{writers}-{run}"
+        root = scratch / f"run-{layout}-{durability}-{writers}-{run}"
         root.mkdir(parents=True)
-        rec = workload(root, durability, rng.randrange(1, 1 << 20), writers=writers)
-        for cut in stratified_cuts(rec, min(cuts_per_run, cuts - len(results)), rng):
-            results.append(check_cut(rec, cut, policy or random_policy(rng), rng, scratch, durability, writers))
+        n = min(cuts_per_run, cuts - len(results))
+        if layout == "raw":
+            rec = raw.workload(root, durability, rng.randrange(1, 1 << 20), writers=writers)
+            classes = raw.op_classes(rec, raw.area_of(root / raw.POOL))
+            for cut in raw.raw_cuts(rec, classes, n, rng):
+                must = must_have(rec, cut) if durability != "none" else set()
+                results.append(raw.check_cut(rec, cut, policy or random_policy(rng), rng, scratch, durability, writers,
+                                             classes, CutResult, must))
+        else:
+            rec = workload(root, durability, rng.randrange(1, 1 << 20), writers=writers)
+            for cut in stratified_cuts(rec, n, rng):
+                results.append(check_cut(rec, cut, policy or random_policy(rng), rng, scratch, durability, writers))
         shutil.rmtree(root, ignore_errors=True)
         run += 1
     return results
@@ -221,38 +239,45 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cuts", type=int, default=1000, help="cuts per durability mode (each half one, half two writers)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS),
+                   help="dir: writer directories on a filesystem; raw: a shared raw pool (meta on the device)")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--dir", type=Path, default=REPO / ".bench-powerloss", help="scratch directory (removed afterwards)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory of powerloss.json")
     args = p.parse_args(argv)
     logging.getLogger("sgl_kvtier").setLevel(logging.CRITICAL)  # torn pages dropped on reopen are expected
     console = make_console()
-    rows: dict[str, dict[str, Any]] = {}
+    by_layout: dict[str, dict[str, dict[str, Any]]] = {layout: {} for layout in args.layouts}
     start = time.monotonic()
     with scratch_dir(args.dir, "powerloss-") as work, progress(console) as bars:
-        for mode in args.modes:
-            task = bars.add_task(f"cuts ({mode})", total=args.cuts)
-            results = []
-            for writers, n in ((1, args.cuts - args.cuts // 2), (2, args.cuts // 2)):
-                results += run_suite(work, mode, args.seed + writers, n, writers)
-                bars.advance(task, n)
-            rows[mode] = summarize(results)
+        for layout, rows in by_layout.items():
+            for mode in args.modes:
+                task = bars.add_task(f"cuts ({layout} {mode})", total=args.cuts)
+                results = []
+                for writers, n in ((1, args.cuts - args.cuts // 2), (2, args.cuts // 2)):
+                    results += run_suite(work, mode, args.seed + writers, n, writers, layout=layout)
+                    bars.advance(task, n)
+                rows[mode] = summarize(results)
     table = Table(title=f"power loss: {args.cuts} cuts per mode (seed {args.seed})")
     columns = ("cuts", "op_classes", "pages_checked", "wrong_bytes", "acked_pages", "acked_lost", "refused_opens")
+    table.add_column("layout")
     table.add_column("durability")
     for c in columns:
         table.add_column(c.replace("_", " "), justify="right")
-    for mode, row in rows.items():
-        table.add_row(mode, *(str(row[c]) for c in columns))
+    for layout, rows in by_layout.items():
+        for mode, row in rows.items():
+            table.add_row(layout, mode, *(str(row[c]) for c in columns))
     console.print(table)
-    for mode, row in rows.items():
-        for finding in row["first_findings"]:
-            console.print(f"[{mode}] {finding}", markup=False, highlight=False)
+    for layout, rows in by_layout.items():
+        for mode, row in rows.items():
+            for finding in row["first_findings"]:
+                console.print(f"[{layout} {mode}] {finding}", markup=False, highlight=False)
     seconds = round(time.monotonic() - start, 1)
     console.print(f"{seconds} s")
     write_json(args.out / "powerloss.json", {"seed": args.seed, "cuts_per_mode": args.cuts, "seconds": seconds,
-                                             "modes": rows})
-    bad = any(r["wrong_bytes"] or r["refused_opens"] or (m != "none" and r["acked_lost"]) for m, r in rows.items())
+                                             "modes": by_layout.get("dir", {}), "raw": by_layout.get("raw", {})})
+    bad = any(r["wrong_bytes"] or r["refused_opens"] or (m != "none" and r["acked_lost"])
+              for rows in by_layout.values() for m, r in rows.items())
     return 1 if bad else 0
 
 

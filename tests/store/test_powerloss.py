@@ -6,7 +6,9 @@ The suite records seeded workloads (``benchmarks.powerloss.workload``: first ope
 evictions, checkpoints, new segments, lease beats, close; one writer and two on one pool) and cuts each
 at ~12 points spread over every operation class, under random cut policies. In every mode no page may
 be served with wrong bytes and no open may fail; under ``batch``/``always`` no acknowledged page may be
-lost.
+lost. The same checks run on a shared raw pool (``benchmarks.store.powerloss_raw``: one pool file, its
+writers' leases, configs, checkpoints and journal areas on it, O_DIRECT + fdatasync; one writer and two of
+two host_index), whose O_DIRECT writes must all reach the recorder.
 """
 
 from __future__ import annotations
@@ -298,4 +300,42 @@ def test_the_long_suite_runs_and_writes_its_figures(tmp_path):
     rc = main(["--cuts", "4", "--modes", "always", "--dir", str(tmp_path / "w"), "--out", str(tmp_path)])
     row = json.loads((tmp_path / "powerloss.json").read_text())["modes"]["always"]
     assert row["cuts"] == 4 and row["wrong_bytes"] == 0 and row["refused_opens"] == 0
+    raw_row = json.loads((tmp_path / "powerloss.json").read_text())["raw"]["always"]
+    assert raw_row["cuts"] == 4 and raw_row["wrong_bytes"] == raw_row["refused_opens"] == raw_row["acked_lost"] == 0
     assert rc == (1 if row["acked_lost"] else 0)
+
+
+# ---------------------------------------------------------------------- a shared raw pool (meta on the device)
+def test_raw_pool_writes_all_go_through_the_recorder_as_odirect(tmp_path):
+    """Every O_DIRECT write of the pool file (``pool_dev.write_at``: ``os.pwritev`` of an mmap buffer, then
+    ``os.fdatasync``) and every slot write is logged: keep/keep rebuilds the file as it is, and with a
+    power-loss-protected device (``direct_durable``) even drop/drop does, so each one was an O_DIRECT write."""
+    from benchmarks.store import powerloss_raw as raw
+
+    for direct_durable, policy in ((False, KEEP), (True, DROP)):
+        root = tmp_path / f"pool-{direct_durable}"
+        root.mkdir()
+        rec = raw.workload(root, "batch", seed=3, writers=2, steps=30,
+                           recording=lambda r, d=direct_durable: recording(r, direct_durable=d))
+        assert rec.adopted == 0 and cut_at_end(rec, policy) == {raw.POOL: (root / raw.POOL).read_bytes()}
+    classes = set(raw.op_classes(rec, raw.area_of(root / raw.POOL)))
+    for h in (0, 1):
+        for area in ("LEASE", "CONFIG", "slots", "ckpt 0 head", "ckpt 1 body", *(f"journal {i} head" for i in range(4))):
+            assert f"write h{h} {area}" in classes and f"fdatasync after h{h} {area}" in classes
+        assert f"write host-lease {h}" in classes and f"write table {h}" in classes
+
+
+@cache
+def raw_suite(tmp_root: str, durability: str, writers: int) -> tuple[CutResult, ...]:
+    return tuple(run_suite(Path(tmp_root), durability, seed=21 + writers, cuts=16, writers=writers, layout="raw",
+                           cuts_per_run=8))
+
+
+@pytest.mark.parametrize("writers", [1, 2])
+@pytest.mark.parametrize("durability", ["batch", "always", "none"])
+def test_raw_pool_power_cuts_serve_no_wrong_bytes_lose_no_acked_page_refuse_no_open(scratch, durability, writers):
+    results = raw_suite(scratch, durability, writers)
+    assert len(results) == 16 and sum(r.pages_checked for r in results) > 0
+    assert [r for r in results if r.wrong_bytes or r.refused] == []
+    if durability != "none":
+        assert sum(r.acked for r in results) > 0 and [r for r in results if r.acked_lost] == []
