@@ -19,6 +19,7 @@ from benchmarks.store.stores import namespace, store_config
 from sgl_kvtier.config import GiB, StoreConfig
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.page_store import PageStore
 
 LOOKUP_KEYS = 4096
@@ -70,7 +71,7 @@ class IndexFixture:
 def measure_reopen_checkpoint(ctx: Ctx, idx: IndexFixture) -> list[Row]:
     times, cpu = [], []
     gen = max(jr.journal_generations(idx.meta), default=0) + 1
-    jr.write_checkpoint(idx.meta, *idx.columns(), idx.n, gen)  # also drops the older journals
+    jw.write_checkpoint(idx.meta, *idx.columns(), idx.n, gen)  # also drops the older journals
     task = ctx.task("reopen from checkpoint", ctx.args.reopen_repeats)
     for _ in range(ctx.args.reopen_repeats):
         seconds, cpu_s, store = idx.timed_open(ctx)
@@ -109,11 +110,11 @@ def measure_reopen_journal(ctx: Ctx, idx: IndexFixture) -> list[Row]:
     for gen in jr.journal_generations(idx.meta):
         jr.journal_path(idx.meta, gen).unlink()
     (idx.meta / jr.CHECKPOINT).unlink(missing_ok=True)
-    journal = jr.Journal(idx.meta, 1)
+    journal = jw.Journal(idx.meta, 1)
     task = ctx.task("write journal", idx.n)
     for start in range(0, idx.n, 65536):
         keys, slots, sums, parents = idx.columns(start, start + 65536)
-        journal.append([jr.put_record(int(s) + 1, k, int(s), int(c), idx.keys[p] if p >= 0 else None)
+        journal.append([jw.put_record(int(s) + 1, k, int(s), int(c), idx.keys[p] if p >= 0 else None)
                         for k, s, c, p in zip(keys, slots, sums, parents)])
         ctx.step(task, len(keys))
     journal.sync()

@@ -2,8 +2,8 @@
 lease and config go, and how it reads them back.
 
 Two kinds (``writer_meta`` picks the layout's):
-  * ``DirMeta``: a writer directory ``w-<wid>/`` on a filesystem (``store.format``): ``journal.Journal``
-    files, the checkpoint replaced by tmp + rename (``journal.replace_checkpoint``, which deletes the
+  * ``DirMeta``: a writer directory ``w-<wid>/`` on a filesystem (``store.format``): ``journal_write.Journal``
+    files, the checkpoint replaced by tmp + rename (``journal_write.replace_checkpoint``, which deletes the
     journals it covers), ``LEASE`` / ``CONFIG`` files; read back with plain syscalls (``io.files.POSIX``).
   * ``region_meta.RegionFiles``: a writer's region of a shared raw pool (its areas on the device, O_DIRECT);
     it is its own ``view``.
@@ -20,13 +20,13 @@ from typing import Protocol
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.files import POSIX, FileView
-from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.layout import Layout, save_config
 from sgl_kvtier.store.lease import LEASE, FileBlocks, LeaseBlocks
 
 
 class WriterJournal(Protocol):
-    """One journal generation a writer appends to (``journal.Journal``, ``region_meta.AreaJournal``)."""
+    """One journal generation a writer appends to (``journal_write.Journal``, ``region_meta.AreaJournal``)."""
 
     generation: int
     path: Path
@@ -67,13 +67,13 @@ class DirMeta:
         return POSIX
 
     def open_journal(self, generation: int) -> WriterJournal:
-        return jr.Journal(self.path, generation)
+        return jw.Journal(self.path, generation)
 
     def may_rotate(self, generation: int) -> bool:
         return True  # a new file each generation
 
     def write_checkpoint(self, blob: bytes, generation: int) -> None:
-        jr.replace_checkpoint(self.path, blob, generation)
+        jw.replace_checkpoint(self.path, blob, generation)
 
     def lease_blocks(self, host_beat: Callable[[], bool] | None = None) -> LeaseBlocks:
         return FileBlocks(self.path / LEASE)

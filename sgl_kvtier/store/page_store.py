@@ -68,6 +68,7 @@ from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store import pool_claim
 from sgl_kvtier.store.fs_check import check_cluster_open
 from sgl_kvtier.store.index import PageIndex
@@ -163,7 +164,7 @@ class PageStore(PageShard, PoolSide):
                 jr.drain_touched(recovered)  # its own uses of others' pages: nothing to its own index
                 if not meta.may_rotate(recovered.generation):  # a region's area its checkpoint does not cover
                     fold = PageIndex(recovered, config.eviction, layout.capacity_slots).snapshot()
-                    meta.write_checkpoint(jr.checkpoint_blob(*fold, recovered.seq, recovered.generation),
+                    meta.write_checkpoint(jw.checkpoint_blob(*fold, recovered.seq, recovered.generation),
                                           recovered.generation)
                 # A new generation: a torn tail of an earlier run stays where that file's replay stops.
                 journal = meta.open_journal(recovered.generation)
@@ -297,7 +298,7 @@ class PageStore(PageShard, PoolSide):
                     batch.results[i] = False
                     self._slots.release(slot)
                     continue
-                records.append(jr.put_record(seq, keys[i], slot, checksum, keys[i - 1] if i > 0 else parent))
+                records.append(jw.put_record(seq, keys[i], slot, checksum, keys[i - 1] if i > 0 else parent))
                 written.append((i, slot, checksum))
             # Crash rule: records are appended in the section that publishes their pages, so the journal's
             # order is the order readers saw (a later DEL of a page can never precede its PUT).
@@ -371,7 +372,7 @@ class PageStore(PageShard, PoolSide):
 
     def _del_record(self, key: PageKey) -> bytes:
         self._seq += 1
-        return jr.del_record(self._seq, key)
+        return jw.del_record(self._seq, key)
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         """Drop the stored pages among ``keys``; how many were dropped (durable unless durability is none)."""
@@ -428,6 +429,6 @@ class PageStore(PageShard, PoolSide):
                         old.close()
                     else:
                         generation = old.generation
-                self._meta.write_checkpoint(jr.checkpoint_blob(*snapshot, seq, generation), generation)
+                self._meta.write_checkpoint(jw.checkpoint_blob(*snapshot, seq, generation), generation)
                 if rotate:
                     return

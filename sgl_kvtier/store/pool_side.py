@@ -20,7 +20,7 @@ from typing import Any
 
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.keys import PageKey
-from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.meta import WriterJournal
@@ -129,7 +129,7 @@ class PoolSide:
             for key in fresh:
                 self._touched[key] = now
                 self._seq += 1
-                records.append(jr.touch_record(self._seq, key))
+                records.append(jw.touch_record(self._seq, key))
             try:
                 self._journal.append(records)
             except OSError:  # a full journal area (a shared raw pool's): a lost use costs warmth only

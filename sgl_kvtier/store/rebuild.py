@@ -11,7 +11,7 @@ its trailer (``store.format``, "Slot") decoded:
   * page bytes whose xxh3-64 (each part's) is not the trailer's: a torn or stale write, skipped (``torn``);
   * of several good slots of one key, the highest seq wins (an equal seq: the lowest slot); the others
     are ``superseded``. A key always names the same bytes (a content hash), so any good copy is right.
-Output: a fresh ``checkpoint.bin`` (``journal.write_checkpoint``, replaced atomically) listing the kept
+Output: a fresh ``checkpoint.bin`` (``journal_write.write_checkpoint``, replaced atomically) listing the kept
 pages coldest first (ascending seq), each with its slot, checksums and parent (the trailer's parent key,
 where that page was kept too), at seq = the highest seq seen and a generation above every journal present,
 which it deletes: the next open of the writer serves every kept page byte-exact. Pages deleted since they
@@ -43,6 +43,7 @@ from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.devices import Arena, DirectoryArena, fsync_dir
 from sgl_kvtier.store.layout import Layout, save_config
 from sgl_kvtier.store.lifecycle import release_all
@@ -250,4 +251,4 @@ def _write_index(meta: Path, kept: dict[bytes, _Kept], report: RebuildReport) ->
                         for key, k in order], dtype=np.int64)
     report.pages, report.parents = len(keys), int((parents >= 0).sum())
     generation = max(jr.journal_generations(meta), default=0) + 1
-    jr.write_checkpoint(meta, keys, slots, checksums, parents, report.seq, generation)
+    jw.write_checkpoint(meta, keys, slots, checksums, parents, report.seq, generation)

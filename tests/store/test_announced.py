@@ -16,6 +16,7 @@ from support import HostMemory, key, namespace, store_config
 from sgl_kvtier.io.files import PosixView
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.lease import LEASE, read_lease
 from sgl_kvtier.store.pool import SharedPool
 from sgl_kvtier.store.reader import PageReader
@@ -227,12 +228,12 @@ def test_names_never_announced_are_never_looked_up(tmp_path):
 
 
 # ---------------------------------------------------------------------- torn, short, zero tails
-def _journal_with(meta: Path, numbers: list[int]) -> tuple[jr.Journal, list[int]]:
+def _journal_with(meta: Path, numbers: list[int]) -> tuple[jw.Journal, list[int]]:
     """A journal of PUT records for ``numbers``; the offset after each record."""
-    journal = jr.Journal(meta, 0)
+    journal = jw.Journal(meta, 0)
     ends = []
     for n in numbers:
-        journal.append([jr.put_record(n, key(n), n, n, None)])
+        journal.append([jw.put_record(n, key(n), n, n, None)])
         ends.append(journal.size)
     journal.sync()
     return journal, ends
@@ -244,7 +245,7 @@ def test_a_torn_or_zero_tail_is_resumed_from_the_last_whole_record(tmp_path, mod
     journal, ends = _journal_with(tmp_path, [1, 2])
     state = jr.recover(tmp_path, announced={0: ends[-1]} if mode == "cluster" else None)
     assert state.cursor == (0, ends[-1]) and set(state.slot_of) == {key(1), key(2)}
-    record = jr.put_record(3, key(3), 3, 3, None)
+    record = jw.put_record(3, key(3), 3, 3, None)
     fd = os.open(jr.journal_path(tmp_path, 0), os.O_WRONLY)
     try:
         at = ends[-1]
@@ -270,8 +271,8 @@ def test_a_torn_or_zero_tail_is_resumed_from_the_last_whole_record(tmp_path, mod
 def test_a_lower_generation_seen_short_of_what_was_announced_is_not_left(tmp_path):
     journal, ends = _journal_with(tmp_path, [1, 2, 3])
     journal.close()
-    nxt = jr.Journal(tmp_path, 1)
-    nxt.append([jr.put_record(4, key(4), 4, 4, None)])
+    nxt = jw.Journal(tmp_path, 1)
+    nxt.append([jw.put_record(4, key(4), 4, 4, None)])
     nxt.sync()
     nxt.close()
     state = jr.recover(tmp_path, announced={0: ends[0]})

@@ -14,7 +14,7 @@ from support import HostMemory, key, namespace, open_store, store_config
 
 from sgl_kvtier.errors import ConfigError, DeviceError
 from sgl_kvtier.store import devices, fs_check
-from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.fs_check import FsClass, check_cluster_open, detect
 from sgl_kvtier.store.layout import direct_mode
 
@@ -154,8 +154,8 @@ def test_journals_are_synced_per_batch_in_cluster_mode_even_without_durability(t
     dev = device(tmp_path)
     fake_mounts(monkeypatch, tmp_path, (dev, "nfs4"))
     calls = []
-    real_sync = jr.Journal.sync
-    monkeypatch.setattr(jr.Journal, "sync", lambda self: (calls.append(self), real_sync(self))[1])
+    real_sync = jw.Journal.sync
+    monkeypatch.setattr(jw.Journal, "sync", lambda self: (calls.append(self), real_sync(self))[1])
     mem = HostMemory(2)
     with open_store(dev, sharing=sharing, durability="none") as store:
         calls.clear()

@@ -8,12 +8,13 @@ import pytest
 from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 
 K = bytes(range(32))
 
 
 def test_records_round_trip_and_stop_at_a_torn_tail():
-    data = fmt.journal_file_header(3) + jr.put_record(1, K, 7, 99, None) + jr.del_record(2, K)
+    data = fmt.journal_file_header(3) + jw.put_record(1, K, 7, 99, None) + jw.del_record(2, K)
     start = fmt.JOURNAL_FILE_HEADER_BYTES
     assert fmt.check_journal_file_header(data, "j") == 3
     recs = [r for _, r in fmt.iter_records(data, start)]
@@ -46,10 +47,10 @@ def test_headers_and_checkpoints_refuse_damage():
 
 def test_checkpoint_then_journal_replay(tmp_path):
     other, third = bytes(32), bytes([9]) * 32
-    jr.write_checkpoint(tmp_path, [K, other], np.array([0, 1]), np.array([5, 6], dtype=np.uint64),
+    jw.write_checkpoint(tmp_path, [K, other], np.array([0, 1]), np.array([5, 6], dtype=np.uint64),
                         np.array([-1, 0]), seq=2, generation=1)
-    j = jr.Journal(tmp_path, 1)
-    j.append([jr.put_record(3, third, 1, 8, K)])  # takes slot 1 from `other`
+    j = jw.Journal(tmp_path, 1)
+    j.append([jw.put_record(3, third, 1, 8, K)])  # takes slot 1 from `other`
     j.close()
     state = jr.recover(tmp_path)
     assert list(state.slot_of) == [K, third] and state.key_of == {0: K, 1: third}
@@ -59,10 +60,10 @@ def test_checkpoint_then_journal_replay(tmp_path):
 
 def test_replayed_links_to_reused_slots_are_dropped(tmp_path):
     a, b, c = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
-    jr.write_checkpoint(tmp_path, [a, b], np.array([0, 1]), np.array([1, 2], dtype=np.uint64),
+    jw.write_checkpoint(tmp_path, [a, b], np.array([0, 1]), np.array([1, 2], dtype=np.uint64),
                         np.array([-1, 0]), seq=2, generation=1)
-    j = jr.Journal(tmp_path, 1)
-    j.append([jr.del_record(3, a), jr.put_record(4, c, 0, 9, None)])  # slot 0 now holds c, not b's parent
+    j = jw.Journal(tmp_path, 1)
+    j.append([jw.del_record(3, a), jw.put_record(4, c, 0, 9, None)])  # slot 0 now holds c, not b's parent
     j.close()
     state = jr.recover(tmp_path)
     assert state.parent == {} and state.slot_of == {b: 1, c: 0}

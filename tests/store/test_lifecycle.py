@@ -28,6 +28,7 @@ from support import (
 from sgl_kvtier.errors import StoreClosedError
 from sgl_kvtier.store import devices, writers
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.lifecycle import Acquired, StoreCloseError, close_all, release_all, run_steps
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.reader import PageReader
@@ -157,7 +158,7 @@ def test_journal_cannot_be_synced(tmp_path, threads_before, monkeypatch):
     store, expected = populate(tmp_path)
     meta = store.layout.meta
     with monkeypatch.context() as m:
-        m.setattr(jr, "os", OSFaults(errno.EIO, {"fsync"}, "journal-"))
+        m.setattr(jw, "os", OSFaults(errno.EIO, {"fsync"}, "journal-"))
         with pytest.raises(StoreCloseError) as info:
             store.close()
     assert [s for s, _ in info.value.failures] == ["checkpoint"] and info.value.__cause__.errno == errno.EIO
@@ -170,7 +171,7 @@ def test_next_journal_generation_cannot_be_written(tmp_path, threads_before, mon
     meta = store.layout.meta
     nxt = jr.journal_path(meta, jr.journal_generations(meta)[-1] + 1)  # the one the close's checkpoint makes
     with monkeypatch.context() as m:
-        m.setattr(jr, "os", OSFaults(errno.ENOSPC, {"write"}, nxt.name))
+        m.setattr(jw, "os", OSFaults(errno.ENOSPC, {"write"}, nxt.name))
         with pytest.raises(StoreCloseError) as info:
             store.close()
     assert info.value.__cause__.errno == errno.ENOSPC
@@ -201,7 +202,7 @@ def test_journal_close_fails(tmp_path, threads_before, monkeypatch):
     meta = store.layout.meta
     nxt = jr.journal_path(meta, jr.journal_generations(meta)[-1] + 1)
     with monkeypatch.context() as m:
-        m.setattr(jr, "os", OSFaults(errno.EIO, {"close"}, nxt.name))
+        m.setattr(jw, "os", OSFaults(errno.EIO, {"close"}, nxt.name))
         with pytest.raises(StoreCloseError) as info:
             store.close()
     assert [s for s, _ in info.value.failures] == ["journal"] and info.value.__cause__.errno == errno.EIO

@@ -28,6 +28,7 @@ from support import (
 from sgl_kvtier.errors import DeviceError, StoreLockedError
 from sgl_kvtier.store import devices, page_store
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.layout import meta_dir
 from sgl_kvtier.store.lifecycle import StoreCloseError
 from sgl_kvtier.store.page_store import PageStore
@@ -116,7 +117,7 @@ def test_a_segment_file_fails_to_open(tmp_path, threads_before, monkeypatch):
 
 def test_the_new_journal_generation_cannot_be_written(tmp_path, threads_before, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(jr, "os", OSFaults(errno.ENOSPC, {"write"}, "journal-"))
+        m.setattr(jw, "os", OSFaults(errno.ENOSPC, {"write"}, "journal-"))
         with pytest.raises(OSError) as info:
             open_writer(tmp_path)
     assert info.value.errno == errno.ENOSPC and not isinstance(info.value, StoreCloseError)

@@ -15,6 +15,7 @@ from sgl_kvtier.errors import StoreFormatError
 from sgl_kvtier.io.engine import IOOp, IOResult
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.fsck import find_shards, fsck, rebuild_shard
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.parts import PartMap, pack_sums, sums_list
@@ -163,8 +164,8 @@ def test_recovery_from_journal_and_checkpoint_keeps_every_parts_checksum(tmp_pat
 
 def test_a_put_record_with_another_number_of_checksums_indexes_nothing(tmp_path):
     a, b = key(1), key(2)
-    j = jr.Journal(tmp_path, 1)
-    j.append([jr.put_record(1, a, 0, pack_sums([1, 2, 3, 4]), None), jr.put_record(2, b, 1, 5, None)])
+    j = jw.Journal(tmp_path, 1)
+    j.append([jw.put_record(1, a, 0, pack_sums([1, 2, 3, 4]), None), jw.put_record(2, b, 1, 5, None)])
     j.close()
     state = jr.recover(tmp_path, 4)
     assert list(state.slot_of) == [a] and state.checksum[0] == pack_sums([1, 2, 3, 4])

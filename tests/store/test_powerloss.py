@@ -279,7 +279,7 @@ def test_regression_a_writer_directory_rebuild_makes_survives_a_power_cut(tmp_pa
     new directory's entry must be synced in its parent, or the rebuilt checkpoint vanishes with it."""
     import numpy as np
 
-    from sgl_kvtier.store import journal as jr
+    from sgl_kvtier.store import journal_write as jw
     from sgl_kvtier.store import rebuild
 
     (tmp_path / "ns").mkdir()
@@ -287,7 +287,7 @@ def test_regression_a_writer_directory_rebuild_makes_survives_a_power_cut(tmp_pa
     with Recorder(tmp_path) as rec:
         fd = rebuild.lock_writer(meta)
         empty = np.zeros(0, dtype=np.int64)
-        jr.write_checkpoint(meta, [], empty, np.zeros(0, dtype=np.uint64), empty, 1, 1)
+        jw.write_checkpoint(meta, [], empty, np.zeros(0, dtype=np.uint64), empty, 1, 1)
         rebuild.unlock_writer(fd)
     assert "ns/w-x-0/checkpoint.bin" in cut_at_end(rec.recording)
 

@@ -26,6 +26,7 @@ from support import HostMemory, key, namespace, store_config
 from sgl_kvtier.errors import DeviceError, StoreFormatError
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.pool import SharedPool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -361,13 +362,13 @@ def test_touch_records_keep_the_key_on_replay_and_reach_the_owner(tmp_path):
         b.refresh(force=True)
         assert b.get([key(1)], [mem.runs(1)]) == [True]  # a remote hit: b journals a TOUCH
         assert b.own is not None and a.own is not None
-        b.own._journal.append([jr.touch_record(99, key(1))])  # and one more, as an older b would have
+        b.own._journal.append([jw.touch_record(99, key(1))])  # and one more, as an older b would have
         a.refresh(force=True)
         peer = a.peers()[b.wid or ""]
         assert peer.recovery.touched == []  # drained by the owner on refresh
         recovered = jr.recover(b.own.layout.meta)
         assert recovered.touched == [key(1), key(1)] and recovered.slot_of == {}  # a TOUCH deletes nothing
         a_meta = a.own.layout.meta
-        a.own._journal.append([jr.touch_record(100, key(1))])  # a TOUCH in its own journal, of its own key
+        a.own._journal.append([jw.touch_record(100, key(1))])  # a TOUCH in its own journal, of its own key
         a.own._journal.sync()
     assert key(1) in jr.recover(a_meta).slot_of
