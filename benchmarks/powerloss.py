@@ -37,6 +37,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from benchmarks.common import REPO, RESULTS, make_console, progress, scratch_dir
 from benchmarks.store import powerloss_raw as raw
 from benchmarks.store.crash import key, page_bytes_for
 from benchmarks.store.hostpool import HostPool
+from benchmarks.store.powerloss_check import held, read_back
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize, random_policy, stratified_cuts
 from sgl_kvtier.keys import Namespace
@@ -73,10 +75,6 @@ def config(root: Path, durability: str, **keys: Any) -> StoreConfig:
     return StoreConfig.from_mapping(mapping)
 
 
-def number(k: bytes) -> int:
-    return int.from_bytes(k[:4], "little")
-
-
 @contextlib.contextmanager
 def recording(root: Path, direct_durable: bool = False) -> Iterator[Recorder]:
     """A ``Recorder`` on ``root`` that also logs the holes the store punches through libc."""
@@ -95,11 +93,6 @@ def recording(root: Path, direct_durable: bool = False) -> Iterator[Recorder]:
             yield rec
     finally:
         holes.punch = real_punch  # type: ignore[assignment]
-
-
-def held(pools: list[SharedPool]) -> list[int]:
-    """The pages every writer's own index holds now."""
-    return sorted(number(k) for p in pools if p.own is not None for k in p.own.keys())
 
 
 def workload(root: Path, durability: str, seed: int, writers: int = 1, steps: int = 40) -> Recording:
@@ -172,28 +165,8 @@ def check_cut(rec: Recording, cut: int, policy: CutPolicy, rng: random.Random, s
     result = CutResult(cut, str(policy), op)
     must = must_have(rec, cut) if durability != "none" else set()
     result.acked = len(must)
-    stores: list[PageStore] = []
-    mem = HostPool(PAGE, 1)
-    try:
-        for _ in range(writers):
-            stores.append(PageStore.open(config(dest, durability), namespace()))
-        present: set[int] = set()
-        for store in stores:
-            for k in store.keys():
-                if store.get([k], [mem.runs(0)]) == [True]:
-                    result.pages_checked += 1
-                    result.wrong_bytes += mem.read(0) != page_bytes_for(number(k), PAGE)
-                    present.add(number(k))
-        result.acked_lost = len(must - present)
-    except Exception as exc:  # noqa: BLE001 - a refused or crashed open after a legal cut is a finding
-        result.refused = f"{type(exc).__name__}: {exc}"
-    finally:
-        for store in stores:
-            with contextlib.suppress(Exception):
-                store.close()
-        mem.buf.close()
-        shutil.rmtree(dest, ignore_errors=True)
-    return result
+    openers = [partial(PageStore.open, config(dest, durability), namespace()) for _ in range(writers)]
+    return read_back(result, openers, must, dest, PAGE)
 
 
 def run_suite(scratch: Path, durability: str, seed: int, cuts: int, writers: int = 1, cuts_per_run: int = 25,

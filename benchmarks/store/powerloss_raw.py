@@ -22,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.store.crash import key, page_bytes_for
 from benchmarks.store.hostpool import HostPool
+from benchmarks.store.powerloss_check import held, number, read_back
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize
 from sgl_kvtier.keys import Namespace
@@ -63,10 +64,6 @@ def config(pool: Path, host: int, durability: str, interval: int = 6) -> StoreCo
         "sharing": "cluster", "host_index": host})
 
 
-def number(k: bytes) -> int:
-    return int.from_bytes(k[:4], "little")
-
-
 @contextlib.contextmanager
 def booted(boot: str, instant_watch: bool = False) -> Iterator[None]:
     """``KVTIER_BOOT_ID`` = ``boot`` (and, with ``instant_watch``, a host-slot watch whose clock jumps at
@@ -96,10 +93,6 @@ def new_pool(root: Path) -> Path:
         f.truncate(POOL_BYTES)
     format_pool([str(pool)], 2)
     return pool
-
-
-def held(pools: list[SharedPool]) -> list[int]:
-    return sorted(number(k) for p in pools if p.own is not None for k in p.own.keys())
 
 
 def workload(root: Path, durability: str, seed: int, writers: int = 1, steps: int = 40,
@@ -230,26 +223,8 @@ def check_cut(rec: Recording, cut: int, policy: CutPolicy, rng: random.Random, s
     ops = [i for i in range(cut) if rec.entries[i].kind != "mark"]
     result = result_type(cut, str(policy), classes[ops[-1]] if ops else "start")
     result.acked = len(must)
-    stores: list[PageStore] = []
-    mem = HostPool(PAGE, 1)
-    try:
-        for h in range(writers):
-            with booted(f"reboot-{cut}-{h}", instant_watch=True):
-                stores.append(PageStore.open(config(dest / POOL, h, durability, interval), namespace()))
-        present: set[int] = set()
-        for store in stores:
-            for k in store.keys():
-                if store.get([k], [mem.runs(0)]) == [True]:
-                    result.pages_checked += 1
-                    result.wrong_bytes += mem.read(0) != page_bytes_for(number(k), PAGE)
-                    present.add(number(k))
-        result.acked_lost = len(must - present)
-    except Exception as exc:  # noqa: BLE001 - a refused or crashed open after a legal cut is a finding
-        result.refused = f"{type(exc).__name__}: {exc}"
-    finally:
-        for store in stores:
-            with contextlib.suppress(Exception):
-                store.close()
-        mem.buf.close()
-        shutil.rmtree(dest, ignore_errors=True)
-    return result
+
+    def opener(h: int) -> PageStore:
+        with booted(f"reboot-{cut}-{h}", instant_watch=True):
+            return PageStore.open(config(dest / POOL, h, durability, interval), namespace())
+    return read_back(result, [partial(opener, h) for h in range(writers)], must, dest, PAGE)
