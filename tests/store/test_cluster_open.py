@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 
 import pytest
 from support import HostMemory, key, namespace, open_store, store_config
@@ -101,19 +100,6 @@ def test_a_raw_block_device_not_pool_formatted_is_refused(tmp_path):
                                           r"pool-format .*raw.img --hosts H` once"):
         open_store(raw, sharing="cluster", allow_local_fs=True, meta_dir=str(meta))
     assert list(meta.iterdir()) == [] and raw.read_bytes().count(0) == 8 << 20
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A filesystem that refuses O_DIRECT: ramfs, mounted here (root only)."""
-    d = tmp_path / "ramfs"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True).returncode:
-        pytest.skip("mounting ramfs needs root")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
 
 
 def test_no_o_direct_no_cluster_open(ramfs):

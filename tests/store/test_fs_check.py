@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -90,19 +89,6 @@ def test_this_machines_own_mountinfo(tmp_path):
     info = detect(tmp_path)
     assert info.fstype and info.fs_class is classify(info.fstype) and not info.read_only
     assert str(tmp_path.resolve()).startswith(info.mount_point)
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A filesystem that refuses O_DIRECT: ramfs, mounted here (root only)."""
-    d = tmp_path / "ramfs"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True).returncode:
-        pytest.skip("mounting ramfs needs root")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
 
 
 def test_the_o_direct_probe(tmp_path, ramfs):
