@@ -19,7 +19,6 @@ from sharing_worker import page
 from support import HostMemory, key
 from test_liveness import DEAD_S, Clock
 from test_raw_shared import BOOT, NS, PAGE, pool_file, put, raw_config, read
-from test_retire import HostProc
 
 from sgl_kvtier.cli import main
 from sgl_kvtier.store import format as fmt
@@ -54,20 +53,6 @@ def put_many(store, numbers: list[int], batch: int = 16) -> list[int]:
             continue
         acked += [n for n, ok in zip(chunk, oks) if ok]
     return acked
-
-
-@pytest.fixture
-def hostproc():
-    made: list[HostProc] = []
-
-    def start(boot: str) -> HostProc:
-        made.append(HostProc(boot))
-        return made[-1]
-
-    yield start
-    for proc in made:
-        if proc.p.poll() is None:
-            proc.kill()
 
 
 def test_every_descriptor_on_a_shared_raw_pool_is_o_direct(tmp_path, monkeypatch):

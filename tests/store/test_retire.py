@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
-import pytest
 from support import HostMemory, key, namespace, run_concurrently
 from test_liveness import DEAD_S, RECLAIM_S, Clock, cluster_config
-from test_sharing import PAGE, ROOT, WORKER, Proc, opened
+from test_sharing import PAGE, opened
 
 from sgl_kvtier.store import retire as rt
 from sgl_kvtier.store.lease import read_lease
@@ -294,29 +291,6 @@ def test_host_mode_never_retires_another_hosts_writer(tmp_path):
 
 
 # ---------------------------------------------------------------------- a real writer process, other boot
-class HostProc(Proc):
-    """A ``sharing_worker.py`` process standing for another machine (its own ``KVTIER_BOOT_ID``)."""
-
-    def __init__(self, boot: str) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "KVTIER_BOOT_ID": boot}
-        self.p = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, env=env, cwd=ROOT)
-
-
-@pytest.fixture
-def hostproc():
-    made: list[HostProc] = []
-
-    def start(boot: str) -> HostProc:
-        made.append(HostProc(boot))
-        return made[-1]
-
-    yield start
-    for proc in made:
-        if proc.p.poll() is None:
-            proc.kill()
-
-
 def worker_config() -> dict:
     return {"heartbeat_s": 600.0, "host_id": "hosta", "sharing": "cluster", "allow_local_fs": True,
             "dead_after_s": DEAD_S, "reclaim_after_s": RECLAIM_S}
