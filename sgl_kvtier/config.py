@@ -61,6 +61,16 @@ class Sharing(str, enum.Enum):
     OFF = "off"  # one writer per namespace shard; a second one fails at start-up naming the holder
 
 
+class Streaming(str, enum.Enum):
+    """Whether an L3 hit's not-yet-landed tail streams into the request's own prefill (issue #13)."""
+
+    OFF = "off"  # a hit is loaded (or cut by the cost model) before its request is admitted, as SGLang does
+    # The part of a hit still in flight at admission is loaded layer group by layer group into device slots
+    # private to the request while its forward runs; a group that fails to read or verify is zeros and the
+    # request is retracted and recomputed (see sgl_kvtier.sglang.stream). CPU engines, cache mode only.
+    ON = "on"
+
+
 class DirectIO(str, enum.Enum):
     """Whether devices are opened with O_DIRECT."""
 
@@ -133,6 +143,8 @@ class StoreConfig:
     # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
     # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
     readahead_bytes: int = 0  # off: measured a tie in serving, 9-24% slower back to back (benchmarks/RESULTS.md)
+    # "on": admit a request while the tail of its L3 hit still streams in layer groups (``Streaming``).
+    streaming: Streaming = Streaming.OFF
     # Testing only: inject IO faults (a ``FaultSpec`` table, see sgl_kvtier.io.faulty). None in production.
     fault_injection: dict[str, Any] | None = None
     # Benchmarks only: emulate a slower device (a ``ThrottleSpec`` table, see sgl_kvtier.io.throttle).
@@ -230,7 +242,8 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
             raise ConfigError(name, f"expected a list of non-empty path strings, got {raw!r}")
         return tuple(raw)
     enums: dict[str, type[enum.Enum]] = {"Durability": Durability, "EvictionPolicyName": EvictionPolicyName,
-                                         "IOEngineName": IOEngineName, "DirectIO": DirectIO, "Sharing": Sharing}
+                                         "IOEngineName": IOEngineName, "DirectIO": DirectIO, "Sharing": Sharing,
+                                         "Streaming": Streaming}
     enum_type = enums.get(kind)
     if enum_type is not None:
         try:
