@@ -13,8 +13,11 @@ import logging
 import os
 from typing import Any
 
+from sgl_kvtier.sglang.stream.contract import StreamRegistry
+
 logger = logging.getLogger(__name__)
 
+REGISTRY_ATTR = "_kvtier_stream_registry"
 ENV_KILL = "KVTIER_STREAM"
 _loaded = False
 
@@ -42,3 +45,12 @@ def load() -> None:
     _loaded = True
     logger.info("sgl_kvtier streamed tails: %d hooks registered in pid %d (inert unless streaming = \"on\")",
                 len(specs), os.getpid())
+
+
+def registry_of(cache: Any) -> StreamRegistry:
+    """The ``StreamRegistry`` of one ``UnifiedRadixCache`` (made on first use, kept on the cache object)."""
+    registry = cache.__dict__.get(REGISTRY_ATTR)
+    if registry is None:
+        registry = StreamRegistry()
+        cache.__dict__[REGISTRY_ATTR] = registry
+    return registry
