@@ -126,6 +126,7 @@ class StreamRegistry:
         self._tails: dict[str, StreamedTail] = {}
         self._queued: list[StreamedTail] = []  # ADMITTED, to be loaded by the next batch
         self._deferred: list[tuple[TailStream, torch.Tensor]] = []
+        self._blocked: set[str] = set()  # requests retracted after a failed tail: never stream again
         self._lock = threading.Lock()  # guards _deferred only
 
     def register(self, tail: StreamedTail) -> None:
@@ -141,6 +142,18 @@ class StreamRegistry:
 
     def __len__(self) -> int:
         return len(self._tails)
+
+    def block(self, rid: str) -> None:
+        """``rid`` was retracted after a failed tail: its retry loads its hit whole (verified before
+        admission) or recomputes it, never streams (no retract loop). Forgotten with ``unblock``."""
+        self._blocked.add(rid)
+
+    def is_blocked(self, rid: str) -> bool:
+        return rid in self._blocked
+
+    def unblock(self, rid: str) -> None:
+        """The request finished or was aborted: forget it."""
+        self._blocked.discard(rid)
 
     def queue_load(self, tail: StreamedTail) -> None:
         tail.state = TailState.ADMITTED
