@@ -166,9 +166,9 @@ def _rebuild(args: argparse.Namespace, console: Console, shards: list[Shard]) ->
 
 
 def cmd_check_shared(args: argparse.Namespace, console: Console) -> int:
-    """``sgl-kvtier check-shared``: ``store.fs_check.check_shared`` on a directory; 0 when it is fit for
+    """``sgl-kvtier check-shared``: ``store.fs_probes.check_shared`` on a directory; 0 when it is fit for
     ``sharing = "cluster"``, 1 otherwise (each reason printed)."""
-    from sgl_kvtier.store.fs_check import check_shared
+    from sgl_kvtier.store.fs_probes import check_shared
 
     if args.peer_wait is not None and args.peer_wait < 0:
         console.print("[red]error:[/red] --peer-wait: must be >= 0 seconds")

@@ -250,13 +250,13 @@ def test_repair_opens_the_damaged_writer_not_a_lower_free_one(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------- check-shared
 def fake_mounts(monkeypatch, tmp_path, fstype):
     """``/proc/self/mountinfo`` reads as: / on ext4, ``tmp_path/pool`` on ``fstype``; that directory."""
-    from sgl_kvtier.store import fs_check
+    from sgl_kvtier.store import fs_detect
 
     pool = tmp_path / "pool"
     pool.mkdir()
     info = tmp_path / "mountinfo"
     info.write_text(f"1 0 999:999 / / rw - ext4 /dev/vda rw\n2 1 999:2 / {pool} rw - {fstype} array:/kv rw\n")
-    monkeypatch.setattr(fs_check, "MOUNTINFO", str(info))
+    monkeypatch.setattr(fs_detect, "MOUNTINFO", str(info))
     return pool
 
 

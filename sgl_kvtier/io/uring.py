@@ -12,7 +12,8 @@ Invariants (the contract of every engine, see ``ops.py``):
   ops are in flight). Both on the thread calling ``run``. Failed and short ops carry none.
 * At most ``depth`` ops are in flight per ring. Each ``Iovec`` and buffer slice given to the kernel stays
   referenced from the in-flight table until its completion is reaped; ``run`` waits for every in-flight
-  completion before it returns, also when it leaves by an exception.
+  completion before it returns, also when it leaves by an exception. ``in_flight`` sums the tables of the
+  runs in progress (and of any whose drain gave up: those ops may still move), so it is 0 after a ``run``.
 * Completions are reaped one at a time (``cqe[0]``, then ``io_uring_cqe_seen``): this binding's ``cqe[i]``
   ignores ring wrap-around, which is why reaping several by index gave bogus results.
 * The binding holds the GIL inside ``io_uring_wait_cqe``, so we never block there but in ``poll()`` on
@@ -206,6 +207,14 @@ class UringEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._idle: list[_Ring] = [_Ring(self.depth)]  # fail here, not in run(), if rings cannot be made
+        self._tables: dict[int, dict[int, _Xfer]] = {}  # id -> the in-flight table of a run in progress
+
+    @property
+    def in_flight(self) -> int:
+        """Ops prepared on a ring whose completion is not reaped yet (see the module docstring)."""
+        with self._lock:
+            tables = list(self._tables.values())
+        return sum(len(t) for t in tables)
 
     @classmethod
     def probe(cls) -> bool:
@@ -246,6 +255,8 @@ class UringEngine:
         results: list[IOResult | None] = [None] * len(ops)
         todo = deque(range(len(ops)))
         inflight: dict[int, _Xfer] = {}  # user_data (= op index) -> transfer; holds buffers and iovecs
+        with self._lock:
+            self._tables[id(inflight)] = inflight
         prepped = 0  # SQEs prepared, not yet submitted; all of them are also in ``inflight``
         unhashed: list[tuple[IOOp, IOResult]] = []  # reads moved in full whose checksum is still to be taken
         try:
@@ -282,6 +293,9 @@ class UringEngine:
         finally:
             if inflight:
                 _drain(ring, inflight)
+            if not inflight:  # else the kernel may still move those ops' bytes: they stay counted
+                with self._lock:
+                    self._tables.pop(id(inflight), None)
         settled = [r for r in results if r is not None]
         assert len(settled) == len(ops), "every op is settled before the loop ends"
         return settled

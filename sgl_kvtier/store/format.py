@@ -228,11 +228,6 @@ def unseal_records(data: bytes, start: int, seed: int) -> tuple[int, bytes, bool
         pos = body + length
 
 
-def record_estimate(parts: int) -> int:
-    """Bytes a journal record of a page of ``parts`` parts takes at most in practice (a PUT with a parent)."""
-    return 112 + 9 * parts
-
-
 def journal_area_header(generation: int) -> bytes:
     """The first bytes of a journal area holding ``generation`` (as a journal file's header)."""
     return _JOURNAL_FILE.pack(JOURNAL_AREA_MAGIC, FORMAT_VERSION, generation)
@@ -310,18 +305,6 @@ def checkpoint_intact(data: bytes) -> bool:
     magic, length, crc = _CHECKPOINT.unpack_from(data)
     payload = data[_CHECKPOINT.size:_CHECKPOINT.size + length]
     return bool(magic == CHECKPOINT_MAGIC and len(payload) == length and xxhash.xxh3_64_intdigest(payload) == crc)
-
-
-def newest_header(magic: bytes, blocks: list[bytes], order: str, what: str) -> tuple[int, dict[str, Any]] | None:
-    """Of ``blocks`` (A/B copies), (index, fields) of the valid header with the highest ``order`` field; None
-    when neither is valid."""
-    found = []
-    for i, block in enumerate(blocks):
-        try:
-            found.append((i, unpack_header(magic, block, what)))
-        except (CorruptRecordError, ValueError):
-            continue
-    return max(found, key=lambda f: int(f[1].get(order, -1)), default=None)
 
 
 # ---------------------------------------------------------------------------------------------- lease, fence

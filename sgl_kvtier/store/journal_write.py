@@ -88,6 +88,12 @@ def touch_record(seq: int, key: PageKey) -> bytes:
     return fmt.pack_record([fmt.TOUCH, seq, key])
 
 
+def record_estimate(parts: int) -> int:
+    """Bytes a journal record (``put_record``, ``del_record``) of a page of ``parts`` parts takes at most in
+    practice (a PUT with a parent): what a bounded journal area is sized and its room checked by."""
+    return 112 + 9 * parts
+
+
 def put_record(seq: int, key: PageKey, slot: int, checksum: Checksum, parent: PageKey | None) -> bytes:
     """A packed PUT record: ``key``'s page is in ``slot`` with ``checksum`` (several parts: a list of
     one u64 per part), chained on ``parent``."""

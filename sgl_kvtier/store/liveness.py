@@ -25,10 +25,16 @@ unchanged for ``reclaim_after_s`` of our watching: counted from the same last ch
 
 ``FENCE`` (format in ``store.format``) is read with O_DIRECT where the filesystem allows it (it is an open
 file that already exists, so no attribute or negative-lookup cache of a network filesystem hides a new
-fence), else buffered. The owner's side is ``OwnFence``: the owner creates its (empty) FENCE at open and
-holds it open, so a retirer's fence lands in that very file; it reads it through that descriptor at every
-lease beat (``Lease.fence_check``). A FENCE the owner's descriptor finds deleted (``st_nlink`` 0, or
-``ESTALE`` on a network filesystem) counts as a fence too: only a retirer deletes it, after fencing.
+fence), else buffered. ``judge`` (the quota's step, inspect) reads it every time. ``retired`` (what a pool's
+refresh asks, every ``follow_interval_s`` and on a lookup shortfall) reads it only when the writer is new to
+this watch, its lease mark differs from the one the last read was made under, or that read is
+``heartbeat_s`` old on our clock; else it answers from the last read (``judge``'s included). So a refresh
+notices a fence at most ``heartbeat_s`` (plus one refresh interval) after it was written, and at its next
+refresh once the retirer's deletion removed the LEASE (the mark changed).
+The owner's side is ``OwnFence``: the owner creates its (empty) FENCE at open and holds it open, so a
+retirer's fence lands in that very file; it reads it through that descriptor at every lease beat
+(``Lease.fence_check``). A FENCE the owner's descriptor finds deleted (``st_nlink`` 0, or ``ESTALE`` on a
+network filesystem) counts as a fence too: only a retirer deletes it, after fencing.
 """
 
 from __future__ import annotations
@@ -118,12 +124,14 @@ class LeaseWatch:
         self.host = host_id(config)
         # directory -> (lease mark, when it last changed on our clock, whether we ever saw it change)
         self._seen: dict[str, tuple[Any, float, bool]] = {}
+        # directory -> (lease mark it was read under, when on our clock (taken before the read), the fence)
+        self._fences: dict[str, tuple[Any, float, dict[str, Any] | None]] = {}
         self._lock = threading.Lock()
 
     def watch(self, directory: Path, lease: dict[str, Any] | None) -> tuple[float, bool]:
         """Record ``lease``'s mark; how long this observer has seen it unchanged (0: first sight, or it just
         changed) and whether it has ever changed under this watch."""
-        mark = None if lease is None else (lease.get("counter"), lease.get("incarnation"))
+        mark = _mark(lease)
         now = self.clock()
         with self._lock:
             seen = self._seen.get(str(directory))
@@ -137,7 +145,7 @@ class LeaseWatch:
     def judge(self, directory: Path, lease: dict[str, Any] | None) -> Judged:
         """The verdict on the writer of ``directory`` whose last lease read is ``lease`` (None: none)."""
         unchanged, changed = self.watch(directory, lease)
-        retired = self.retired(directory, lease)
+        retired = self.retired(directory, lease, fresh=True)
         if retired is not None:
             return Judged(Verdict.RETIRED, False, unchanged, retired)
         here = lease is None or lease.get("host_id") == self.host
@@ -163,14 +171,34 @@ class LeaseWatch:
         """Stop remembering ``directory`` (it was removed)."""
         with self._lock:
             self._seen.pop(str(directory), None)
+            self._fences.pop(str(directory), None)
 
-    def retired(self, directory: Path, lease: dict[str, Any] | None) -> str | None:
-        """Rule 1 alone: why the writer of ``directory`` is ``RETIRED``, or None. Reads its FENCE only (no
-        LOCK probe, nothing recorded): what a reader needs on every refresh."""
-        fence = read_fence(directory) if self.config.sharing is Sharing.CLUSTER else None
+    def retired(self, directory: Path, lease: dict[str, Any] | None, fresh: bool = False) -> str | None:
+        """Rule 1 alone: why the writer of ``directory`` is ``RETIRED``, or None. Its FENCE only (no LOCK
+        probe, no lease mark recorded): what a reader needs on every refresh. Read from the file only when
+        ``fresh``, the writer is new to this watch, its lease mark moved, or the last read is ``heartbeat_s``
+        old (see the module docstring); else the last read's fence is judged against ``lease``."""
+        if self.config.sharing is not Sharing.CLUSTER:
+            return None
+        fence = self._fence(directory, _mark(lease), fresh)
         if fence is not None and (lease is None or fence.get("incarnation") == lease.get("incarnation")):
             return f"retired by {fence.get('by')}"
         return None
+
+    def _fence(self, directory: Path, mark: Any, fresh: bool) -> dict[str, Any] | None:
+        key, now = str(directory), self.clock()
+        with self._lock:
+            last = self._fences.get(key)
+        if not fresh and last is not None and last[0] == mark and now - last[1] < self.config.heartbeat_s:
+            return last[2]
+        fence = read_fence(directory)  # outside the lock: an open and a read on a shared filesystem
+        with self._lock:
+            kept = self._fences.get(key)
+            # Ordering: the time is taken before the read, and a read never replaces one that began later,
+            # so a fence written after a remembered read is read again within heartbeat_s of that write.
+            if kept is None or kept[1] <= now:
+                self._fences[key] = (mark, now, fence)
+        return fence
 
     def reclaim_due(self, judged: Judged) -> bool:
         """Whether a verdict is a writer of another host dead for ``reclaim_after_s`` (see the module docstring)."""
@@ -222,6 +250,11 @@ class OwnFence:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _mark(lease: dict[str, Any] | None) -> Any:
+    """A lease's mark ``(counter, incarnation)``: what changes at each beat and each open; None without one."""
+    return None if lease is None else (lease.get("counter"), lease.get("incarnation"))
 
 
 def _older(mark: Any, seen: Any) -> bool:

@@ -7,9 +7,9 @@ processes share one namespace's pool, each in its own directory and segments), i
 ``store.reader.PageReader``; the merged view over every writer of a namespace is ``store.pool.SharedPool``.
 
 Pool-wide cap: ``capacity_bytes`` limits the namespace shard over all its writers. Before taking a slot
-for a new page, a writer checks its own pages (stored and being stored) plus the other writers' last
-leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it evicts its own coldest
-pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
+for a new page (``store.pool_side``), a writer checks its own pages (stored and being stored) plus the
+other writers' last leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it
+evicts its own coldest pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
 growing at once may overshoot by what they store in that time. On top of that hard cap the pool quota
 (``store.quota_loop``, run after each lease beat) sets ``grow_limit_bytes`` (None: grow to the cap; a
 number: at it, a new page replaces an own one) and evicts the writer's old pages with
@@ -33,11 +33,10 @@ Write order for a put batch, one named phase each (the crash rule each step reli
                  checkpoint when enough records piled up
 A page is visible only once its bytes are fully written; a record never points at bytes not written.
 Each reserved page gets its ``seq`` in phase 1; its slot trailer (phase 2) and its PUT record (phase 3)
-carry the same one. Under ``always`` each page is its own batch. Open order: the storage checks of
-``sharing = "cluster"`` (``store.fs_check``, nothing made yet) -> writer directory (claim +
-lock) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal generation (never
-appending to an old one) -> fold what was replayed -> lease; an open failing at any step releases what
-it took, the lock last.
+carry the same one. Under ``always`` each page is its own batch. Open order (``store.writer_open``): the
+storage checks of ``sharing = "cluster"`` -> writer directory (claim + lock) -> layout -> CONFIG -> engine ->
+recover -> a new journal generation -> fold what was replayed -> lease; a failed open releases what it
+took, the lock last.
 
 Meta (``store.meta``): a writer directory, or on a shared raw pool (``host_index``) its region's areas
 (``store.region_meta``: claimed by ``store.pool_claim``, lease beats also beat the host lease, whose
@@ -59,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from sgl_kvtier.config import Durability, Sharing, StoreConfig
@@ -66,21 +66,19 @@ from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.policy.admission import AdmissionFilter
-from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store import pool_claim
-from sgl_kvtier.store.fs_check import check_cluster_open
-from sgl_kvtier.store.index import PageIndex
-from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout
+from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
 from sgl_kvtier.store.meta import WriterJournal, writer_meta
 from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.pool_side import PoolSide
-from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
+from sgl_kvtier.store.shard import PageShard, SharedTelemetry
 from sgl_kvtier.store.transfer import SlotIdentity
-from sgl_kvtier.store.writers import WriterClaim, boot_id, claim_writer, machine_id
+from sgl_kvtier.store.writer_open import acquire_writer
+from sgl_kvtier.store.writers import WriterClaim, boot_id, machine_id
 
 
 @dataclass
@@ -144,35 +142,10 @@ class PageStore(PageShard, PoolSide):
         writer lock last (``store.lifecycle``).
         """
         with Acquired(f"a writer of {namespace.dirname()}") as held:
-            place = own_engine(held, engine)
-            check_cluster_open(config)  # what sharing = "cluster" needs of the storage, before any file is made
-            ns_meta = meta_dir(config, namespace)
-            # First file: nothing of the directory (or region) is touched without it.
-            claim = claim_writer(config, ns_meta, wid) if config.host_index is None else \
-                pool_claim.claim(config, namespace, wid)
-            held.push("writer lock", claim.release)
-            check_meta_present(config, namespace, claim.path, claim.wid)
-            layout = open_layout(config, namespace, ns_meta, claim.wid, create=True)
-            held.push("devices", layout.close)
-            if layout.files is not None:
-                layout.files.check_present(namespace)
-            meta = writer_meta(layout)
-            meta.save_config(config)
-            io_engine = open_shard_engine(config, engine, held, place)
-            with collector_paused():
-                recovered = jr.recover(layout.meta, len(namespace.part_sizes()), view=meta.view)
-                jr.drain_touched(recovered)  # its own uses of others' pages: nothing to its own index
-                if not meta.may_rotate(recovered.generation):  # a region's area its checkpoint does not cover
-                    fold = PageIndex(recovered, config.eviction, layout.capacity_slots).snapshot()
-                    meta.write_checkpoint(jw.checkpoint_blob(*fold, recovered.seq, recovered.generation),
-                                          recovered.generation)
-                # A new generation: a torn tail of an earlier run stays where that file's replay stops.
-                journal = meta.open_journal(recovered.generation)
-                held.push("journal", journal.close)
-                store = cls(config, namespace, layout, claim, recovered, io_engine, journal, shared=shared,
-                            clock=clock)
+            store = acquire_writer(config, namespace, held, engine, wid,
+                                   partial(cls, config, namespace, shared=shared, clock=clock))
             held.hand_over(store._release_steps())  # the store's own release steps, from here on
-            if recovered.replayed_records or recovered.problems:
+            if store.recovery.replayed_records or store.recovery.problems:
                 store.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
             store._start_lease()
             return store
@@ -249,7 +222,7 @@ class PageStore(PageShard, PoolSide):
         evicted: list[bytes] = []
         with self._lock:
             room = self._journal.room()
-            if room is not None and room < JOURNAL_SLACK + 2 * (len(keys) + 1) * fmt.record_estimate(self._index.parts):
+            if room is not None and room < JOURNAL_SLACK + 2 * (len(keys) + 1) * jw.record_estimate(self._index.parts):
                 self.counters.put_no_space += len(keys)  # a bounded journal (a region's area) nearly full
                 return _PutBatch([False] * len(keys))
             seen: set[PageKey] = set()
@@ -329,34 +302,6 @@ class PageStore(PageShard, PoolSide):
         # they reach the shared filesystem's server (NFS: not before an fsync or a close), and they read each
         # journal up to the length its lease announced: an unsynced batch would be invisible or torn there.
         return self.config.durability is not Durability.NONE or self.config.sharing is Sharing.CLUSTER
-
-    def _reserve_slot(self, evicted: list[bytes]) -> int | None:
-        """A slot for one more page (under the lock), evicting own pages while the pool is at its cap or
-        no slot is free; None when nothing of its own is left to evict."""
-        while self._at_pool_cap():
-            if not self._evict_coldest(evicted):
-                return None
-        slot = self._slots.allocate()
-        while slot is None:
-            if not self._evict_coldest(evicted):
-                return None
-            slot = self._slots.allocate()
-        return slot
-
-    def _at_pool_cap(self) -> bool:
-        """Whether one more page would take the pool (own pages + the peers' leased bytes) past its cap, or
-        this writer past the quota's growth limit."""
-        own = (len(self._index) + len(self._inflight) + 1) * self.slot_bytes
-        limit = self.grow_limit_bytes
-        return own + self.peer_bytes() > self._slots.capacity * self.slot_bytes or (limit is not None and own > limit)
-
-    def _evict_coldest(self, evicted: list[bytes]) -> bool:
-        victim = self._index.victim()
-        if victim is None:
-            return False
-        self._drop(victim, evicted)
-        self.counters.evictions += 1
-        return True
 
     # ------------------------------------------------------------------ delete / maintenance
     def _drop(self, key: PageKey, records: list[bytes]) -> None:

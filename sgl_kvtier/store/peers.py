@@ -6,8 +6,9 @@ only; no LOCK is probed on a refresh, the full verdicts are the quota's and ``Sh
 refresh records every lease mark, so the watch times a silent writer from the pool's first refresh on):
   * Discovered lazily: a directory that appears is opened on the next ``refresh``; one that fails to open
     (being created, damaged) is tried again after PEER_RETRY_S; one judged ``RETIRED`` is never opened.
-  * Each ``refresh`` reads every peer's lease and checks its fence, then replays its journal, and
-    hands the TOUCHes of own pages it finds to ``touched``. It runs at most every ``follow_interval_s``
+  * Each ``refresh`` reads every peer's lease and checks its fence (the FENCE file itself only when the
+    lease mark moved, the peer is new, or every ``heartbeat_s``: ``LeaseWatch.retired``), then replays its
+    journal, and hands the TOUCHes of own pages it finds to ``touched``. It runs at most every ``follow_interval_s``
     unless forced (``shortfall``: a lookup that fell short, at most every quarter of that, waiting up to
     SHORTFALL_WAIT_S for a refresh in flight elsewhere). One at a time; a call finding one in progress
     goes on without waiting.

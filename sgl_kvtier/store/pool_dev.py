@@ -266,10 +266,22 @@ def check_pool_open(config: StoreConfig) -> None:
 
 
 # ---------------------------------------------------------------------------------------- host slots
+def newest_header(magic: bytes, blocks: list[bytes], order: str, what: str) -> tuple[int, dict[str, Any]] | None:
+    """Of ``blocks`` (A/B copies), (index, fields) of the valid header with the highest ``order`` field; None
+    when neither is valid."""
+    found = []
+    for i, block in enumerate(blocks):
+        try:
+            found.append((i, fmt.unpack_header(magic, block, what)))
+        except (CorruptRecordError, ValueError):
+            continue
+    return max(found, key=lambda f: int(f[1].get(order, -1)), default=None)
+
+
 def read_host_lease(fd: int, sb: Superblock, host: int) -> dict[str, Any] | None:
     """Host ``host``'s lease: the valid block with the higher counter, or None."""
     data = read_at(fd, sb.slot_at(host), 2 * BLOCK)
-    found = fmt.newest_header(fmt.HOST_LEASE_MAGIC, [data[:BLOCK], data[BLOCK:]], "counter", "host lease")
+    found = newest_header(fmt.HOST_LEASE_MAGIC, [data[:BLOCK], data[BLOCK:]], "counter", "host lease")
     return None if found is None else found[1]
 
 
@@ -290,7 +302,7 @@ def read_table(fd: int, sb: Superblock, host: int) -> tuple[int, list[dict[str, 
         head = read_at(fd, at, BLOCK)
         need = min(fmt.header_bytes(head), fmt.HOST_TABLE_BYTES)
         copies.append(head if need <= BLOCK else read_at(fd, at, need))
-    found = fmt.newest_header(fmt.HOST_TABLE_MAGIC, copies, "generation", f"{sb.path} host {host} table")
+    found = newest_header(fmt.HOST_TABLE_MAGIC, copies, "generation", f"{sb.path} host {host} table")
     if found is None:
         return -1, []
     return int(found[1]["generation"]), list(found[1]["regions"])

@@ -26,6 +26,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, KVTierError
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.pool_dev import (
     BLOCK,
     REGION_ALIGN,
@@ -89,7 +90,7 @@ def checkpoint_bytes_for(slots: int, parts: int) -> int:
 
 def journal_bytes_for(checkpoint_interval: int, parts: int) -> int:
     """A journal area: twice the records between checkpoints (one is due at half full), 256 KiB at least."""
-    return up(max(256 << 10, 2 * checkpoint_interval * fmt.record_estimate(parts)), REGION_ALIGN)
+    return up(max(256 << 10, 2 * checkpoint_interval * jw.record_estimate(parts)), REGION_ALIGN)
 
 
 def region_header(namespace: Namespace, slot_bytes: int, index: int, count: int, store_id: str) -> dict[str, Any]:

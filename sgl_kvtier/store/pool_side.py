@@ -7,6 +7,8 @@ other writers' uses do to its pages.
     evict_older_than(age_s, now, limit_bytes) -> (pages, bytes punched)   the quota's eviction
     touch_own(keys)         other writers used these pages of ours (their TOUCH records)
     touch_remote(keys)      we used other writers' pages: TOUCH records for their owners
+    _reserve_slot(evicted)  a slot for a put's next page, within the pool-wide cap and the quota's growth
+                            limit (``grow_limit_bytes``), evicting own coldest pages to get there
 
 Everything runs under the store's lock, like the rest of the writer (``store.page_store``).
 """
@@ -39,6 +41,9 @@ class PoolSide:
     slot_bytes: int
     clock: Callable[[], float]
     published: tuple[float, dict[str, Any]] | None
+    peer_bytes: Callable[[], int]
+    grow_limit_bytes: int | None
+    _inflight: set[PageKey]
     _lock: threading.Lock
     _index: PageIndex
     _slots: SlotTable
@@ -56,6 +61,34 @@ class PoolSide:
 
     def _journal_sync_due(self) -> bool:
         raise NotImplementedError
+
+    def _reserve_slot(self, evicted: list[bytes]) -> int | None:
+        """A slot for one more page (under the lock), evicting own pages while the pool is at its cap or
+        no slot is free; None when nothing of its own is left to evict."""
+        while self._at_pool_cap():
+            if not self._evict_coldest(evicted):
+                return None
+        slot = self._slots.allocate()
+        while slot is None:
+            if not self._evict_coldest(evicted):
+                return None
+            slot = self._slots.allocate()
+        return slot
+
+    def _at_pool_cap(self) -> bool:
+        """Whether one more page would take the pool (own pages + the peers' leased bytes) past its cap, or
+        this writer past the quota's growth limit."""
+        own = (len(self._index) + len(self._inflight) + 1) * self.slot_bytes
+        limit = self.grow_limit_bytes
+        return own + self.peer_bytes() > self._slots.capacity * self.slot_bytes or (limit is not None and own > limit)
+
+    def _evict_coldest(self, evicted: list[bytes]) -> bool:
+        victim = self._index.victim()
+        if victim is None:
+            return False
+        self._drop(victim, evicted)
+        self.counters.evictions += 1
+        return True
 
     def usage(self) -> dict[str, Any]:
         """What the lease publishes of this writer now: pages, bytes, its capacity, journal cursor and the

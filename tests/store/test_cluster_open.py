@@ -12,9 +12,10 @@ import pytest
 from support import HostMemory, key, namespace, open_store, store_config
 
 from sgl_kvtier.errors import ConfigError, DeviceError
-from sgl_kvtier.store import devices, fs_check
+from sgl_kvtier.store import devices, fs_check, fs_detect
 from sgl_kvtier.store import journal_write as jw
-from sgl_kvtier.store.fs_check import FsClass, check_cluster_open, detect
+from sgl_kvtier.store.fs_check import check_cluster_open
+from sgl_kvtier.store.fs_detect import FsClass, detect
 from sgl_kvtier.store.layout import direct_mode
 
 
@@ -25,7 +26,7 @@ def fake_mounts(monkeypatch, tmp_path, *mounts):
               enumerate(mounts, 2)]
     info = tmp_path / "mountinfo"
     info.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(fs_check, "MOUNTINFO", str(info))
+    monkeypatch.setattr(fs_detect, "MOUNTINFO", str(info))
 
 
 def device(tmp_path, name="dev"):

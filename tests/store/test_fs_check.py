@@ -1,4 +1,4 @@
-"""Filesystem detection and the check-shared probes (``store.fs_check``): mountinfo parsing and the longest
+"""Filesystem detection and the check-shared probes (``store.fs_detect``, ``store.fs_probes``): mountinfo parsing and the longest
 matching mount point on injected texts, the classes, and the probes on real files."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from sgl_kvtier.errors import DeviceError
-from sgl_kvtier.store import fs_check
-from sgl_kvtier.store.fs_check import FsClass, check_shared, classify, detect, parse_mountinfo, probe_direct_io
+from sgl_kvtier.store import fs_probes
+from sgl_kvtier.store.fs_detect import FsClass, classify, detect, parse_mountinfo
+from sgl_kvtier.store.fs_probes import check_shared, probe_direct_io
 
 
 def line(mount_id, mount_point, fstype, source="src", dev="999:99", optional="shared:1"):
@@ -154,7 +155,7 @@ class Ticks:
 
 
 def peer_probe(directory: Path, boot: str, age_s: float = 0.0, seen=()) -> Path:
-    path = directory / f"{fs_check.PEER_PREFIX}{boot}.json"
+    path = directory / f"{fs_probes.PEER_PREFIX}{boot}.json"
     path.write_text(json.dumps({"host": "gpu02", "boot_id": boot, "machine_id": "m2", "pid": 7, "seen": list(seen)}))
     then = time.time() - age_s
     os.utime(path, (then, then))
@@ -162,7 +163,7 @@ def peer_probe(directory: Path, boot: str, age_s: float = 0.0, seen=()) -> Path:
 
 
 def our_probe(directory: Path, theirs: Path) -> Path:
-    (ours,) = [p for p in directory.glob(fs_check.PEER_PREFIX + "*.json") if p != theirs]
+    (ours,) = [p for p in directory.glob(fs_probes.PEER_PREFIX + "*.json") if p != theirs]
     return ours
 
 
@@ -176,7 +177,7 @@ def test_a_peer_is_found_and_ours_stays_until_the_peer_saw_it(tmp_path):
             peer_probe(tmp_path, "other-boot", seen=[ours.name])
 
     ticks = Ticks(peer_acts)
-    peer = fs_check.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)
+    peer = fs_probes.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)
     assert peer == {"host": "gpu02", "boot_id": "other-boot", "machine_id": "m2", "pid": 7}
     assert len(ticks.sleeps) == 3
     assert list(tmp_path.iterdir()) == [theirs]  # ours removed
@@ -185,23 +186,23 @@ def test_a_peer_is_found_and_ours_stays_until_the_peer_saw_it(tmp_path):
 def test_a_peer_that_finished_ends_the_wait(tmp_path):
     theirs = peer_probe(tmp_path, "other-boot", seen=["a-probe-of-someone-else.json"])
     ticks = Ticks(lambda n: theirs.unlink())
-    assert fs_check.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)["boot_id"] == "other-boot"
+    assert fs_probes.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)["boot_id"] == "other-boot"
     assert len(ticks.sleeps) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_a_peer_that_never_answers_is_still_a_peer_after_the_wait(tmp_path):
     peer_probe(tmp_path, "other-boot")
     ticks = Ticks()
-    assert fs_check.wait_for_peer(tmp_path, 2.0, sleep=ticks.sleep, clock=ticks.clock)["host"] == "gpu02"
+    assert fs_probes.wait_for_peer(tmp_path, 2.0, sleep=ticks.sleep, clock=ticks.clock)["host"] == "gpu02"
     assert sum(ticks.sleeps) == pytest.approx(2.0)
 
 
 def test_stale_probes_and_probes_of_this_host_are_no_peer(tmp_path, monkeypatch):
     peer_probe(tmp_path, "long-gone", age_s=3600)
     monkeypatch.setenv("KVTIER_BOOT_ID", "this-boot")
-    monkeypatch.setattr(fs_check, "machine_id", lambda: "m2")
+    monkeypatch.setattr(fs_probes, "machine_id", lambda: "m2")
     peer_probe(tmp_path, "this-boot")  # this very host (same boot and machine id)
     ticks = Ticks()
-    assert fs_check.wait_for_peer(tmp_path, 1.0, sleep=ticks.sleep, clock=ticks.clock) is None
+    assert fs_probes.wait_for_peer(tmp_path, 1.0, sleep=ticks.sleep, clock=ticks.clock) is None
     assert sum(ticks.sleeps) == pytest.approx(1.0)
     assert len(list(tmp_path.iterdir())) == 2  # ours removed, theirs left alone

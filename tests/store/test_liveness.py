@@ -13,6 +13,7 @@ from support import HostMemory, key, namespace, store_config
 from test_sharing import PAGE
 
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store import liveness
 from sgl_kvtier.store.lease import Lease, read_lease
 from sgl_kvtier.store.liveness import FENCE, LeaseWatch, OwnFence, Verdict, read_fence
 from sgl_kvtier.store.pool import SharedPool
@@ -197,3 +198,54 @@ def test_an_older_read_of_the_same_incarnation_is_no_change(tmp_path):
         now[0] = float(t)
         judged = watch.judge(other, old if t % 2 else new)  # alternating stale and fresh reads
     assert judged.verdict is Verdict.DEAD and judged.unchanged_s >= 10.0
+
+
+def test_a_refresh_reads_a_peers_fence_again_only_when_its_lease_moved_or_heartbeat_s_passed(tmp_path, monkeypatch):
+    """The pool's refresh (every follow_interval_s, here 0, and on shortfalls) is a hot path: an unchanged
+    lease costs no FENCE read until heartbeat_s passed on the observer's clock; a moved one costs one."""
+    reads: list[str] = []
+    real = liveness.read_fence
+    monkeypatch.setattr(liveness, "read_fence", lambda d: (reads.append(Path(d).name), real(d))[1])
+    cb = Clock()
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), namespace(PAGE)) as a, \
+            SharedPool.open_writer(cluster_config(tmp_path, "hostb"), namespace(PAGE), clock=cb) as b:
+        assert a.own is not None and a.own.lease is not None and a.wid is not None
+        name, heartbeat_s = f"w-{a.wid}", b.config.heartbeat_s
+
+        def reads_over(refreshes: int) -> int:
+            before = reads.count(name)
+            for _ in range(refreshes):
+                b.refresh(force=True)
+            return reads.count(name) - before
+
+        assert reads.count(name) == 1 and b.peers().keys() == {a.wid}  # newly seen by b's open: read once
+        assert reads_over(20) == 0  # its lease unchanged: not read again
+        a.own.lease.beat()  # its counter advances
+        assert reads_over(1) == 1 and reads_over(20) == 0
+        cb.t += heartbeat_s - 1
+        assert reads_over(5) == 0
+        cb.t += 1  # the periodic re-check, lease unchanged
+        assert reads_over(1) == 1 and reads_over(5) == 0
+        # A retirer fences it (its lease unchanged: it is paused): a refresh notices within heartbeat_s.
+        write_fence(a.own.layout.meta, lease_of(a)["incarnation"], "hostc-0", "hostc")
+        assert reads_over(3) == 0 and b.peers().keys() == {a.wid}
+        cb.t += heartbeat_s
+        assert reads_over(1) == 1 and b.peers() == {} and b.sharing_stats()["peers_dropped"] == 1
+        assert b.verdict(a.wid).verdict is Verdict.RETIRED
+
+
+def test_a_judged_fence_is_seen_by_the_next_refresh_at_once(tmp_path, monkeypatch):
+    """``judge`` (quota step, inspect) always reads the FENCE; what it read is what the next refresh uses."""
+    reads: list[str] = []
+    real = liveness.read_fence
+    monkeypatch.setattr(liveness, "read_fence", lambda d: (reads.append(Path(d).name), real(d))[1])
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), namespace(PAGE)) as a, \
+            SharedPool.open_writer(cluster_config(tmp_path, "hostb"), namespace(PAGE), clock=Clock()) as b:
+        assert a.own is not None and a.wid is not None
+        name = f"w-{a.wid}"
+        b.refresh(force=True)
+        write_fence(a.own.layout.meta, lease_of(a)["incarnation"], "hostc-0", "hostc")
+        before = reads.count(name)
+        assert b.verdict(a.wid).verdict is Verdict.RETIRED and reads.count(name) == before + 1
+        b.refresh(force=True)  # no clock advance, no lease change: the judged fence drops it
+        assert b.peers() == {} and reads.count(name) == before + 1
