@@ -25,6 +25,10 @@ Invariants:
 - A failed staged read is not an answer: the taker reads that page from the store itself (a miss
   there stays a miss; a corrupt page was dropped by the store's check).
 - Staging jobs run on this object's own threads and never raise out of them.
+- A streamed tail (``sgl_kvtier.sglang.stream``) may ``take`` its pages' entries out of the table without
+  waiting; each taken entry is then the taker's to ``deliver`` (after its read ended) or ``give_back``, by
+  the same rules as ``read``'s (a buffer is freed only after its read returned). A taker's ``listener`` is
+  called on the staging thread once a taken entry's read ended (never under this object's lock).
 """
 
 from __future__ import annotations
@@ -60,12 +64,16 @@ class _Entry:
     buffer: AlignedBuffer | None = None  # set by the staging job before its read
     state: EntryState = EntryState.READING
     abandoned: bool = False  # left the table while READING: the job frees the buffer
+    listener: Callable[[], None] | None = None  # a taker's wake-up (``take``), called once the read ended
 
     def staged_buffer(self) -> AlignedBuffer:
         """The buffer the staging job gave this entry (always set before its read starts)."""
         if self.buffer is None:
             raise RuntimeError("read-ahead entry has no staging buffer")
         return self.buffer
+
+
+StagedPage = _Entry  # an entry a streamed tail took (``ReadAhead.take``)
 
 
 @dataclass
@@ -171,6 +179,12 @@ class ReadAhead:
                 if entry.abandoned:
                     self._free(entry)
                 entry.done.set()
+            listeners = [e.listener for _, e in job if e.listener is not None]
+        for listener in listeners:  # outside the lock: a taker's wake-up takes its own lock
+            try:
+                listener()
+            except Exception as exc:  # thread boundary: the taker also sees ``done`` when it looks
+                self._errlog.error("kvtier read-ahead listener failed: %s: %s", type(exc).__name__, exc)
 
     def _give_buffers(self, entries: list[_Entry]) -> None:
         with self._lock:
@@ -232,6 +246,37 @@ class ReadAhead:
             for i, ok in zip(direct, self._reader([keys[i] for i in direct], [pages[i] for i in direct])):
                 results[i] = ok
         return results
+
+    # ------------------------------------------------------------------ taken whole (streamed tails)
+    def take(self, keys: Sequence[PageKey], listener: Callable[[], None]) -> dict[int, StagedPage]:
+        """Without waiting: the staged entries of ``keys`` (by index in ``keys``), out of the table. Each is the
+        caller's: ``deliver`` it once ``done`` is set (``listener`` is called then, on the staging thread, for
+        an entry still READING now), or ``give_back`` it."""
+        with self._lock:
+            taken = {i: self._entries.pop(k) for i, k in enumerate(keys) if k in self._entries}
+            for entry in taken.values():
+                if entry.state is EntryState.READING:
+                    entry.listener = listener
+            return taken
+
+    def deliver(self, entry: StagedPage, pages: Sequence[Run]) -> bool:
+        """A taken entry whose read ended: its verified bytes copied into ``pages`` (True), or False (the
+        staged read failed: the caller reads that page itself). Its buffer is free again either way."""
+        entry.done.wait()  # set already when the caller follows ``take``'s rule; never a long wait
+        ok = entry.state is EntryState.READY
+        if ok:
+            copy_to_runs(entry.staged_buffer().view, pages)
+        with self._lock:
+            self._free(entry)
+            self.counters.served += ok
+            self.counters.joined += ok and entry.listener is not None
+        return ok
+
+    def give_back(self, entry: StagedPage) -> None:
+        """A taken entry not delivered (its taker gave up): freed now, or by its job once its read returns."""
+        with self._lock:
+            entry.listener = None
+            self._abandon(entry)
 
     # ------------------------------------------------------------------ lifecycle
     def staged_keys(self) -> int:

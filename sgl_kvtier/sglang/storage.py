@@ -22,6 +22,12 @@ scheduler; none of these raises. Every exception is caught in ``_guarded``, answ
 ``kvtier_boundary_errors`` gauge), and logged at a bounded rate: IO faults and bad arguments
 (``EXPECTED_ERRORS``) in one line, anything else (a bug) with its traceback.
 
+Streamed hits (issue #13, ``sgl_kvtier.sglang.stream``): with ``streaming = "on"`` and a KV pool whose pages
+stream in layer groups (``streaming_enabled``; else one log line at registration says why), ``bind_hit`` (the
+stream plugin, once SGLang allocated a hit's host slots) starts a ``TailStream`` into them, and
+``batch_get_v1`` answers bound slots at once (``binder.answer``: the leading pages landed and verified True,
+the rest False) and reads any other slots as before. ``close`` closes the binder before the stores.
+
 State: everything per backend lives on the instance (stores, transfer figures, the error counters, the
 cost policy with its prefill estimator, the metrics feed); the one per-process object is the Prometheus
 exporter (``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's registry is per process.
@@ -44,6 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from sgl_kvtier.config import Streaming
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import PageKey, parse_key
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
@@ -52,6 +59,7 @@ from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
 from sgl_kvtier.sglang.stats import TransferStats
+from sgl_kvtier.sglang.stream.binding import StreamBinder, why_not_streaming
 from sgl_kvtier.sglang.tiers import KV, PoolTiers
 from sgl_kvtier.store.lifecycle import Failure
 from sgl_kvtier.telemetry.counters import ErrorBoundary
@@ -80,6 +88,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
         self.cost = CostPolicy(self._read_path, boundary=self.boundary)
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
+        self.binder = StreamBinder(lambda: self.kv, lambda: self.streaming_enabled, self.boundary)
+        self._said_streaming = False
         warm_page_hash()
 
     @property
@@ -99,6 +109,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         known (``on_host_pools_registered``)."""
         super().register_mem_pool_host(mem_pool_host)
         self.pools.register(KV, mem_pool_host, open_now=True)
+        self._say_streaming()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Every pool of SGLang's ``HostPoolGroup``: served by a tier of its own (the KV pool by the ``kv``
@@ -111,6 +122,37 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """All pools are known: open every tier's shard under its share of the capacity."""
         super().on_host_pools_registered()
         self.pools.open_all()
+        self._say_streaming()
+
+    # ------------------------------------------------------------------ streamed hits (issue #13)
+    @property
+    def streaming_enabled(self) -> bool:
+        """``streaming = "on"`` and the KV pool's pages stream in layer groups (``binding.why_not_streaming``)."""
+        return self.config.streaming is Streaming.ON and why_not_streaming(self.kv, self.tiers) is None
+
+    def _say_streaming(self) -> None:
+        """Once per backend: why ``streaming = "on"`` cannot stream here (a registered layout, side pools)."""
+        if self._said_streaming or self.config.streaming is not Streaming.ON or self.kv is None:
+            return
+        why = why_not_streaming(self.kv, self.tiers)
+        if why is not None:
+            self._said_streaming = True
+            log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)
+
+    def bind_hit(self, hashes: list[str], host_indices: torch.Tensor) -> None:
+        """SGLang allocated ``host_indices`` for the hit of ``hashes`` (its leading ``len(host_indices) //
+        page_tokens`` pages; the allocation may be shorter than the hit): stream them in now. Never raises
+        (a failure is counted at the boundary and the hit loads as today)."""
+        def bind() -> None:
+            tier = self.kv
+            if not self.streaming_enabled or tier is None:
+                return
+            pages = host_indices.numel() // tier.pages.page_tokens
+            keys = _keys_until_invalid(hashes[:pages])
+            if pages and len(keys) == pages:
+                self.binder.bind(keys, host_indices)
+
+        self._guarded("bind_hit", bind, lambda: None)
 
     # ------------------------------------------------------------------ v1: zero-copy KV
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -135,7 +177,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         def get() -> list[bool]:
             start = time.perf_counter()
             tier = self._kv()
-            result = tier.read(_keys_or_none(keys), host_indices)
+            parsed = _keys_or_none(keys)
+            answer = self.binder.answer(parsed, host_indices)  # bound slots: the stream's head, at once
+            if answer is not None:
+                return answer
+            result = tier.read(parsed, host_indices)
             self.stats.record_get(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
             return result
 
@@ -261,7 +307,12 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     def close(self) -> None:
         """Stop every tier's read-ahead and close its store (detach, shutdown, a failed attach): every tier,
         whatever the others raise. Never raises into SGLang: once all is released, the first failure is
-        counted and logged at the boundary (the later ones as its notes, and logged). Idempotent."""
+        counted and logged at the boundary (the later ones as its notes, and logged). Idempotent. The binder
+        first: its streams read the stores."""
+        try:
+            self.binder.close()
+        except Exception as exc:  # the stores are closed whatever the binder raised
+            self.boundary.fail("close (tail streams)", exc, outcome="the stores closed anyway")
         failures = self.pools.close()
         if failures:
             self._report_close(failures)
