@@ -26,15 +26,15 @@ import json
 import shlex
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import drop_caches, page_cache_policy, progress
+from benchmarks.common import page_cache_policy, progress
 from benchmarks.serving import client, configs, policy_report, report, session, workloads
 from benchmarks.serving.models import run_model
 from benchmarks.serving.policies import POLICIES, parse_device, prefix_rounds, resolve_policies, unique_tokens
 from benchmarks.serving.probes import prebuild_hash_extension, store_summary
+from benchmarks.serving.settle import settle
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every policy runs
@@ -98,31 +98,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device_settings = [parse_device(d, args.slow_latency_ms) for d in args.devices]
     args.policy_list = resolve_policies(args.policies)
     return args
-
-
-def wait_l3(url: str, want: float, limit_s: float, stall_s: float) -> dict[str, Any]:
-    """`client.wait_backups` until `want` tokens are backed up, giving up after `limit_s` or as soon as the
-    count has not moved for `stall_s` (SGLang drops a host backup for good when the host pool is full of
-    pages still waiting for L3: those tokens never arrive)."""
-    t0, last, seen = time.monotonic(), None, {}
-    while time.monotonic() - t0 < limit_s:
-        seen = client.wait_backups(url, want, min(stall_s, limit_s))
-        if seen["settled"] or seen["backuped_tokens"] == last:
-            break
-        last = seen["backuped_tokens"]
-    return seen | {"waited_s": round(time.monotonic() - t0, 2)}
-
-
-def settle(args, srv, unique: list[int], i: int, base: float, drop: bool, console) -> dict[str, Any]:
-    """Before round i > 0: every page of rounds < i backed up to L3, L1 + L2 flushed, page cache dropped."""
-    out: dict[str, Any] = {"backups": wait_l3(srv.url, base + unique[i - 1], args.backup_wait, args.backup_stall)}
-    if not out["backups"]["settled"]:
-        console.log(f"[yellow]L3 write-back stopped at {out['backups']['backuped_tokens']:.0f} of "
-                    f"{base + unique[i - 1]:.0f} tokens: some prefixes are not in L3 (host pool too small?)[/]")
-    out["flush_s"] = srv.flush_cache(timeout_s=max(120.0, args.backup_wait))
-    if drop:
-        out["drop_caches_s"] = drop_caches()
-    return out
 
 
 def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, bars, task, console) -> dict[str, Any]:

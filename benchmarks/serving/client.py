@@ -72,6 +72,8 @@ def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str 
         cached_device=int(details.get("device", 0)), cached_host=int(details.get("host", 0)),
         cached_storage=int(details.get("storage", 0)), storage_backend=details.get("storage_backend"),
         meta_id=meta.get("id"),
+        # the whole output (SGLang's non-incremental stream: the last chunk holds it all), for comparisons
+        text=last.get("text"), output_ids=last.get("output_ids"),
     )
     return rec
 

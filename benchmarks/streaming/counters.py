@@ -1,0 +1,65 @@
+"""The streaming figures read off a running server: ``/metrics`` before and after each phase, and its log.
+
+From ``/metrics`` (summed over labels: ranks, pools): every ``kvtier_stream*`` sample, whatever the stream
+plugin names them (streamed pages, gate waits, failed groups, retracted requests: gauges of running totals,
+as the backend's other ``kvtier_`` gauges), the store's part counters (``kvtier_store_parts_read`` /
+``_parts_failed``: parts read group-major and verified / failed), the adapter's caught exceptions, and
+SGLang's own ``sglang:num_retracted_requests_total``. A phase's figure is after - before; a name absent on
+both sides is absent (never a made-up 0). From the log: tracebacks through sgl_kvtier (a bug), lines
+naming a retract, and lines of the stream plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+STREAM_PREFIX = "kvtier_stream"
+NAMED = {
+    "parts_read": "kvtier_store_parts_read",
+    "parts_failed": "kvtier_store_parts_failed",
+    "boundary_errors": "kvtier_boundary_errors",
+    "retracted_requests": "sglang:num_retracted_requests_total",
+}
+Sample = tuple[str, dict[str, str], float]
+
+
+def read(samples: Iterable[Sample]) -> dict[str, float]:
+    """The streaming figures of one ``/metrics`` scrape (``client.scrape``'s samples)."""
+    by_name = {v: k for k, v in NAMED.items()}
+    out: dict[str, float] = {}
+    for name, _labels, value in samples:
+        if name.startswith(STREAM_PREFIX):
+            key = name.removeprefix("kvtier_")
+        elif name in by_name:
+            key = by_name[name]
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """after - before for every figure either side has."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after.keys() | before.keys())}
+
+
+def total(phases: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """The sum of the phases' ``stream_counters`` deltas."""
+    out: dict[str, float] = {}
+    for phase in phases:
+        for k, v in phase.get("stream_counters", {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def log_counts(text: str) -> dict[str, int]:
+    """Tracebacks through sgl_kvtier, lines naming a retract, and the stream plugin's lines in a server log."""
+    from sgl_kvtier.serving.server import tracebacks_through
+
+    lines = text.splitlines()
+    return {
+        "sgl_kvtier_tracebacks": len(tracebacks_through(text)),
+        "retract_lines": sum("retract" in line.lower() for line in lines),
+        "stream_lines": sum("sgl_kvtier" in line and "stream" in line.lower() for line in lines),
+    }

@@ -1,0 +1,137 @@
+"""The servers of one bench_streaming run, in the order they run, and the break-even device.
+
+A run crosses device settings with the two values of the L3 config key ``streaming`` (``off``: today's path,
+a hit loaded whole before its request is admitted; ``on``: its tail streams in layer groups into the
+request's own prefill). Each (device, streaming) pair is one real server with a fresh L3 directory. Devices
+(``--devices``):
+
+- ``fast``: the L3 directory's own device, unthrottled;
+- ``slow:R[:W]``: reads capped at R MB/s, writes at W (bench_policy's ``DeviceSetting``, sgl-kvtier's
+  ``throttle`` table);
+- ``breakeven``: throttled so that loading one document prefix takes about as long as computing the
+  question suffix: R = prefix KV bytes / suffix compute seconds (``breakeven_mbps``). The compute seconds are
+  the device-hit TTFT p50 at the lowest concurrency measured by this run's reference server
+  (``suffix_compute_s``), unless ``--breakeven-mbps`` gives R.
+
+Ordering rules (``plan_servers``):
+- servers of ``breakeven`` run after every other device's: their rate is known only once the reference
+  server has measured the device hit;
+- the reference server (L3 rounds plus the device-hit and recompute rounds) is the first server of the run;
+  it must not be a ``breakeven`` one whose rate is still unknown (that would be circular);
+- within a device, ``off`` runs before ``on`` (today's path first, as a baseline for the same device).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.serving.policies import DeviceSetting, parse_device
+from sgl_kvtier.config import Streaming
+
+BREAKEVEN = "breakeven"
+MODES = (Streaming.OFF, Streaming.ON)
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    """One server of the run: its device setting (the ``--devices`` spelling), its ``streaming`` value, and
+    whether it also serves the reference rounds (device hit, recompute)."""
+
+    device: str
+    streaming: Streaming
+    references: bool = False
+
+    @property
+    def tag(self) -> str:
+        return f"{self.device.replace(':', '-')}-{self.streaming.value}"
+
+
+def check_device(spec: str) -> str:
+    """``spec`` if it names a device setting (``fast``, ``breakeven``, ``slow:R[:W]``); ValueError otherwise."""
+    if spec != BREAKEVEN:
+        parse_device(spec, 0.0)
+    return spec
+
+
+def parse_modes(values: Iterable[str]) -> list[Streaming]:
+    """``off`` / ``on`` values (``StoreConfig.streaming``'s), in MODES order, duplicates dropped."""
+    wanted = set()
+    for v in values:
+        try:
+            wanted.add(Streaming(v))
+        except ValueError:
+            raise ValueError(f"streaming mode {v!r}: expected one of {[m.value for m in MODES]}") from None
+    return [m for m in MODES if m in wanted]
+
+
+def plan_servers(devices: Sequence[str], modes: Sequence[Streaming], references: bool,
+                 breakeven_known: bool) -> list[ServerRun]:
+    """Every (device, mode) server in run order (module docstring); the first carries the references."""
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"a device setting is listed twice: {list(devices)}")
+    if not devices or not modes:
+        raise ValueError("at least one device setting and one streaming mode are needed")
+    for d in devices:
+        check_device(d)
+    ordered = [d for d in devices if d != BREAKEVEN] + [d for d in devices if d == BREAKEVEN]
+    runs = [ServerRun(d, m) for d in ordered for m in modes]
+    if BREAKEVEN in devices and not breakeven_known and (not references or runs[0].device == BREAKEVEN):
+        raise ValueError("the breakeven device needs the suffix compute time: keep the references (device hit) "
+                         "on a device other than breakeven, or give --breakeven-mbps")
+    if references:
+        runs[0] = ServerRun(runs[0].device, runs[0].streaming, references=True)
+    return runs
+
+
+def breakeven_mbps(prefix_bytes: int, compute_s: float) -> float:
+    """The read rate (MB/s, 1 MB = 1e6 bytes) at which ``prefix_bytes`` load in ``compute_s``."""
+    if prefix_bytes <= 0 or not compute_s > 0:
+        raise ValueError(f"break-even needs positive bytes and seconds, got {prefix_bytes} B in {compute_s} s")
+    return prefix_bytes / compute_s / 1e6
+
+
+def prefix_bytes(doc_tokens: int, page_size: int, kv_bytes_per_token: int) -> int:
+    """KV bytes of the whole pages of one document prefix: what an L3 hit of it loads."""
+    return doc_tokens // page_size * page_size * kv_bytes_per_token
+
+
+def pure_device_hit(rec: Mapping[str, Any]) -> bool:
+    """A request whose cached prefix came from the device pool (L1) alone: no host or L3 load in its TTFT."""
+    return "error" not in rec and rec.get("cached_device", 0) > 0 and not rec.get("cached_host", 0) \
+        and not rec.get("cached_storage", 0)
+
+
+def suffix_compute_s(records: Sequence[Mapping[str, Any]]) -> tuple[float, str]:
+    """The suffix's compute time: the median TTFT of the pure device hits among ``records`` (the device-hit
+    rounds at one concurrency), else of every device-hit record (L2 ones included, which overstates it by
+    the host -> device copy). Returns (seconds, which basis). ValueError without a usable record."""
+    pure = [r["ttft_s"] for r in records if pure_device_hit(r)]
+    if pure:
+        return statistics.median(pure), f"median TTFT of {len(pure)} pure device (L1) hits"
+    ok = [r["ttft_s"] for r in records if "error" not in r and "ttft_s" in r]
+    if not ok:
+        raise ValueError("no device-hit request succeeded: the suffix compute time is unknown")
+    return statistics.median(ok), f"median TTFT of {len(ok)} device/host (L1/L2) hits"
+
+
+def breakeven_device(mbps: float, write_mbps: float | None, latency_ms: float) -> DeviceSetting:
+    """The throttled setting of the break-even device (named by its rate: ``breakeven-<R>MBps``)."""
+    return DeviceSetting(f"{BREAKEVEN}-{mbps:.0f}MBps", round(mbps, 1), write_mbps, latency_ms)
+
+
+def resolve_device(spec: str, latency_ms: float, breakeven: DeviceSetting | None) -> DeviceSetting:
+    """The ``DeviceSetting`` of ``spec``; ``breakeven`` must be known for the break-even device."""
+    if spec == BREAKEVEN:
+        if breakeven is None:
+            raise ValueError("the break-even rate is not known yet")
+        return breakeven
+    return parse_device(spec, latency_ms)
+
+
+def server_extra(device: DeviceSetting, user_extra: Mapping[str, Any], mode: Streaming) -> dict[str, Any]:
+    """The sgl-kvtier extra config keys of one server: the device's throttle, the caller's keys, then
+    ``streaming`` (last, so a ``--kvtier-extra`` can never make an ``off`` server stream or the reverse)."""
+    return {**device.kvtier_extra(), **user_extra, "streaming": mode.value}

@@ -1,0 +1,214 @@
+"""bench_streaming's tables and targets: per device, the L3-hit TTFT with streaming off and on at each
+concurrency, their ratio, whether the outputs were identical, and the streaming counters; the reference
+cells (device hit, recompute); the issue's targets judged on the run (reported, never asserted).
+
+Cells are ``serving.report.summarize`` summaries plus ``stream`` (the phases' summed streaming counters):
+``run["servers"][device][mode]["levels"][level][str(C)]``, level ``l3`` / ``device`` / ``recompute``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.serving.report import machine_paragraph, model_dtype
+from benchmarks.streaming.outputs import all_identical
+from benchmarks.streaming.plan import BREAKEVEN
+
+Cell = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    """on/off TTFT p50 at most ``bound`` on the devices ``applies`` accepts, at C = ``concurrency`` (None: all)."""
+
+    words: str
+    bound: float
+    concurrency: int | None
+    kind: str  # "breakeven", "fast" or "any": which devices
+
+    def applies(self, device: str, spec: str, c: int) -> bool:
+        if self.concurrency is not None and c != self.concurrency:
+            return False
+        if self.kind == "any":
+            return True
+        return spec == self.kind if self.kind == BREAKEVEN else device == self.kind
+
+
+TARGETS = (
+    Target("break-even device, C = 1: L3-hit TTFT p50 >= 20% lower (on/off <= 0.80)", 0.80, 1, BREAKEVEN),
+    Target("fast device, C = 1: L3-hit TTFT p50 >= 10% lower (on/off <= 0.90)", 0.90, 1, "fast"),
+    Target("every device and C: never more than 5% worse (on/off <= 1.05)", 1.05, None, "any"),
+)
+
+
+def cell(run: Mapping[str, Any], device: str, mode: str, level: str, c: int) -> Cell | None:
+    res = run["servers"].get(device, {}).get(mode, {})
+    found: Cell | None = res.get("levels", {}).get(level, {}).get(str(c))
+    return found
+
+
+def levels(run: Mapping[str, Any], device: str, level: str = "l3") -> list[int]:
+    cs = {int(c) for res in run["servers"].get(device, {}).values() for c in res.get("levels", {}).get(level, {})}
+    return sorted(cs)
+
+
+def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s") -> float | None:
+    """streaming on / off of ``key`` at C = ``c`` (lower is better), or None when either is missing."""
+    off, on = cell(run, device, "off", "l3", c), cell(run, device, "on", "l3", c)
+    if off is None or on is None or not off[key] > 0 or math.isnan(on[key]):
+        return None
+    return float(on[key] / off[key])
+
+
+def unfulfilled(c: Cell) -> float:
+    """L3 hits found but not served (SGLang's ``unfulfilled_*`` reasons, summed): recomputed instead."""
+    return float(sum(v for k, v in c.get("metrics", {}).items() if k.startswith("unfulfilled_")))
+
+
+def fallbacks(run: Mapping[str, Any]) -> list[str]:
+    """(device, C) cells whose ``on`` server served fewer L3 tokens than the ``off`` one: there the on path
+    recomputed what off loaded, so its TTFT is not a streaming figure."""
+    out = []
+    for device in run["device_order"]:
+        for c in levels(run, device):
+            off, on = cell(run, device, "off", "l3", c), cell(run, device, "on", "l3", c)
+            if off and on and on["cached_tokens"]["storage"] < off["cached_tokens"]["storage"]:
+                out.append(f"{device} C={c}: on served {on['cached_tokens']['storage']} L3 tokens, off "
+                           f"{off['cached_tokens']['storage']} ({unfulfilled(on):.0f} unfulfilled)")
+    return out
+
+
+def _fmt(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+def _identical(run: Mapping[str, Any], device: str, c: int) -> str:
+    got = run.get("identical", {}).get(device, {}).get(str(c))
+    if not got:
+        return "-"
+    text = f"{got['identical']}/{got['compared']}"
+    return text + (f" ({got['missing']} missing)" if got["missing"] else "")
+
+
+def _stream(c: Cell) -> str:
+    parts = [f"{k.removeprefix('stream_')}={v:g}" for k, v in sorted(c.get("stream", {}).items())
+             if k.startswith("stream") and v]
+    return ", ".join(parts) or "-"
+
+
+def _counter(c: Cell, key: str) -> str:
+    v = c.get("stream", {}).get(key)
+    return "-" if v is None else f"{v:g}"
+
+
+def table(run: Mapping[str, Any], device: str) -> str:
+    head = ["streaming", "C", "TTFT p50 s", "p99 s", "on/off p50", "on/off p99", "L3 tokens", "unfulfilled L3 tokens",
+            "computed tokens", "identical outputs", "stream counters", "parts read", "parts failed", "retracted",
+            "errors"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in levels(run, device):
+        for mode in run["modes"]:
+            x = cell(run, device, mode, "l3", c)
+            if x is None:
+                continue
+            on = mode == "on"
+            lines.append("| " + " | ".join([
+                mode, str(c), f"{x['ttft_p50_s']:.2f}", f"{x['ttft_p99_s']:.2f}",
+                _fmt(ratio(run, device, c)) if on else "-", _fmt(ratio(run, device, c, "ttft_p99_s")) if on else "-",
+                str(x["cached_tokens"]["storage"]), f"{unfulfilled(x):.0f}", str(x["computed_tokens"]),
+                _identical(run, device, c) if on else "-", _stream(x), _counter(x, "parts_read"),
+                _counter(x, "parts_failed"), _counter(x, "retracted_requests"), str(x["errors"])]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def reference_table(run: Mapping[str, Any]) -> str:
+    ref = run.get("references")
+    if not ref:
+        return "(no reference server in this run)"
+    device, mode = ref["device"], ref["streaming"]
+    head = ["reference", "C", "TTFT p50 s", "p99 s", "device tokens", "host tokens", "L3 tokens", "computed tokens",
+            "L3 off p50 / this p50", "errors"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for level, name in (("device", "device hit (L1/L2)"), ("recompute", "recompute")):
+        for c in levels(run, device, level):
+            x = cell(run, device, mode, level, c)
+            if x is None:
+                continue
+            l3 = cell(run, device, "off", "l3", c)
+            vs = _fmt(l3["ttft_p50_s"] / x["ttft_p50_s"]) if l3 and x["ttft_p50_s"] > 0 else "-"
+            t = x["cached_tokens"]
+            lines.append(f"| {name} | {c} | {x['ttft_p50_s']:.2f} | {x['ttft_p99_s']:.2f} | {t['device']} | "
+                         f"{t['host']} | {t['storage']} | {x['computed_tokens']} | {vs} | {x['errors']} |")
+    return "\n".join(lines)
+
+
+def targets(run: Mapping[str, Any]) -> list[str]:
+    """One line per target and (device, C) it applies to: MET / NOT MET with the figures, or why not judged."""
+    out = []
+    for t in TARGETS:
+        judged = []
+        for device in run["device_order"]:
+            spec = run["devices"][device]["spec"]
+            for c in levels(run, device):
+                if not t.applies(device, spec, c):
+                    continue
+                r = ratio(run, device, c)
+                if r is None:
+                    judged.append(f"{device} C={c}: not measured (off or on missing)")
+                    continue
+                off, on = cell(run, device, "off", "l3", c), cell(run, device, "on", "l3", c)
+                assert off is not None and on is not None
+                fell = " [on recomputed L3 hits: see the warning]" if on["cached_tokens"]["storage"] < \
+                    off["cached_tokens"]["storage"] else ""
+                judged.append(f"{device} C={c}: {'MET' if r <= t.bound else 'NOT MET'} (on {on['ttft_p50_s']:.2f} s "
+                              f"/ off {off['ttft_p50_s']:.2f} s = {r:.2f}){fell}")
+        out.append(f"- {t.words}: " + ("; ".join(judged) if judged else "not measured in this run"))
+    same = {d: all_identical(run.get("identical", {}).get(d, {})) for d in run["device_order"]}
+    words = "; ".join(f"{d}: {'yes' if v else 'NO' if v is False else 'not compared'}" for d, v in same.items())
+    out.append(f"- outputs identical on/off (greedy): {words}")
+    fell_back = fallbacks(run)
+    if fell_back:
+        out.append("- WARNING, streaming on recomputed L3 hits that off loaded (its TTFT there is no streaming "
+                   "figure): " + "; ".join(fell_back))
+    return out
+
+
+def breakeven_line(run: Mapping[str, Any]) -> str:
+    b = run.get("breakeven")
+    if not b:
+        return "No break-even device in this run."
+    if b.get("error"):
+        return f"Break-even device: not run ({b['error']})."
+    how = ("given (--breakeven-mbps)" if b["source"] == "given" else
+           f"derived: {b['prefix_bytes'] / 1e6:.1f} MB of KV per prefix / suffix compute {b['compute_s']:.3f} s "
+           f"({b['basis']}, C={b['concurrency']})")
+    return f"Break-even read rate {b['mbps']:.1f} MB/s, {how}; writes {b.get('write_mbps') or 'as reads'} MB/s."
+
+
+def markdown(run: Mapping[str, Any]) -> str:
+    s, w = run["sizing"], run["workload"]
+    parts = [f"# bench_streaming: {run['started']}", "", *machine_paragraph(dict(run)),
+             (f"Model `{run['model']['name']}` ({model_dtype(dict(run))}{run['model']['kv_bytes_per_token']} KV "
+              f"bytes/token), {'GPU' if run['gpu'] else 'CPU'}, page {s['page_size']} tokens, device pool "
+              f"{s['device_tokens']} tokens, host pool {s['host_tokens']} tokens; prefetch policy "
+              f"{run['prefetch_policy']}; page cache: {run['page_cache']}."), "",
+             f"Workload: {w['description']}", "", breakeven_line(run), "",
+             ("`on/off`: the L3-hit TTFT with streaming on over the same with it off, same device and C (lower is "
+              "better). `identical outputs`: measured requests whose greedy output on the `on` server equals the "
+              "`off` server's. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
+    for device in run["device_order"]:
+        parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
+    parts += ["## References (device hit, recompute)", "", reference_table(run), "",
+              "## Targets (issue #13)", "", *targets(run), "", "## Server commands", ""]
+    for device in run["device_order"]:
+        for mode, res in run["servers"].get(device, {}).items():
+            env = " ".join(f"{k}={v}" for k, v in res.get("env", {}).items())
+            logs = res.get("log_counts", {})
+            parts += [f"- **{device} / streaming {mode}**, started in {res.get('startup_s') or 0:.0f} s, "
+                      f"{logs.get('sgl_kvtier_tracebacks', '?')} sgl_kvtier tracebacks"
+                      + (f", FAILED: {res['error'][:300]}" if res.get("error") else "") + ":",
+                      f"  `{env + ' ' if env else ''}{res.get('command_str', '')}`"]
+    return "\n".join(parts) + "\n"

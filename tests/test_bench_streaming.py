@@ -1,0 +1,248 @@
+"""benchmarks.bench_streaming: the servers of a run and their order, the break-even device, the rounds, the
+streaming counters, the on/off output comparison, the report, and a smoke run on real servers.
+
+The smoke run (`--smoke`) starts two real SGLang servers on the CPU (tiny model, HiCache + sgl-kvtier L3 on the
+fast device), `streaming = "off"` and `"on"`, each serving a write round and two measured L3 rounds of one
+request (L1 + L2 flushed before each), the first also a device-hit and a recompute round. About 2-3 minutes:
+two start-ups dominate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_streaming as bench
+from benchmarks.serving import report, workloads
+from benchmarks.serving.policies import parse_device, prefix_rounds
+from benchmarks.streaming import counters, outputs, plan, plot, rounds
+from benchmarks.streaming import report as stream_report
+from sgl_kvtier.config import Streaming
+
+OFF, ON = Streaming.OFF, Streaming.ON
+
+
+def test_servers_run_in_order_with_the_references_first() -> None:
+    runs = plan.plan_servers(["breakeven", "fast", "slow:50"], [OFF, ON], references=True, breakeven_known=False)
+    assert [(r.device, r.streaming, r.references) for r in runs] == [
+        ("fast", OFF, True), ("fast", ON, False), ("slow:50", OFF, False), ("slow:50", ON, False),
+        ("breakeven", OFF, False), ("breakeven", ON, False)]
+    assert runs[2].tag == "slow-50-off"
+    # The break-even rate comes from the references: they must run before, on another device, unless given.
+    for devices, refs in ((["breakeven"], True), (["fast", "breakeven"], False)):
+        with pytest.raises(ValueError, match="breakeven"):
+            plan.plan_servers(devices, [OFF, ON], references=refs, breakeven_known=False)
+    given = plan.plan_servers(["breakeven"], [ON], references=True, breakeven_known=True)
+    assert [(r.device, r.streaming, r.references) for r in given] == [("breakeven", ON, True)]
+    for bad in (["fast", "fast"], ["medium"], []):
+        with pytest.raises(ValueError):
+            plan.plan_servers(bad, [OFF], references=False, breakeven_known=True)
+    assert plan.parse_modes(["on", "off", "on"]) == [OFF, ON]
+    with pytest.raises(ValueError, match="streaming mode"):
+        plan.parse_modes(["maybe"])
+
+
+def test_break_even_rate_from_the_device_hits() -> None:
+    nbytes = plan.prefix_bytes(1536, 16, 128 << 10)
+    assert nbytes == 1536 * (128 << 10) and plan.prefix_bytes(1540, 16, 10) == 1536 * 10  # whole pages only
+    assert plan.breakeven_mbps(nbytes, 0.5) == pytest.approx(nbytes / 0.5 / 1e6)
+    for bad in ((0, 1.0), (nbytes, 0.0)):
+        with pytest.raises(ValueError):
+            plan.breakeven_mbps(*bad)
+
+    def rec(ttft: float, device: int = 0, host: int = 0, **extra: object) -> dict:
+        return {"ttft_s": ttft, "cached_device": device, "cached_host": host, "cached_storage": 0, **extra}
+
+    mixed = [rec(0.9, host=512), rec(0.30, device=512), rec(0.34, device=512), rec(0.1, device=512, error="x")]
+    value, basis = plan.suffix_compute_s(mixed)
+    assert value == pytest.approx(0.32) and "2 pure device (L1) hits" in basis  # the L2 hit and the error left out
+    assert plan.suffix_compute_s([rec(0.9, host=512), rec(0.7, host=512)])[0] == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        plan.suffix_compute_s([rec(0.1, error="x")])
+    dev = plan.breakeven_device(559.24, 1000.0, 2.0)
+    assert dev.name == "breakeven-559MBps"
+    assert dev.throttle == {"read_bytes_per_s": 559.2e6, "write_bytes_per_s": 1000e6, "latency_s": 0.002}
+    assert plan.resolve_device("breakeven", 2.0, dev) is dev and plan.resolve_device("fast", 2.0, None).throttle is None
+    with pytest.raises(ValueError):
+        plan.resolve_device("breakeven", 2.0, None)
+    # The mode is set last: no --kvtier-extra can make an off server stream.
+    extra = plan.server_extra(dev, {"streaming": "on", "io_depth": 4}, OFF)
+    assert extra["streaming"] == "off" and extra["io_depth"] == 4 and extra["throttle"]["read_bytes_per_s"] == 559.2e6
+
+
+def test_rounds_add_device_hits_and_recompute_after_the_l3_rounds() -> None:
+    src = workloads.TokenSource(3, 1024, 0)
+    shape = {"documents": 3, "doc_tokens": 64, "question_tokens": 16, "concurrency": [1, 2], "rounds": 1,
+             "prime_rounds": 1, "max_new_tokens": 4, "reference_rounds": 1}
+    plain = rounds.streaming_rounds(src, **shape, references=False)
+    same = prefix_rounds(src, **{k: v for k, v in shape.items() if k != "reference_rounds"})
+    assert [[q.tokens for q in r.requests] for r in plain] == [[q.tokens for q in r.requests] for r in same]
+    full = rounds.streaming_rounds(src, **shape, references=True)
+    assert [(r.kind, r.concurrency) for r in full] == [
+        ("write", 2), ("prime", 1), ("measured", 1), ("measured", 2),
+        ("device", 1), ("device", 2), ("recompute", 1), ("recompute", 2)]
+    docs = {tuple(q.tokens[:64]) for q in full[0].requests}
+    for rnd in full[4:6]:  # each document twice in a row, the L3 rounds' documents, new questions
+        assert [q.group for q in rnd.requests] == ["d0", "d0", "d1", "d1", "d2", "d2"]
+        assert {tuple(q.tokens[:64]) for q in rnd.requests} == docs
+    for rnd in full[6:]:  # documents never seen: every token computed
+        assert not {tuple(q.tokens[:64]) for q in rnd.requests} & docs
+    rids = [q.rid for r in full for q in r.requests]
+    assert len(rids) == len(set(rids))
+    suffixes = [tuple(q.tokens[64:]) for r in full for q in r.requests]
+    assert len(suffixes) == len(set(suffixes))
+    assert [rounds.settles(r.kind) for r in full] == [False, True, True, True, False, False, False, False]
+
+
+def test_counters_from_metrics_and_log() -> None:
+    samples = [
+        ("kvtier_stream_pages", {"tp_rank": "0"}, 10.0), ("kvtier_stream_pages", {"tp_rank": "1"}, 5.0),
+        ("kvtier_stream_retracted_requests", {}, 1.0), ("kvtier_store_parts_read", {"pool": "kv"}, 64.0),
+        ("sglang:num_retracted_requests_total", {}, 2.0), ("kvtier_store_get_hits", {}, 99.0),
+    ]
+    got = counters.read(samples)
+    assert got == {"stream_pages": 15.0, "stream_retracted_requests": 1.0, "parts_read": 64.0,
+                   "retracted_requests": 2.0}
+    moved = counters.delta(got, {"stream_pages": 5.0, "parts_failed": 1.0})
+    assert moved["stream_pages"] == 10.0 and moved["parts_failed"] == -1.0 and moved["parts_read"] == 64.0
+    assert counters.total([{"stream_counters": {"a": 1.0}}, {"stream_counters": {"a": 2.0, "b": 1.0}}, {}]) == \
+        {"a": 3.0, "b": 1.0}
+    log = ("[x] sgl_kvtier stream: tail of r1 retracted\nTraceback (most recent call last):\n"
+           '  File "/w/sgl_kvtier/sglang/plugins/stream.py", line 3, in load\nValueError: boom\n')
+    counts = counters.log_counts(log)
+    assert counts["sgl_kvtier_tracebacks"] == 1 and counts["retract_lines"] == 1 and counts["stream_lines"] >= 1
+
+
+def _server(outs: dict[str, object], kind: str = "measured", c: int = 1) -> dict:
+    reqs = []
+    for rid, out in outs.items():
+        if out is None:
+            reqs.append({"rid": rid, "error": "no tokens streamed"})
+        elif isinstance(out, str):
+            reqs.append({"rid": rid, "text": out})
+        else:
+            reqs.append({"rid": rid, "output_ids": out, "text": "ignored when ids are there"})
+    return {"rounds": [{"index": 2, "kind": kind, "concurrency": c, "requests": reqs}]}
+
+
+def test_outputs_compared_request_by_request() -> None:
+    off = _server({"a": [1, 2], "b": [3, 4], "c": "xy", "d": [5]})
+    on = _server({"a": [1, 2], "b": [3, 5], "c": "xy", "d": None})
+    got = outputs.compare(off, on)
+    assert got == {"1": {"compared": 3, "identical": 2, "missing": 1, "different": ["b"]}}
+    assert outputs.all_identical(got) is False
+    same = outputs.compare(_server({"a": [1]}), _server({"a": [1]}))
+    assert outputs.all_identical(same) is True
+    # Only measured L3 rounds count: reference rounds are not on both servers.
+    assert outputs.compare(_server({"a": [1]}, "device"), _server({"a": [2]}, "device")) == {}
+    assert outputs.all_identical({}) is None
+
+
+def _summary(ttft: float, storage: int, unfulfilled: float = 0.0) -> dict:
+    reqs = [{"rid": f"r{i}", "ttft_s": ttft * (1 + i / 10), "latency_s": ttft, "prompt_tokens": 1600,
+             "cached_device": 0, "cached_host": 0, "cached_storage": storage} for i in range(5)]
+    s = report.summarize([{"measured": True, "wall_s": 2.0, "requests": reqs,
+                           "metrics_delta": {"prefetched_tokens": 5.0 * storage,
+                                             "unfulfilled_storage_transfer": unfulfilled}}], 1000)
+    return s | {"stream": {"stream_pages": 40.0, "parts_read": 640.0, "retracted_requests": 0.0}}
+
+
+def _fake_run() -> dict:
+    be = "breakeven-559MBps"
+    l3 = {("fast", "off"): 0.50, ("fast", "on"): 0.44, (be, "off"): 1.00, (be, "on"): 0.75}
+    servers: dict = {"fast": {}, be: {}}
+    for (dev, mode), t in l3.items():
+        levels = {"l3": {"1": _summary(t, 1536), "2": _summary(2 * t, 1536)}}
+        servers[dev][mode] = {"command_str": "python -m sglang.launch_server", "env": {"KVTIER_PREFETCH_POLICY": "off"},
+                              "startup_s": 30.0, "levels": levels, "log_counts": {"sgl_kvtier_tracebacks": 0}}
+    servers["fast"]["off"]["levels"] |= {"device": {"1": _summary(0.36, 0)}, "recompute": {"1": _summary(2.9, 0)}}
+    servers[be]["on"]["levels"]["l3"]["2"] = _summary(2.2, 0, unfulfilled=1536)  # on recomputed its hits
+    return {
+        "started": "now", "gpu": False, "model": {"name": "kvheavy", "kv_bytes_per_token": 131072},
+        "sizing": {"page_size": 16, "device_tokens": 100, "host_tokens": 200}, "page_cache": "dropped",
+        "prefetch_policy": "timeout", "workload": {"description": "d"}, "modes": ["off", "on"],
+        "device_order": ["fast", be],
+        "devices": {"fast": {"spec": "fast", "description": "fast"}, be: {"spec": "breakeven", "description": "be"}},
+        "servers": servers, "references": {"device": "fast", "streaming": "off"},
+        "identical": {"fast": {"1": {"compared": 5, "identical": 5, "missing": 0, "different": []}},
+                      be: {"1": {"compared": 5, "identical": 4, "missing": 0, "different": ["r3"]}}},
+        "breakeven": {"source": "measured", "mbps": 559.2, "compute_s": 0.36, "basis": "median TTFT of 8 pure "
+                      "device (L1) hits", "concurrency": 1, "prefix_bytes": 201326592, "write_mbps": 1000.0},
+    }  # fmt: skip
+
+
+def test_report_table_targets_and_plot(tmp_path: Path) -> None:
+    run = _fake_run()
+    md = stream_report.markdown(run)
+    fast = md.split("## fast")[1].split("## breakeven")[0]
+    on1 = next(line for line in fast.splitlines() if line.startswith("| on | 1 |"))
+    assert "| 0.88 | 0.88 |" in on1 and "| 5/5 |" in on1 and "stream_pages=40" not in on1 and "pages=40" in on1
+    assert "| 640 |" in on1
+    assert "| device hit (L1/L2) | 1 | 0.43 |" in md and "| recompute | 1 | 3.48 |" in md  # p50 = 1.2 x base
+    assert "Break-even read rate 559.2 MB/s, derived: 201.3 MB of KV per prefix / suffix compute 0.360 s" in md
+    lines = stream_report.targets(run)
+    assert lines[0].startswith("- break-even device, C = 1") and "breakeven-559MBps C=1: MET" in lines[0]
+    assert "= 0.75" in lines[0] and "fast" not in lines[0].split(":", 1)[1]
+    assert "fast C=1: MET (on 0.53 s / off 0.60 s = 0.88)" in lines[1]
+    assert "fast C=2: MET" in lines[2] and "breakeven-559MBps C=2: NOT MET" in lines[2]
+    assert "[on recomputed L3 hits" in lines[2]
+    assert lines[3] == "- outputs identical on/off (greedy): fast: yes; breakeven-559MBps: NO"
+    assert lines[4].startswith("- WARNING") and "breakeven-559MBps C=2: on served 0 L3 tokens" in lines[4]
+    run["servers"]["fast"]["on"]["levels"] = {}
+    assert "fast C=1: not measured" in stream_report.targets(run)[1]
+    path = plot.plot(run, tmp_path)
+    assert path.name == "ttft_streaming.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_args_smoke_modes_and_environment() -> None:
+    args = bench.parse_args(["--smoke", "--documents", "2", "--server-env", "KVTIER_LAYER_LOADER=1",
+                             "--server-env", "KVTIER_PREFETCH_POLICY=cost"])
+    assert args.model == "tiny" and args.documents == 2 and args.concurrency == [1] and args.rounds == 2
+    assert args.env == {"KVTIER_PREFETCH_POLICY": "cost", "KVTIER_LAYER_LOADER": "1"}
+    assert [(r.device, r.streaming.value, r.references) for r in args.server_runs] == [
+        ("fast", "off", True), ("fast", "on", False)]
+    full = bench.parse_args([])
+    assert full.model == "kvheavy" and full.devices == ["fast", "breakeven"] and full.concurrency == [1, 2, 4]
+    assert full.env == {"KVTIER_PREFETCH_POLICY": "off"} and len(full.server_runs) == 4
+    with pytest.raises(ValueError):
+        bench.parse_args(["--devices", "breakeven", "--no-references"])
+    assert parse_device("slow:5", 0).name == "slow-5MBps"
+
+
+def test_smoke_run(tmp_path: Path) -> None:
+    pytest.importorskip("sglang")
+    from sgl_kvtier.serving.model_factory import make_model
+
+    model = make_model(tmp_path / "model", "tiny")
+    out = tmp_path / "out"
+    rc = bench.main(["--smoke", "--model", str(model), "--no-drop-caches", "--no-progress", "--cpu", "--out", str(out)])
+    assert rc == 0
+    for name in ("results.json", "report.md", "ttft_streaming.png"):
+        assert (out / name).stat().st_size > 0, name
+    run = json.loads((out / "results.json").read_text())
+    assert run["device_order"] == ["fast"] and run["breakeven"] is None
+    assert run["references"] == {"device": "fast", "streaming": "off"}
+    for mode, res in run["servers"]["fast"].items():
+        assert "error" not in res, res.get("error")
+        assert res["log_counts"]["sgl_kvtier_tracebacks"] == 0
+        cfg = json.loads(res["command"][res["command"].index("--hicache-storage-backend-extra-config") + 1])
+        assert cfg["streaming"] == mode
+        kinds = [r["kind"] for r in res["rounds"]]
+        assert kinds == (["write", "measured", "measured", "device", "recompute"] if mode == "off"
+                         else ["write", "measured", "measured"])
+        for rnd in res["rounds"]:
+            assert all("error" not in q and q["ttft_s"] > 0 and q["output_ids"] for q in rnd["requests"])
+            if rnd["kind"] == "measured":
+                assert rnd["settle"]["backups"]["settled"] and rnd["settle"]["flush_s"] >= 0
+        assert res["levels"]["l3"]["1"]["requests"] == 2
+    off = run["servers"]["fast"]["off"]
+    # After the flush each document prefix (512 tokens) comes from L3 on today's path.
+    assert [q["cached_storage"] for r in off["rounds"] if r["kind"] == "measured" for q in r["requests"]] == [512, 512]
+    assert off["levels"]["device"]["1"]["cached_tokens"]["device"] == 1024  # both of the pair hit L1
+    assert off["levels"]["recompute"]["1"]["computed_tokens"] == 544
+    assert run["identical"]["fast"] == {"1": {"compared": 2, "identical": 2, "missing": 0, "different": []}}
+    md = (out / "report.md").read_text()
+    assert "## fast" in md and "| off | 1 |" in md and "| on | 1 |" in md and "| device hit (L1/L2) | 1 |" in md
+    assert "outputs identical on/off (greedy): fast: yes" in md
