@@ -1,7 +1,441 @@
-"""Admission side of a streamed tail (issue #13): placeholder until built."""
+"""Admission side of a streamed L3 tail (issue #13; design §2.2 steps 1b, 3-9, 13): hooks on the scheduler
+thread, every one SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23).
+
+1. **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``, ``hybrid_cache_controller.py:796``): its
+   caller ``_try_alloc_storage_hit`` queues the op for the IO thread only after it returns
+   (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
+   ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
+   Not for a request blocked after a failed tail (it loads whole) nor an op with side pools.
+2. **Register** (AROUND ``UnifiedRadixCache._handle_prefetch_result``, ``:2422``), only when called from
+   the ack drain (``:3229``): the op's ``completed_req`` ack means its IO thread issued its last get. Called
+   from ``check_prefetch_progress`` (``:2419``, a terminated op whose IO may still run) it streams nothing.
+   After SGLang's original (head insert): a local "can stream" (the head went in: no host release during
+   the original, which is how ``host_insert_dropped`` shows, ``:2483-2490``; a tail; the binder gives up
+   the op's stream; the withheld total under ``MAX_WITHHELD``) is MIN-reduced (a collective on every rank
+   at every ack-drained result). Agreed: a ``StreamedTail`` of pages ``[completed // ps, n)``, token span
+   from ``storage_start + completed``. Whenever we took the stream we own ``host_indices[completed:]``:
+   ``operation.ack_releases_incomplete_host_indices = False`` stops SGLang's release of them (read right
+   after the original returns, ``:3230``); a tail not agreed is dropped at once.
+3. **Withhold** (AROUND ``append_host_mem_release``, ``hybrid_cache_controller.py:470``, and
+   ``free_prefetch_host_buffers``, ``:831``: every other path that releases a prefetch's host slots goes
+   through the former; ``_handle_prefetch_result`` frees only head slots directly, and a head page is
+   settled): registered tails' slots never reach SGLang's release (a safety net: step 2 already stops
+   it); slots a bound stream may still write go to ``registry.defer_free`` (``binder.claim_released``,
+   which cancels that stream). Our own failure here keeps the slots (a counted leak, never a free under a
+   read).
+4. **Reap** (AROUND ``check_hicache_events``, the per-step lockstep point, ``:3651``): before SGLang's body
+   ``active`` is decided (so this step's binds see the controller); after it, the MIN over ranks of
+   ``ready_to_reap()`` deferred entries are freed to the host pool.
+5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
+   blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, recompute faster)
+   drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep).
+6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
+   match's end (device + host) and whose end fits the key (``_compute_max_prefix_len``) adds its tokens to
+   ``host_hit_length`` (as ``unified_cache_linker.py:340-347``). A key reaching the tail's end whose match
+   ends elsewhere (head evicted, tail computed meanwhile) drops a REGISTERED or READY tail.
+7. **Load-back** (AROUND ``init_load_back``, ``:3586``): private device slots first (evicting as the FULL
+   component's linker LOAD does, ``unified_cache/components/full.py:501-507``), then SGLang's original for
+   the tree part; all or nothing (``schedule_policy.py:1526-1531``): any shortfall frees the slots and
+   answers ``(0, req.last_node)`` (or SGLang's answer for the tree part); else ``queue_load`` (ADMITTED) and
+   ``(tree + tail, node)``.
+8. **Ownership** (AROUND ``PrefillAdder.add_one_req``, ``schedule_policy.py:1395``): admitted with its tail
+   (``req is can_run_list[-1]``, SGLang's own test, ``scheduler.py:4289``):
+   ``cache_protected_len = prefix_len - tail.tokens`` (set by SGLang to ``prefix_len`` at ``:1570-1571``):
+   the tail is request-owned KV, freed by ``release_kv_cache`` and inserted by its own checkpoint. Not
+   admitted after the load-back: slots freed, back to READY. Admitted without it: the tail is dropped.
+9. **Row indices** (AROUND ``prefix_device_indices``, ``:3955``; used by ``allocation.py:371`` for a request
+   without a row): tree path + private slots (the linker's precedent, ``:3958-3961``).
+10. **Clean-up**: AFTER ``release_aborted_request`` (``:2769``) a tail not yet loading is dropped; AFTER
+    ``reset`` (``:416``; flush, idle: the pools are cleared) and ``detach_storage_backend`` every tail and
+    deferred entry goes, once its stream ended (bounded wait).
+
+A drop frees a tail's private device slots (only while ADMITTED: later they are in the request's row),
+cancels its stream and defers its host slots. Nothing raises into SGLang: our failures are counted on the
+backend's ``ErrorBoundary`` and fall back to SGLang's behaviour (for a tail: dropped, as if never streamed).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-HOOKS: list[tuple[str, Any, str]] = []
+from sgl_kvtier.sglang.plugins import stream_gate
+from sgl_kvtier.sglang.plugins.stream import (
+    STATS,
+    active,
+    backend_of,
+    clear_all,
+    controller_cache,
+    device_allocator,
+    drop,
+    free_host,
+    guard,
+    min_reduce,
+    withhold,
+)
+from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, StreamRegistry, TailState
+
+logger = logging.getLogger(__name__)
+
+_URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
+MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (they escape SGLang's rate limit)
+_clock = time.monotonic  # replaceable in tests
+
+
+@dataclasses.dataclass
+class TailInfo:
+    registered_at: float
+    deadline_s: float
+    suffix_tokens: int  # lower bound: the prefetch span's end + 1 - the tail's end
+
+
+_info: weakref.WeakKeyDictionary[StreamedTail, TailInfo] = weakref.WeakKeyDictionary()
+
+
+class _Ctx(threading.local):
+    in_progress = 0  # inside check_prefetch_progress
+    releases: list[int] | None = None  # inside _handle_prefetch_result: host releases seen (None: outside)
+
+
+_ctx = _Ctx()
+
+
+@contextmanager
+def _counting_releases() -> Iterator[list[int]]:
+    outer, _ctx.releases = _ctx.releases, []
+    try:
+        yield _ctx.releases
+    finally:
+        _ctx.releases = outer
+
+
+def _tail(cache: Any, rid: Any) -> tuple[StreamRegistry | None, StreamedTail | None]:
+    registry = active(cache)
+    return registry, (None if registry is None or rid is None else registry.get(rid))
+
+
+# ---------------------------------------------------------------------------------------------- 1. bind
+def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``allocate_storage_hit``: the backend binds the hit's keys to its fresh host slots."""
+    cache = controller_cache(controller)
+    host_indices = result[0] if isinstance(result, tuple) else None
+    if cache is None or host_indices is None or host_indices.numel() == 0:
+        return None
+
+    def bind() -> None:
+        registry = active(cache)
+        if registry is None or registry.is_blocked(operation.handle.rid) or operation.pool_transfers:
+            return
+        pages = host_indices.numel() // cache.page_size
+        backend = backend_of(cache)
+        if backend is not None and pages and len(operation.hash_value) >= pages:
+            backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
+            STATS.bind_calls += 1
+
+    guard(cache, "bind", "the hit loads whole, as today", bind)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- 3. withhold
+def withhold_release(original: Callable[..., Any], controller: Any, host_indices: Any = None,
+                     extra_pools: Any = None) -> Any:
+    """AROUND ``append_host_mem_release``: SGLang releases only slots no stream may still write."""
+    if _ctx.releases is not None:
+        _ctx.releases.append(0 if host_indices is None else int(host_indices.numel()))
+    cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
+    if cache is None:
+        return original(controller, host_indices, extra_pools)
+    kept = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
+                  lambda: withhold(cache, host_indices), host_indices[:0])
+    return original(controller, kept, extra_pools)
+
+
+def withhold_free(original: Callable[..., Any], controller: Any, operation: Any, host_indices: Any) -> Any:
+    """AROUND ``free_prefetch_host_buffers`` (no caller in 0.5.23): the same rule as the release."""
+    cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
+    if cache is not None:
+        host_indices = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
+                              lambda: withhold(cache, host_indices), host_indices[:0])
+    return original(controller, operation, host_indices)
+
+
+# ---------------------------------------------------------------------------------------------- 2. register
+def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> Any:
+    """AROUND ``_handle_prefetch_result``: the part of the hit not landed becomes a streamed tail."""
+    registry = active(cache)
+    if registry is None or _ctx.in_progress:  # early cut: the op's IO may still run, nothing streams
+        return original(cache, operation)
+    info = cache.ongoing_prefetch.get(operation.handle)
+    host_indices: Any = None if info is None else info.host_indices
+    completed = int(operation.completed_tokens)
+    with _counting_releases() as releases:
+        result = original(cache, operation)
+    taken: list[Any] = []
+
+    def local() -> str | None:  # None: this rank can stream it; else why not
+        why = _why_not(cache, registry, operation, host_indices, completed, releases)
+        backend = backend_of(cache)
+        if why is None and backend is not None:
+            stream = backend.binder.take(host_indices)
+            if stream is None:
+                return "not bound"
+            taken.append(stream)
+            if stream.pages * cache.page_size != host_indices.numel():
+                return "stream does not cover the hit"
+        return why
+
+    why = guard(cache, "registration", "not streamed", local, "error")
+    agreed = guard(cache, "registration vote", "not streamed", lambda: min_reduce(cache, [why is None])[0] == 1,
+                    False)
+    if taken:
+        operation.ack_releases_incomplete_host_indices = False  # host_indices[completed:] are ours now
+        guard(cache, "registration", "tail dropped", lambda: _settle(
+            cache, registry, operation, host_indices, completed, taken[0], agreed and why is None))
+    if not (agreed and why is None):
+        STATS.not_registered[why or "another rank"] += 1
+    return result
+
+
+def _why_not(cache: Any, registry: StreamRegistry, operation: Any, host_indices: Any, completed: int,
+             releases: list[int]) -> str | None:
+    rid = operation.handle.rid
+    if host_indices is None or completed >= host_indices.numel():
+        return "no tail"
+    if releases:
+        return "head not inserted"
+    if registry.is_blocked(rid) or registry.get(rid) is not None:
+        return "blocked"
+    if operation.pool_transfers:
+        return "side pools"
+    withheld = sum(t.tokens for t in registry) + host_indices.numel() - completed
+    if withheld > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
+        return "withheld cap"
+    return None
+
+
+def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: Any, completed: int,
+            stream: Any, keep: bool) -> None:
+    ps = cache.page_size
+    first = completed // ps
+    tail = StreamedTail(rid=operation.handle.rid, stream=stream, first_page=first,
+                        token_start=int(operation.storage_start) + completed, tokens=host_indices.numel() - completed,
+                        host_indices=host_indices[completed:], hashes=tuple(operation.hash_value[first:]))
+    if not keep:
+        stream.cancel()
+        registry.defer_free(stream, tail.host_indices)
+        return
+    span_end = int(operation.storage_start) + int(getattr(operation, "stats_requested_tokens", 0) or 0)
+    pages = tail.tokens // ps
+    _info[tail] = TailInfo(_clock(), cache.prefetch_timeout_base + pages * cache.prefetch_timeout_per_page,
+                           max(1, span_end + 1 - tail.token_end))
+    registry.register(tail)
+    STATS.registered += 1
+    logger.debug("kvtier stream: tail of %s registered: %d head + %d streamed tokens", tail.rid, completed,
+                 tail.tokens)
+
+
+# ---------------------------------------------------------------------------------------------- 4. reap
+def reap_deferred(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``check_hicache_events``: decide ``active`` first, then free the deferred slots all ranks can."""
+    registry = active(cache)
+    result = original(cache, *args, **kwargs)
+    if registry is not None:
+        local = guard(cache, "reap", "nothing freed this step", registry.ready_to_reap, 0)
+        count = guard(cache, "reap vote", "nothing freed this step", lambda: min_reduce(cache, [local])[0], 0)
+        if count > 0:
+            guard(cache, "reap", "slots kept", lambda: free_host(cache, registry.reap(count)))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- 5. gate
+def gate(original: Callable[..., Any], cache: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``check_prefetch_progress``: a REGISTERED tail holds its request until the T_hide rule opens."""
+    registry, tail = _tail(cache, getattr(request, "rid", None))
+    if registry is not None and tail is not None and tail.state is TailState.REGISTERED:
+        verdict = guard(cache, "gate", "tail dropped", lambda: local_verdict(cache, tail), stream_gate.Verdict.DROP)
+        ready, keep = guard(cache, "gate vote", "tail dropped", lambda: min_reduce(
+            cache, [verdict is stream_gate.Verdict.READY, verdict is not stream_gate.Verdict.DROP]), [0, 0])
+        if not keep:
+            guard(cache, "gate", "tail dropped", lambda: drop(cache, registry, tail, "gate"))
+        elif ready:
+            tail.state = TailState.READY
+            STATS.ready += 1
+        else:
+            return False  # skipped this round, not blocking the queue
+    _ctx.in_progress += 1
+    try:
+        return original(cache, request, *args, **kwargs)
+    finally:
+        _ctx.in_progress -= 1
+
+
+def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
+    """This rank's T_hide verdict for ``tail`` (``stream_gate``), from the stream and the backend's prefill model."""
+    stream = tail.stream
+    info = _info.get(tail) or TailInfo(_clock(), 0.0, 1)
+    failed = stream.wait_group(stream.groups - 1, tail.first_page, 0) is GroupVerdict.FAILED
+    landed0 = stream.wait_group(0, tail.first_page, 0) is GroupVerdict.LANDED
+    backend = backend_of(cache)
+    model = None if backend is None else backend.cost.prefill.model()
+    suffix = full = None
+    if model is not None:
+        suffix = model.time(info.suffix_tokens, tail.token_end)
+        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start)
+    return stream_gate.decide(stream_gate.GateInputs(
+        groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
+        failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
+        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full))
+
+
+# ---------------------------------------------------------------------------------------------- 6. virtual hit
+def virtual_hit(result: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER ``_finalize_match_result``: a READY tail right after the match is reported as host hit."""
+    req = getattr(params, "req", None)
+    registry, tail = _tail(cache, getattr(req, "rid", None))
+    if registry is None or tail is None or tail.state not in (TailState.REGISTERED, TailState.READY):
+        return None
+    end = int(result.device_prefix_len) + int(result.host_hit_length)
+    reach = len(params.key)
+    if end != tail.token_start:
+        if reach >= tail.token_end:  # the key reaches the tail, the tree does not end at its start
+            guard(cache, "match", "tail dropped", lambda: drop(cache, registry, tail, "match moved"))
+        return None
+    if tail.state is not TailState.READY or tail.token_end > reach:
+        return None
+    return result._replace(host_hit_length=int(result.host_hit_length) + tail.tokens,
+                           full_kv_hit_length=max(int(result.full_kv_hit_length), tail.token_end))
+
+
+# ---------------------------------------------------------------------------------------------- 7. load-back
+def load_back(original: Callable[..., Any], cache: Any, params: Any) -> Any:
+    """AROUND ``init_load_back``: the tail's private device slots, then SGLang's load of the tree part."""
+    req = params.req
+    registry, tail = _tail(cache, getattr(req, "rid", None))
+    if (registry is None or tail is None or tail.state is not TailState.READY or params.host_hit_length < tail.tokens
+            or req.prefix_len + params.host_hit_length != tail.token_end):
+        return original(cache, params)
+    slots = guard(cache, "device slots", "loaded without the tail", lambda: _alloc_device(cache, tail.tokens))
+    if slots is None:
+        return 0, req.last_node  # all or nothing: no device room for the tail, none of the hit loads
+    tree_part = params.host_hit_length - tail.tokens
+    try:
+        loaded = original(cache, dataclasses.replace(params, host_hit_length=tree_part))
+    except BaseException:
+        device_allocator(cache).free(slots)
+        raise
+    if loaded is None or int(loaded[0]) != tree_part:
+        device_allocator(cache).free(slots)  # the tree part did not load as promised: no tail either
+        return loaded
+    tail.device_indices = slots
+    registry.queue_load(tail)
+    STATS.admitted += 1
+    return int(loaded[0]) + tail.tokens, loaded[1]
+
+
+def _alloc_device(cache: Any, tokens: int) -> Any:
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    allocator = device_allocator(cache)
+    shortfall = tokens - allocator.available_size()
+    if shortfall > 0:
+        cache.evict(EvictParams(num_tokens=shortfall))
+    slots = allocator.alloc(tokens)
+    return None if slots is None else slots.to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------- 8. ownership
+def add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``PrefillAdder.add_one_req``: an admitted tail is the request's own KV; else undo its load-back."""
+    cache = adder.tree_cache
+    registry, tail = _tail(cache, getattr(req, "rid", None))
+    if registry is None or tail is None or tail.state not in (TailState.REGISTERED, TailState.READY):
+        return original(adder, req, *args, **kwargs)
+    try:
+        result = original(adder, req, *args, **kwargs)
+    except BaseException:
+        if tail.device_indices is not None:  # the load-back ran: undo it
+            guard(cache, "ownership", "slots kept", lambda: _unadmit(cache, registry, tail))
+        raise
+    admitted = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+    state: TailState = tail.state  # the original may have moved it on (load-back: ADMITTED)
+    if state is TailState.ADMITTED:
+        if admitted:
+            req.kv.cache_protected_len = req.prefix_len - tail.tokens  # [token_start, token_end): request-owned
+        else:
+            guard(cache, "ownership", "slots kept", lambda: _unadmit(cache, registry, tail))
+    elif admitted and state in (TailState.REGISTERED, TailState.READY):  # computed by the request itself
+        guard(cache, "ownership", "tail dropped", lambda: drop(cache, registry, tail, "computed"))
+    return result
+
+
+def _unadmit(cache: Any, registry: StreamRegistry, tail: StreamedTail) -> None:
+    """Undo a load-back the adder did not keep: device slots freed, the tail back to READY (not queued)."""
+    if tail.device_indices is not None:
+        device_allocator(cache).free(tail.device_indices)
+        tail.device_indices = None
+    registry.remove(tail.rid)  # out of the load queue too
+    tail.state = TailState.READY
+    registry.register(tail)
+
+
+# ---------------------------------------------------------------------------------------------- 9. row indices
+def prefix_device_indices(original: Callable[..., Any], cache: Any, req: Any) -> Any:
+    """AROUND ``prefix_device_indices``: the request's tree path, then its private tail slots."""
+    _, tail = _tail(cache, getattr(req, "rid", None))
+    if tail is None or tail.device_indices is None or tail.state not in (TailState.ADMITTED, TailState.LOADING):
+        return original(cache, req)
+    import torch
+
+    path = cache.tree_core.collect_full_device_indices(req.last_node, cache.root_node_handle(req.extra_key))
+    path = torch.cat([path, tail.device_indices.to(path.dtype)])
+    assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
+    return path[: req.prefix_len]
+
+
+# ---------------------------------------------------------------------------------------------- 10. clean-up
+def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``release_aborted_request``: a tail not yet loading is dropped; the request is forgotten."""
+    registry, tail = _tail(cache, getattr(request, "rid", None))
+    if registry is None:
+        return None
+    if tail is not None and tail.state in (TailState.REGISTERED, TailState.READY, TailState.ADMITTED):
+        guard(cache, "abort", "tail kept", lambda: drop(cache, registry, tail, "abort"))
+    registry.unblock(request.rid)
+    return None
+
+
+def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``reset`` (flush): the pools were cleared; forget every tail once its stream ended."""
+    guard(cache, "reset", "tails forgotten", lambda: clear_all(cache, free=False))
+    return None
+
+
+def after_detach(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``detach_storage_backend``: every tail dropped, its slots freed once its stream ended."""
+    guard(cache, "detach", "tails forgotten", lambda: clear_all(cache, free=True))
+    return None
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    (_HCC + "allocate_storage_hit", bind_hit, "AFTER"),
+    (_HCC + "append_host_mem_release", withhold_release, "AROUND"),
+    (_HCC + "free_prefetch_host_buffers", withhold_free, "AROUND"),
+    (_URC + "_handle_prefetch_result", register_tail, "AROUND"),
+    (_URC + "check_hicache_events", reap_deferred, "AROUND"),
+    (_URC + "check_prefetch_progress", gate, "AROUND"),
+    (_URC + "_finalize_match_result", virtual_hit, "AFTER"),
+    (_URC + "init_load_back", load_back, "AROUND"),
+    ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", add_one_req, "AROUND"),
+    (_URC + "prefix_device_indices", prefix_device_indices, "AROUND"),
+    (_URC + "release_aborted_request", after_abort, "AFTER"),
+    (_URC + "reset", after_reset, "AFTER"),
+    (_URC + "detach_storage_backend", after_detach, "AFTER"),
+]

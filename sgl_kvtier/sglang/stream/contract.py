@@ -192,6 +192,13 @@ class StreamRegistry:
                 out.append(self._deferred.pop(0)[1])
             return out
 
+    def take_deferred(self) -> list[tuple[TailStream, torch.Tensor]]:
+        """Every deferred entry, ended or not, out of the registry (reset / detach: the caller waits for each
+        stream's end, then frees or forgets its slots)."""
+        with self._lock:
+            taken, self._deferred = self._deferred, []
+            return taken
+
     def ready_to_reap(self) -> int:
         """How many leading deferred entries have ended (the local count to MIN-reduce before ``reap``)."""
         with self._lock:

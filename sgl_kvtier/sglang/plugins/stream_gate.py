@@ -1,0 +1,93 @@
+"""The T_hide admission rule of a streamed L3 tail (issue #13, design §2.2 step 5): pure, no SGLang, no torch.
+
+A request whose tail is still streaming is admitted once the rest of its read is predicted to hide under
+the prefill of its own suffix. The forward computes layer by layer and the tail lands group by group
+(G groups), so the last group is needed only after ``(1 - 1/G)`` of the suffix's compute has run:
+
+    READY  when  remaining_bytes / read_rate  <=  (1 - 1/G) * suffix_compute_s
+
+Inputs the rule cannot get yet (no read rate measured on the stream, no prefill model: the backend's
+``cost.prefill`` has neither samples nor a seed) fall back to the safe minimum: READY once group 0 has
+landed on every tail page (the forward's first layers never wait on a group not even started).
+
+DROP (the request computes the tail itself; its host slots are freed once their reads end) when:
+- a group has FAILED on a tail page before admission (nothing unverified is ever admitted);
+- waiting is predicted slower than recomputing: streaming TTFT ``max(read, (1 - 1/G) c) + c/G`` against
+  the recompute TTFT of tail + suffix (both from the same prefill model);
+- the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
+  never parks a request for longer than SGLang itself would have waited on it).
+
+Every caller MIN-reduces the flags over the ranks before acting (``ready`` and ``keep`` are ANDed), so the
+rule may read local clocks and rates.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class Verdict(enum.Enum):
+    WAIT = "wait"  # not yet: the request is skipped this round (not blocking the queue)
+    READY = "ready"  # admit: the next match reports the tail as a host hit
+    DROP = "drop"  # give the tail up: the request computes it
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """One tail at one admission poll."""
+
+    groups: int  # layer groups per page (G >= 1)
+    remaining_bytes: int  # tail bytes not landed yet
+    group0_landed: bool  # group 0 verified on every tail page
+    failed: bool  # some tail page failed some group
+    waited_s: float  # since the tail was registered
+    deadline_s: float  # give up after this long at the gate
+    read_rate_Bps: float | None = None  # measured on this stream (None: too early)
+    suffix_compute_s: float | None = None  # predicted prefill of the tokens after the tail (None: no model)
+    full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model)
+
+    def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups}")
+        if self.remaining_bytes < 0:
+            raise ValueError(f"remaining_bytes must be >= 0, got {self.remaining_bytes}")
+
+
+def predicted_read_s(inputs: GateInputs) -> float | None:
+    """Seconds until the rest of the tail has landed, at the measured rate (None: no rate yet)."""
+    if inputs.remaining_bytes == 0:
+        return 0.0
+    rate = inputs.read_rate_Bps
+    if rate is None or not rate > 0 or math.isnan(rate):
+        return None
+    return inputs.remaining_bytes / rate
+
+
+def hide_budget_s(inputs: GateInputs) -> float | None:
+    """How much read time the suffix's compute hides: ``(1 - 1/G) * suffix_compute_s``."""
+    if inputs.suffix_compute_s is None:
+        return None
+    return (1.0 - 1.0 / inputs.groups) * max(inputs.suffix_compute_s, 0.0)
+
+
+def decide(inputs: GateInputs) -> Verdict:
+    """The local verdict for one tail (the caller MIN-reduces ``ready`` / ``keep`` over the ranks)."""
+    if inputs.failed:
+        return Verdict.DROP
+    if inputs.remaining_bytes == 0:
+        return Verdict.READY  # everything landed and verified: nothing left to hide
+    if inputs.waited_s >= inputs.deadline_s:
+        return Verdict.DROP
+    read_s, budget_s = predicted_read_s(inputs), hide_budget_s(inputs)
+    if read_s is None or budget_s is None or inputs.suffix_compute_s is None:
+        return Verdict.READY if inputs.group0_landed else Verdict.WAIT  # unmeasured: the safe minimum
+    if read_s <= budget_s:
+        return Verdict.READY
+    if inputs.full_compute_s is not None:
+        compute = max(inputs.suffix_compute_s, 0.0)
+        streamed_ttft = max(read_s, budget_s) + compute / inputs.groups
+        if streamed_ttft > inputs.full_compute_s:
+            return Verdict.DROP  # recomputing the tail is predicted faster than waiting for it
+    return Verdict.WAIT

@@ -1,0 +1,70 @@
+"""The T_hide admission rule of a streamed tail (``plugins.stream_gate``): pure, every branch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sgl_kvtier.sglang.plugins.stream_gate import GateInputs, Verdict, decide, hide_budget_s, predicted_read_s
+
+
+def inputs(**kw) -> GateInputs:
+    base = dict(groups=4, remaining_bytes=1_000_000, group0_landed=False, failed=False, waited_s=0.0,
+                deadline_s=10.0)
+    base.update(kw)
+    return GateInputs(**base)
+
+
+def test_hides_under_the_suffix_compute():
+    # 1 MB at 10 MB/s = 0.1 s; (1 - 1/4) * 0.2 s = 0.15 s of compute hides it
+    assert decide(inputs(read_rate_Bps=1e7, suffix_compute_s=0.2, full_compute_s=1.0)) is Verdict.READY
+    # exactly at the budget: admitted
+    assert decide(inputs(read_rate_Bps=1e7, suffix_compute_s=0.1 / 0.75, full_compute_s=1.0)) is Verdict.READY
+
+
+def test_waits_while_the_read_is_longer_but_streaming_still_wins():
+    # 0.1 s of read, 0.1 s of suffix compute (hides 0.075 s): wait; streamed TTFT 0.1 + 0.025 < 1.0 recompute
+    assert decide(inputs(read_rate_Bps=1e7, suffix_compute_s=0.1, full_compute_s=1.0)) is Verdict.WAIT
+
+
+def test_drops_when_recomputing_is_faster():
+    # 10 s of read against 0.3 s to recompute tail + suffix
+    assert decide(inputs(read_rate_Bps=1e5, suffix_compute_s=0.1, full_compute_s=0.3)) is Verdict.DROP
+
+
+def test_a_failed_group_drops_whatever_else():
+    assert decide(inputs(failed=True, remaining_bytes=0, group0_landed=True)) is Verdict.DROP
+    assert decide(inputs(failed=True, read_rate_Bps=1e12, suffix_compute_s=10.0)) is Verdict.DROP
+
+
+def test_everything_landed_is_ready_even_past_the_deadline():
+    assert decide(inputs(remaining_bytes=0, waited_s=99.0)) is Verdict.READY
+
+
+def test_the_deadline_drops():
+    assert decide(inputs(waited_s=10.0, group0_landed=True)) is Verdict.DROP
+    assert decide(inputs(waited_s=9.99, group0_landed=True)) is Verdict.READY
+
+
+@pytest.mark.parametrize("rate, compute", [(None, 0.2), (1e7, None), (0.0, 0.2), (math.nan, 0.2), (None, None)])
+def test_unmeasured_inputs_fall_back_to_group_zero(rate, compute):
+    assert decide(inputs(read_rate_Bps=rate, suffix_compute_s=compute)) is Verdict.WAIT
+    assert decide(inputs(read_rate_Bps=rate, suffix_compute_s=compute, group0_landed=True)) is Verdict.READY
+
+
+def test_one_group_hides_nothing():
+    assert hide_budget_s(inputs(groups=1, suffix_compute_s=5.0)) == 0.0
+    assert decide(inputs(groups=1, read_rate_Bps=1e12, suffix_compute_s=5.0, full_compute_s=9.0)) is Verdict.WAIT
+
+
+def test_helpers_and_validation():
+    assert predicted_read_s(inputs(remaining_bytes=0)) == 0.0
+    assert predicted_read_s(inputs(read_rate_Bps=2e6)) == pytest.approx(0.5)
+    assert predicted_read_s(inputs()) is None
+    assert hide_budget_s(inputs()) is None
+    assert hide_budget_s(inputs(suffix_compute_s=-1.0)) == 0.0
+    with pytest.raises(ValueError):
+        inputs(groups=0)
+    with pytest.raises(ValueError):
+        inputs(remaining_bytes=-1)
