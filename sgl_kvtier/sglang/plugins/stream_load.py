@@ -1,7 +1,270 @@
-"""Forward side of a streamed tail (issue #13): placeholder until built."""
+"""Forward side of a streamed tail (issue #13, design §2.2 steps 10-12): start, per-layer gate, verdict.
+
+The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
+
+- **Start**, AROUND ``UnifiedRadixCache.ready_to_load_host_cache`` (``unified_radix_cache.py:3715-3721``,
+  called by ``_get_new_batch_prefill_raw`` for the batch being built, ``scheduler.py:4351-4355``):
+  ``p = original()`` (HiCache's own load-backs, ``start_loading``). If ``active(cache)`` gives a registry
+  with queued tails (``take_queued``: LOADING), a ``stream_copy.StreamLoad`` starts for them: on a loader
+  thread where SGLang's device module is ``torch.cpu`` (``l2_transfer.py:15``); on any other device the
+  same loop runs here, its copies on SGLang's H2D stream (not this version's route: untested). With no
+  load of SGLang's in this batch (``p < 0``) it first takes a producer of the device pool's layer counter,
+  records its start event and fences the H2D stream, as ``start_loading`` does
+  (``cache_controller.py:1028-1045``), on the scheduler thread before the forward launches; it returns
+  that index, which the forward consumes (``tp_worker.py:637``). After each layer the load records the
+  producer's layer event (``LayerLoadingEvent.complete``).
+- **Gate**, AROUND ``LayerDoneCounter.wait_until`` (``cache_controller.py:102-105``; every attention read
+  of the device pool calls it first, ``memory_pool.py:2852-2878``): while a load is in flight, block on
+  the CPU until it has done layer ``threshold``, then SGLang's wait. Keyed on the layer alone, as
+  ``layer_loader``'s gate; both may be on (each waits for its own loads, then calls the original).
+- **Verdict**, AFTER ``Scheduler.run_batch`` (``scheduler.py:4614``): join the loads of that scheduler's
+  cache (no copy outlives the forward's step), then per streamed request of the batch, in the batch's
+  request order (the same on every rank), a landed flag MIN-reduced over the ranks (``cache._all_reduce``,
+  ``unified_radix_cache.py:376-410``). Landed: DONE, ``registry.remove``, host slots to ``defer_free``.
+  Poisoned on any rank: the stream is cancelled, its host slots deferred, ``registry.block(rid)`` (its
+  retry never streams) and the request retracted (``stream_retract``). The hook returns None (an AFTER
+  hook's non-None value would replace SGLang's result).
+
+Every hook is a pass-through unless a load of ours is in flight (gate, verdict) or ``active`` says
+streaming is on for the cache (start). Nothing raises into SGLang: failures are counted by the
+``ErrorBoundary`` and end as poisoned tails (zeros, retract), never as committed output.
+"""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-HOOKS: list[tuple[str, Any, str]] = []
+from sgl_kvtier.sglang.plugins import stream_retract
+from sgl_kvtier.sglang.plugins.stream_copy import (
+    StreamLoad,
+    TailCopy,
+    add_stats,
+    boundary_of,
+    deadline_s,
+    fault_group,
+    logger,
+    slow_io_of,
+)
+from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.telemetry.counters import ErrorBoundary
+
+START_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
+WAIT_TARGET = "sglang.srt.managers.cache_controller.LayerDoneCounter.wait_until"
+RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+
+
+def active(cache: Any) -> StreamRegistry | None:
+    """The cache's registry if streaming is on for it (``plugins.stream.active``), else None."""
+    from sgl_kvtier.sglang.plugins import stream
+
+    decide = getattr(stream, "active", None)
+    if decide is not None:
+        registry: StreamRegistry | None = decide(cache)
+        return registry
+    from sgl_kvtier.config import Streaming
+    from sgl_kvtier.sglang.plugins.prefetch import backend_of
+
+    backend = backend_of(cache)  # until plugins.stream.active exists: our backend with streaming = "on"
+    if backend is None or backend.config.streaming is not Streaming.ON:
+        return None
+    return stream.registry_of(cache)
+
+
+class InFlight:
+    """The loads started and not yet joined, in start order (scheduler thread writes; the gate reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loads: list[StreamLoad] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._loads)  # the gate's fast path: no lock
+
+    def add(self, load: StreamLoad) -> None:
+        with self._lock:
+            self._loads.append(load)
+
+    def loads(self) -> tuple[StreamLoad, ...]:
+        with self._lock:
+            return tuple(self._loads)
+
+    def take(self, cache: Any) -> list[StreamLoad]:
+        with self._lock:
+            taken = [load for load in self._loads if load.cache is cache]
+            self._loads = [load for load in self._loads if load.cache is not cache]
+            return taken
+
+
+IN_FLIGHT = InFlight()
+_ordinal = 0  # streamed tails started in this process (KVTIER_STREAM_FAULT counts them)
+_said_first = False
+
+
+def ready_to_load_host_cache(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook: SGLang's load-backs, then this batch's streamed tails on the loader (start)."""
+    p = original(cache, *args, **kwargs)
+    try:
+        registry = active(cache)
+        tails = registry.take_queued() if registry is not None else []
+    except Exception as exc:
+        boundary_of(cache).fail("stream: taking the queued tails", exc, outcome="none loaded")
+        return p
+    if registry is None or not tails:
+        return p
+    try:
+        return start(cache, registry, tails, p)
+    except Exception as exc:  # start() guards each step; this is a bug in it
+        boundary = boundary_of(cache)
+        boundary.fail("stream: starting the tail loader", exc, outcome="tails retracted")
+        if not any(tc.tail in tails for load in IN_FLIGHT.loads() for tc in load.tails):
+            # The verdict must still see them: a load of no layers whose tails are all poisoned.
+            copies = [TailCopy(t, None, 0, 0.0, None, boundary) for t in tails]
+            IN_FLIGHT.add(StreamLoad(cache, registry, copies, 0, None, boundary))
+        return p
+
+
+def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: int) -> int:
+    """Start the load of ``tails`` for the batch being built; returns its consumer index."""
+    global _ordinal, _said_first
+    import torch
+    from sglang.srt.mem_cache import l2_transfer
+
+    boundary = boundary_of(cache)
+    cc = cache.cache_controller
+    counter = cc.layer_done_counter
+    if p < 0:  # no load-back of SGLang's in this batch: the forward consumes a producer of ours
+        try:
+            p = counter.update_producer()
+            counter.events[p].start_event.record()
+            if cc.load_fence_stream is not None:  # here, on the scheduler thread, before the forward launches
+                cc.l2_transfer_engine.host_to_device_stream.wait_stream(cc.load_fence_stream)
+        except Exception as exc:
+            boundary.fail("stream: taking a layer counter producer", exc, outcome="no layer events")
+            p = -1
+    slow_io_s = slow_io_of(cache)
+    now = time.monotonic()
+    copies = []
+    for tail in tails:
+        _ordinal += 1
+        copies.append(TailCopy(tail, cc, counter.num_layers, now + deadline_s(tail, slow_io_s, boundary),
+                               fault_group(_ordinal), boundary))
+    load = StreamLoad(cache, registry, copies, counter.num_layers, counter.events[p].complete if p >= 0 else None,
+                      boundary)
+    IN_FLIGHT.add(load)
+    add_stats(loads=1, tails=len(tails))
+    try:
+        if l2_transfer.device_module is torch.cpu:
+            load.job.start()  # the loader thread (or, without a thread, every layer here and now)
+        else:  # not this version's route (CUDA): the same loop here, its copies on SGLang's H2D stream
+            with l2_transfer.device_module.stream(cc.l2_transfer_engine.host_to_device_stream):
+                load.job.finish()
+    except Exception as exc:  # the load is in flight: the gate would wait for it forever
+        boundary.fail("stream: starting the loader thread", exc, outcome="loaded synchronously")
+        load.job.finish()  # never raises: each layer's copy catches its own failures
+    if not _said_first:
+        _said_first = True
+        logger.info("kvtier stream: first streamed load: %s, %d layers (pid %d)", load.job.label,
+                    load.job.num_layers, os.getpid())
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- gate
+def wait_until(original: Callable[..., Any], counter: Any, threshold: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook: layer ``threshold`` of every tail load in flight is done before SGLang's own wait."""
+    if IN_FLIGHT:
+        for load in IN_FLIGHT.loads():
+            try:
+                if isinstance(threshold, int) and not isinstance(threshold, bool):
+                    load.job.wait(threshold)
+                else:  # not a layer index we know: everything
+                    load.job.join()
+            except Exception as exc:  # our copy never raises: a bug
+                load.boundary.fail("stream gate", exc, outcome="SGLang's wait only")
+    return original(counter, threshold, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- verdict
+def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook (``run_batch``): join this batch's tail loads and apply the rank-agreed verdict."""
+    if not IN_FLIGHT:
+        return None
+    try:
+        loads = IN_FLIGHT.take(scheduler.tree_cache)
+        for load in loads:
+            load.join()
+        if loads:
+            verdict(scheduler, batch, loads)
+    except Exception as exc:
+        boundary_of(scheduler.tree_cache).fail("stream verdict", exc, outcome="verdict skipped")
+    return None
+
+
+def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:
+    """DONE or retract each streamed request of ``batch`` (landed flags MIN-reduced over the ranks)."""
+    import torch
+
+    cache = scheduler.tree_cache
+    boundary = boundary_of(cache)
+    tails = {tc.tail.rid: (tc, load.registry) for load in loads for tc in load.tails}
+    reqs = [req for req in batch.reqs if req.rid in tails]  # the batch's order: the same on every rank
+    local = [int(not tails[r.rid][0].failed) for r in reqs]
+    flags = torch.tensor(local, dtype=torch.int32)
+    if reqs:
+        try:
+            cache._all_reduce(flags, torch.distributed.ReduceOp.MIN)
+        except Exception as exc:
+            boundary.fail("stream verdict: rank agreement", exc, outcome="this rank's flags")
+            flags = torch.tensor(local, dtype=torch.int32)
+    landed = [bool(f) for f in flags.tolist()]
+    for req, ok in zip(reqs, landed, strict=True):
+        copy, registry = tails.pop(req.rid)
+        tail = copy.tail
+        try:
+            registry.remove(req.rid)
+            if ok:
+                tail.state = TailState.DONE
+                registry.defer_free(tail.stream, tail.host_indices)
+                add_stats(landed=1)
+                continue
+            tail.state = TailState.POISONED
+            _release_stream(tail, registry, boundary)
+            registry.block(req.rid)  # its retry loads the hit whole or recomputes: never streams again
+            add_stats(poisoned=1)
+        except Exception as exc:
+            boundary.fail(f"stream verdict of request {req.rid}", exc, outcome="retracted" if not ok else "kept")
+            if ok:
+                continue
+        # Never raises; the output of a poisoned forward is dropped either way (retract, else abort).
+        stream_retract.retract_or_abort(scheduler, batch, req,
+                                        reason=f"streamed tail, failed layer groups {tail.failed_groups}")
+    if reqs:
+        logger.info("kvtier stream: verdict of a batch: %d landed, %d retracted (%s)", sum(landed),
+                    len(landed) - sum(landed), ", ".join(f"{r.rid}={'landed' if ok else 'retracted'}"
+                                                         for r, ok in zip(reqs, landed, strict=True)))
+    for rid, (copy, registry) in tails.items():  # loaded for a batch that does not hold them: a bug
+        tail = copy.tail
+        boundary.fail(f"streamed tail {rid}", LookupError("its request is not in the batch that ran"),
+                      outcome="dropped")
+        registry.remove(rid)
+        tail.state = TailState.DROPPED
+        _release_stream(tail, registry, boundary)
+
+
+def _release_stream(tail: StreamedTail, registry: StreamRegistry, boundary: ErrorBoundary) -> None:
+    try:
+        tail.stream.cancel()
+    except Exception as exc:
+        boundary.fail(f"streamed tail {tail.rid}: cancel", exc, outcome="reads run out")
+    registry.defer_free(tail.stream, tail.host_indices)
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    (START_TARGET, ready_to_load_host_cache, "AROUND"),
+    (WAIT_TARGET, wait_until, "AROUND"),
+    (RUN_BATCH_TARGET, after_run_batch, "AFTER"),  # before the retract knob's AFTER hook: registration order
+    *stream_retract.HOOKS,
+]
