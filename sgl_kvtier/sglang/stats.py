@@ -1,4 +1,5 @@
-"""Per-op transfer figures in SGLang's ``StorageMetrics`` shape, drained by the scheduler every step.
+"""Per-op transfer figures in SGLang's ``StorageMetrics`` shape, drained by the scheduler every step, and the
+backend's streamed-tail figures as the typed ``StreamSnapshot`` (``stream_snapshot``).
 
 Invariant: ``drain`` hands each recorded op to SGLang exactly once (the lists are swapped under the lock).
 """
@@ -10,6 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from sgl_kvtier.sglang.stream.binding import StreamCounters
+from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, StreamSnapshot
 
 
 @dataclass
@@ -42,3 +46,12 @@ class TransferStats:
         with self._lock:
             out, self._pending = self._pending, StorageMetrics()
         return out
+
+
+def stream_snapshot(counts: StreamCounters, hooks: StreamHookSnapshot | None) -> StreamSnapshot:
+    """The binder's counters (``StreamBinder.counts``) and the stream plugin's (None: not active), typed."""
+    return StreamSnapshot(
+        bound_hits=counts.streams_bound, head_pages=counts.head_pages, streamed_pages=counts.streamed_pages,
+        staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
+        cancelled=counts.cancelled_streams, read_errors=counts.stream_errors,
+        withheld_pages=counts.withheld_pages, mismatches=counts.mismatches, hooks=hooks)

@@ -27,10 +27,14 @@ stream in layer groups (``streaming_enabled``; else one log line at registration
 stream plugin, once SGLang allocated a hit's host slots) starts a ``TailStream`` into them, and
 ``batch_get_v1`` answers bound slots at once (``binder.answer``: the leading pages landed and verified True,
 the rest False) and reads any other slots as before. ``close`` closes the binder before the stores.
+``telemetry().stream`` reports the binder's reads and, once the stream plugin decided on for this backend
+(``attach_stream_hooks``: the plugin hands its reader over, the backend imports no plugin), the plugin's
+counters of this process.
 
 State: everything per backend lives on the instance (stores, transfer figures, the error counters, the
 cost policy with its prefill estimator, the metrics feed); the one per-process object is the Prometheus
 exporter (``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's registry is per process.
+(The stream plugin's counters are per process too: the backend only reads them.)
 """
 
 from __future__ import annotations
@@ -52,19 +56,19 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from sgl_kvtier.config import Streaming
 from sgl_kvtier.errors import KVTierError
-from sgl_kvtier.keys import PageKey, parse_key
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
 from sgl_kvtier.sglang.host_pages import check_indices
+from sgl_kvtier.sglang.page_keys import keys_or_none, keys_until_invalid, parent_of, prefix_keys, warm_page_hash
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
-from sgl_kvtier.sglang.stats import TransferStats
+from sgl_kvtier.sglang.stats import TransferStats, stream_snapshot
 from sgl_kvtier.sglang.stream.binding import StreamBinder, why_not_streaming
 from sgl_kvtier.sglang.tiers import KV, PoolTiers
 from sgl_kvtier.store.lifecycle import Failure
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.prometheus import PrometheusFeed
-from sgl_kvtier.telemetry.snapshot import RankLabels, TelemetrySnapshot
+from sgl_kvtier.telemetry.snapshot import RankLabels, StreamHookSnapshot, StreamSnapshot, TelemetrySnapshot
 
 log = logging.getLogger(__name__)
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (KVTierError, OSError, ValueError, RuntimeError)
@@ -90,6 +94,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
         self.binder = StreamBinder(lambda: self.kv, lambda: self.streaming_enabled, self.boundary)
         self._said_streaming = False
+        self._stream_hooks: Callable[[], StreamHookSnapshot] | None = None
         warm_page_hash()
 
     @property
@@ -139,6 +144,10 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             self._said_streaming = True
             log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)
 
+    def attach_stream_hooks(self, counts: Callable[[], StreamHookSnapshot]) -> None:
+        """The stream plugin is on for this backend: ``counts()`` reads its counters (``telemetry().stream``)."""
+        self._stream_hooks = counts
+
     def bind_hit(self, hashes: list[str], host_indices: torch.Tensor) -> None:
         """SGLang allocated ``host_indices`` for the hit of ``hashes`` (its leading ``len(host_indices) //
         page_tokens`` pages; the allocation may be shorter than the hit): stream them in now. Never raises
@@ -148,7 +157,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             if not self.streaming_enabled or tier is None:
                 return
             pages = host_indices.numel() // tier.pages.page_tokens
-            keys = _keys_until_invalid(hashes[:pages])
+            keys = keys_until_invalid(hashes[:pages])
             if pages and len(keys) == pages:
                 self.binder.bind(keys, host_indices)
 
@@ -160,11 +169,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         return self._guarded("batch_exists", lambda: self._exists(keys, extra_info), lambda: 0)
 
     def _exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None) -> int:
-        parsed = _keys_until_invalid(keys)
+        parsed = keys_until_invalid(keys)
         tier = self._kv()
         hit = tier.longest_prefix(parsed)
         # With KVTIER_PREFETCH_POLICY=cost: only the leading pages predicted to load faster than recompute.
-        hit = self.cost.shorten_hit(len(keys), hit, len(_prefix_keys(extra_info)))
+        hit = self.cost.shorten_hit(len(keys), hit, len(prefix_keys(extra_info)))
         try:
             tier.stage(parsed[:hit])  # read-ahead: the reads start now, batch_get_v1 collects them
         except Exception as exc:  # the hit stands: batch_get_v1 reads on demand
@@ -177,7 +186,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         def get() -> list[bool]:
             start = time.perf_counter()
             tier = self._kv()
-            parsed = _keys_or_none(keys)
+            parsed = keys_or_none(keys)
             answer = self.binder.answer(parsed, host_indices)  # bound slots: the stream's head, at once
             if answer is not None:
                 return answer
@@ -196,7 +205,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         def put() -> list[bool]:
             start = time.perf_counter()
             tier = self._kv()
-            result = tier.write(_keys_or_none(keys), host_indices, _parent_of(extra_info))
+            result = tier.write(keys_or_none(keys), host_indices, parent_of(extra_info))
             self.stats.record_set(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
             return result
 
@@ -205,7 +214,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     # ------------------------------------------------------------------ legacy: flat page tensors
     def exists(self, key: str) -> bool:
         """Whether ``key`` is stored (a presence check, not a load decision: the cost policy is not asked)."""
-        return self._guarded("exists", lambda: self._kv().longest_prefix(_keys_until_invalid([key])) == 1,
+        return self._guarded("exists", lambda: self._kv().longest_prefix(keys_until_invalid([key])) == 1,
                              lambda: False)
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -219,7 +228,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             tier = self._kv()
             given = [None] * len(keys) if target_locations is None else list(target_locations)
             targets = [tier.pages.pool.get_dummy_flat_data_page() if t is None else t for t in given]
-            oks = tier.read_flat(_keys_or_none(keys), targets)
+            oks = tier.read_flat(keys_or_none(keys), targets)
             return [t if ok else None for t, ok in zip(targets, oks)]
 
         return self._guarded("batch_get", get, lambda: [None] * len(keys))
@@ -233,7 +242,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """Store flat pages; True only if every one was stored (non-writer ranks: True, nothing written)."""
         if not self.writer:
             return True
-        return self._guarded("batch_set", lambda: all(self._kv().write_flat(_keys_or_none(keys), list(values))),
+        return self._guarded("batch_set", lambda: all(self._kv().write_flat(keys_or_none(keys), list(values))),
                              lambda: False)
 
     # ------------------------------------------------------------------ v2: side pools
@@ -241,7 +250,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """The usable KV prefix given every side pool's hit policy (see ``sidecars``)."""
         def exists() -> PoolTransferResult:
-            return exists_v2(self._kv(), self.tiers, _keys_until_invalid(keys), pool_transfers or [])
+            return exists_v2(self._kv(), self.tiers, keys_until_invalid(keys), pool_transfers or [])
 
         return self._guarded("batch_exists_v2", exists, PoolTransferResult.empty)
 
@@ -264,10 +273,10 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             if tier is None:
                 raise KVTierError(f"no host pool {t.name!r} registered")
             if not write:
-                return tier.read(_keys_or_none(keys), t.host_indices)
+                return tier.read(keys_or_none(keys), t.host_indices)
             if not self.writer:
                 return [True] * len(keys)
-            return tier.write(_keys_or_none(keys), t.host_indices, _parent_of(extra_info))
+            return tier.write(keys_or_none(keys), t.host_indices, parent_of(extra_info))
 
         return self._guarded(f"batch_{'set' if write else 'get'}_v2[{t.name}]", move, lambda: [False] * len(keys))
 
@@ -292,13 +301,25 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
 
     def telemetry(self) -> TelemetrySnapshot:
         """Everything this backend reports, typed and immutable: per pool the store and read-ahead figures,
-        the prefill model, the policy switch, the boundary's counters, and the rank labels."""
+        the prefill model, the policy switch, the boundary's counters, the rank labels, and its streamed
+        tails when it streams."""
         cfg = self.storage_config
         tiers = list(self.tiers.values())
         return TelemetrySnapshot(
             ranks=RankLabels(int(cfg.tp_rank or 0), int(cfg.pp_rank or 0), int(cfg.dp_rank or 0)),
             pools=tuple(t.snapshot() for t in tiers), prefill=self.cost.prefill.snapshot(),
-            cost_policy_enabled=self.cost.enabled(), boundary=self.boundary.counts())
+            cost_policy_enabled=self.cost.enabled(), boundary=self.boundary.counts(), stream=self._stream())
+
+    def _stream(self) -> StreamSnapshot | None:
+        if not self.streaming_enabled:
+            return None
+        hooks = None
+        if self._stream_hooks is not None:
+            try:
+                hooks = self._stream_hooks()
+            except Exception as exc:  # the rest of the snapshot stands
+                self.boundary.fail("telemetry (stream plugin counters)", exc, outcome="reported without them")
+        return stream_snapshot(self.binder.counts(), hooks)
 
     def cost_inputs(self) -> dict[str, Any]:
         """The cost policy's measured inputs: read bandwidth / batch latency per pool and device, prefill speed."""
@@ -351,61 +372,6 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         except Exception as exc:  # the boundary: nothing raises into SGLang's threads
             self.boundary.fail(op, exc)
             return miss()
-
-
-def warm_page_hash() -> None:
-    """Load SGLang's native page-hash extension now, at start-up, not at the first L3 lookup.
-
-    SGLang loads it lazily, at its first page hash, which in a fresh server is the prefetch thread's first
-    lookup: a torch JIT load (a rebuild, seconds, whenever a process of another checkout last built the
-    shared ``~/.cache/torch_extensions`` copy; queued behind any process building it now) inside that
-    request's prefetch deadline (``timeout`` policy: 1 s + 0.25 s per 1,024 tokens), which then expires
-    with nothing loaded: a storage hit lost. Loaded once per process (SGLang caches it). A failure is
-    logged, never raised: SGLang reports it at its own first hash."""
-    start = time.perf_counter()
-    try:
-        from sglang.srt.mem_cache.utils import get_hash_str
-
-        get_hash_str([0])
-    except Exception as exc:  # no compiler, a broken cache directory: SGLang's first hash says so again
-        log.warning("kvtier: SGLang's page hash did not load at start-up (%r); it loads at the first lookup", exc)
-        return
-    elapsed = time.perf_counter() - start
-    if elapsed > 1.0:
-        log.info("kvtier: SGLang's page hash extension loaded at start-up in %.1f s", elapsed)
-
-
-def _keys_or_none(keys: list[str]) -> list[PageKey | None]:
-    out: list[PageKey | None] = []
-    for k in keys:
-        try:
-            out.append(parse_key(k))
-        except ValueError:
-            out.append(None)
-    return out
-
-
-def _keys_until_invalid(keys: list[str]) -> list[PageKey]:
-    out = []
-    for k in _keys_or_none(keys):
-        if k is None:
-            break
-        out.append(k)
-    return out
-
-
-def _prefix_keys(extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
-    return list(extra_info.prefix_keys or ()) if extra_info is not None else []
-
-
-def _parent_of(extra_info: HiCacheStorageExtraInfo | None) -> PageKey | None:
-    prefix = _prefix_keys(extra_info)
-    if not prefix:
-        return None
-    try:
-        return parse_key(prefix[-1])
-    except ValueError:
-        return None
 
 
 __all__ = ["KVTierStorage", "EXPECTED_ERRORS", "check_indices", "warm_page_hash"]

@@ -25,7 +25,15 @@ plus ``device`` (index) and ``path`` for per-device series):
   per-writer series: a writer that dies would leave its ``live``-labelled series behind in SGLang's
   multiprocess files. A writer that left the pool is listed ``retired`` (live 0, no pages) for a minute,
   then keeps those last values until the process restarts;
-- the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``).
+- the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``);
+- streamed L3 tails (issue #13; labels the ranks): ``kvtier_streaming_enabled`` (1: the backend streams its
+  hits), and only then, as gauges of running totals, the binder's reads (``kvtier_stream_<field>`` of
+  ``StreamSnapshot``: ``_bound_hits``, ``_head_pages``, ``_streamed_pages``, ``_failed_groups``,
+  ``_withheld_pages``, ...) and, once the stream plugin is active for the backend, its counters of the
+  process (``StreamHookSnapshot``: ``kvtier_stream_tails`` registered, ``_gate_waits``, ``_zero_filled_groups``,
+  ``_retracts``, ``_dropped`` and ``_not_streamed`` by ``reason``, ...; a field in seconds is exported as
+  ``_seconds``: ``kvtier_stream_stall_seconds``, the time forward reads waited on tail layers, and
+  ``kvtier_stream_gate_wait_seconds``).
 
 Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
 (SGLang calls it on every scheduler step, and only with ``--enable-metrics``:
@@ -56,7 +64,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_kvtier.telemetry.counters import ErrorBoundary, ErrorKind, StoreCounters
-from sgl_kvtier.telemetry.snapshot import SHARING_COUNTERS, Breaker, StoreSnapshot, TelemetrySnapshot, WriterState
+from sgl_kvtier.telemetry.snapshot import (
+    SHARING_COUNTERS,
+    Breaker,
+    StoreSnapshot,
+    StreamHookSnapshot,
+    StreamSnapshot,
+    TelemetrySnapshot,
+    WriterState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +88,17 @@ BREAKER_VALUE = {Breaker.CLOSED: 0.0, Breaker.HALF_OPEN: 0.5, Breaker.OPEN: 1.0}
 COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters))
 # The fields of ``prefetch.ReadAheadCounters`` (a higher layer: named here, checked equal by the tests).
 READAHEAD = ("staged", "served", "joined", "failed", "dropped", "skipped_full")
+REASON = (*RANKS, "reason")
+
+
+def _stream_gauge(field: str) -> str:
+    """The gauge of a stream snapshot field: ``stream_<field>``, a ``_s`` field in ``_seconds``."""
+    return f"stream_{field[:-2]}_seconds" if field.endswith("_s") else f"stream_{field}"
+
+
+# The numeric fields of the stream snapshots (the by-reason mappings and ``hooks`` are exported apart).
+STREAM_READS = tuple(f.name for f in dataclasses.fields(StreamSnapshot) if f.name != "hooks")
+STREAM_HOOKS = tuple(f.name for f in dataclasses.fields(StreamHookSnapshot) if f.name not in ("dropped", "not_streamed"))
 
 # name, help, labels
 _GAUGES = (
@@ -116,6 +143,15 @@ _GAUGES = (
     ("cost_policy_enabled", "1 when KVTIER_PREFETCH_POLICY=cost (load or recompute by the cost model)", RANKS),
     ("boundary_errors", "Exceptions the adapter caught and served as misses: expected (faults, bad input) or "
      "unexpected (bugs, logged with a traceback)", (*RANKS, "kind")),
+    ("streaming_enabled", "1 when the backend streams its L3 hits' tails (streaming = \"on\" on a layout that "
+     "streams)", RANKS),
+    *((_stream_gauge(f), f"StreamSnapshot.{f}: the backend's tail streams, running total", RANKS) for f in STREAM_READS),
+    *((_stream_gauge(f), f"StreamHookSnapshot.{f}: the stream plugin in this process, running total", RANKS)
+      for f in STREAM_HOOKS),
+    ("stream_dropped", "Streamed tails given up before their forward (the request computed them), by reason: "
+     "running total", REASON),
+    ("stream_not_streamed", "Hits whose unlanded part was not registered as a streamed tail (loaded as today), "
+     "by reason: running total", REASON),
 )
 
 
@@ -152,6 +188,21 @@ class Exporter:
         self._set("cost_policy_enabled", ranks, snap.cost_policy_enabled)
         self._set("boundary_errors", (*ranks, ErrorKind.EXPECTED.value), snap.boundary.expected)
         self._set("boundary_errors", (*ranks, ErrorKind.UNEXPECTED.value), snap.boundary.unexpected)
+        self._set("streaming_enabled", ranks, snap.stream is not None)
+        if snap.stream is not None:
+            self._update_stream(ranks, snap.stream)
+
+    def _update_stream(self, ranks: tuple[object, ...], stream: StreamSnapshot) -> None:
+        for f in STREAM_READS:
+            self._set(_stream_gauge(f), ranks, getattr(stream, f))
+        hooks = stream.hooks
+        if hooks is None:
+            return  # the plugin never decided on for this backend: its figures were not measured
+        for f in STREAM_HOOKS:
+            self._set(_stream_gauge(f), ranks, getattr(hooks, f))
+        for name, by_reason in (("stream_dropped", hooks.dropped), ("stream_not_streamed", hooks.not_streamed)):
+            for reason, count in by_reason.items():
+                self._set(name, (*ranks, reason), count)
 
     def _update_store(self, pool: tuple[object, ...], store: StoreSnapshot) -> None:
         self._set("store_pages", pool, store.pages)

@@ -3,9 +3,11 @@
 ``KVTierStorage.telemetry()`` builds one ``TelemetrySnapshot`` per call (per pool: the store's occupancy,
 counters, read rates and circuit breakers, every writer of its shared pool (the own one's usage now, the
 others' from their last leases, each with the pool's verdict on it) and the pool's sharing counters (peers
-dropped, writers retired, pages refused while fenced, re-registrations), and its read-ahead counters; the prefill model; the policy switch; the
-adapter's caught exceptions; the rank labels). Consumers (the Prometheus exporter, the cost
-inputs log line, tests) read only this, never the backend's attributes.
+dropped, writers retired, pages refused while fenced, re-registrations), and its read-ahead counters; the
+prefill model; the policy switch; the adapter's caught exceptions; the rank labels; and, when the backend
+streams, its streamed tails: the binder's reads and the stream plugin's counters of the process).
+Consumers (the Prometheus exporter, the cost inputs log line, tests) read only this, never the backend's
+attributes.
 
 Invariants: frozen dataclasses, counters held as read-only mappings copied at build time; a figure not
 measured yet is ``None`` (never a made-up 0); imports no SGLang and no torch.
@@ -152,6 +154,57 @@ class PrefillSnapshot:
 
 
 @dataclass(frozen=True)
+class StreamHookSnapshot:
+    """The stream plugin's counters in this process (``plugins.stream_core.hook_snapshot``): running totals
+    since the process started, of every cache it streamed for (one scheduler, one backend per process)."""
+
+    # admission (scheduler thread)
+    bind_calls: int = 0  # hits handed to the backend to bind (it may decline)
+    tails: int = 0  # tails registered: the part of a hit not landed at its ack, streaming on
+    ready: int = 0  # tails the T_hide gate let through
+    admitted: int = 0  # tails loaded back into private device slots with their request
+    gate_waits: int = 0  # admission polls the gate answered "not yet"
+    gate_wait_s: float = 0.0  # registration to READY, summed over the tails let through
+    withheld_registered_slots: int = 0  # slots of registered tails SGLang tried to release (kept back; a bug)
+    not_streamed: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # why a hit's tail was not registered
+    dropped: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # tails given up before their forward, by why
+    # the forward (the tail loader)
+    loads: int = 0  # batches with streamed tails
+    loaded_tails: int = 0
+    copied_layers: int = 0  # (tail, layer) copies of verified bytes
+    zeroed_layers: int = 0  # (tail, layer) zero-fills
+    zero_filled_groups: int = 0  # layer groups the loader put zeros in (failed, late, a failed copy, injected)
+    timeouts: int = 0  # of those, deadlines passed
+    landed: int = 0  # tails whose rank-agreed verdict was landed: kept
+    poisoned: int = 0  # tails whose verdict was a failure: their request retracted (or aborted)
+    stalls: int = 0  # forward reads that waited for a tail layer still loading
+    stall_s: float = 0.0  # time those reads waited
+    # the retract path
+    retracts: int = 0  # requests retracted after a forward (output dropped, KV released, recomputed)
+    requeued: int = 0
+    aborted: int = 0  # requests that could not be retracted and were aborted instead (503)
+
+
+@dataclass(frozen=True)
+class StreamSnapshot:
+    """Streamed L3 tails of one backend (``streaming = "on"`` on a layout that streams): its binder's reads
+    (``binding.StreamCounters``, running totals) and, once the stream plugin is active for it, the
+    plugin's counters (``hooks``; None: the plugin never decided on for this backend)."""
+
+    bound_hits: int = 0  # hits bound to a tail stream
+    head_pages: int = 0  # pages answered True to SGLang's IO thread from a stream (inserted as today)
+    streamed_pages: int = 0  # pages streams landed whole and verified
+    staged_pages: int = 0  # ... of which copied from read-ahead staging
+    failed_pages: int = 0  # pages of streams that did not land (cancelled streams not counted)
+    failed_groups: int = 0  # (stream, layer group) reads that did not land on every page of the stream
+    cancelled: int = 0  # streams cancelled (released slots, a dropped tail, close)
+    read_errors: int = 0  # streams whose read raised
+    withheld_pages: int = 0  # released pages kept back until their stream ended (then freed)
+    mismatches: int = 0  # answers or binds that found a stream where none was expected (bugs)
+    hooks: StreamHookSnapshot | None = None
+
+
+@dataclass(frozen=True)
 class RankLabels:
     """The parallel ranks of the SGLang process a backend lives in: labels that keep ranks' series apart."""
 
@@ -169,6 +222,7 @@ class TelemetrySnapshot:
     prefill: PrefillSnapshot = PrefillSnapshot()
     cost_policy_enabled: bool = False
     boundary: BoundaryCounts = BoundaryCounts()
+    stream: StreamSnapshot | None = None  # None: this backend does not stream (``streaming = "off"``, a layout)
 
     def pool(self, name: str) -> PoolSnapshot | None:
         """The pool called ``name``, if registered."""
@@ -185,4 +239,5 @@ class TelemetrySnapshot:
 
 
 __all__ = ["Breaker", "RateSnapshot", "DeviceSnapshot", "WriterState", "WriterSnapshot", "StoreSnapshot", "ReadAheadSnapshot", "PoolSnapshot", "PrefillSource",
-           "PrefillSnapshot", "RankLabels", "TelemetrySnapshot", "SHARING_COUNTERS", "frozen_counts"]
+           "PrefillSnapshot", "StreamHookSnapshot", "StreamSnapshot", "RankLabels", "TelemetrySnapshot", "SHARING_COUNTERS",
+           "frozen_counts"]

@@ -31,6 +31,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 
 from sgl_kvtier.sglang import KVTierStorage
 from sgl_kvtier.sglang.plugins import stream
+from sgl_kvtier.sglang.stream.binding import StreamCounters
 from sgl_kvtier.sglang.stream.contract import GroupVerdict
 
 PS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
@@ -191,6 +192,9 @@ class FakeBinder:
             out.append((s, host_indices[mask]))
         self.claims.extend(out)
         return host_indices[keep], out
+
+    def counts(self) -> StreamCounters:  # the backend's telemetry reads it: no real stream, nothing counted
+        return StreamCounters()
 
     def close(self) -> None:
         for s in self.streams:

@@ -3,8 +3,8 @@
 device pools, a real ``Req``, SGLang's own ``Scheduler._prefetch_kvcache`` and a real ``PrefillAdder``.
 
 A producer cache backs a prompt up to our L3 store (write-through, as a server does). A consumer cache
-then fetches it with the stream hooks on (``stream_admit.HOOKS`` only: the forward side is another
-module's) and a backend whose stream is a test double (``StreamingTestStorage``: a ``KVTierStorage``
+then fetches it with the stream hooks on (``stream_admit.HOOKS`` and ``stream_slots.HOOKS`` only: the
+forward side is another module's) and a backend whose stream is a test double (``StreamingTestStorage``: a ``KVTierStorage``
 whose ``bind_hit`` / ``binder`` are a ``FakeBinder`` of ``FakeStream``\\ s with controllable groups): the
 head pages it answers True to SGLang's IO thread are read from the real store into their slots first,
 and landing a group of the tail reads the tail pages' real bytes into their withheld slots. An IO in
@@ -57,7 +57,7 @@ from stream_kit import (  # noqa: E402
     tree_device_tokens,
 )
 
-from sgl_kvtier.sglang.plugins import stream, stream_admit  # noqa: E402
+from sgl_kvtier.sglang.plugins import stream, stream_admit, stream_core, stream_slots  # noqa: E402
 from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,7 +69,7 @@ def hooks(monkeypatch, cpu_shims):
     """The admission hooks applied to SGLang's classes; registry and classes restored afterwards."""
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
     monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
-    for target, fn, kind in stream_admit.HOOKS:
+    for target, fn, kind in [*stream_admit.HOOKS, *stream_slots.HOOKS]:
         module, cls_name, name = target.rsplit(".", 2)
         cls = getattr(importlib.import_module(module), cls_name)
         monkeypatch.setattr(cls, name, cls.__dict__[name])
@@ -354,7 +354,7 @@ def test_scope_and_the_one_decision(consumer, caplog):
     env.cache.linker = object()
     assert "an external cache linker is attached" in stream.scope_problems(env.cache)
     env.cache.__dict__.pop(stream.ACTIVE_ATTR)
-    with caplog.at_level("INFO", logger=stream.logger.name):
+    with caplog.at_level("INFO", logger=stream_core.logger.name):
         assert stream.active(env.cache) is None and stream.active(env.cache) is None
     assert [r.getMessage() for r in caplog.records].count(
         f"kvtier streamed tails: off for this cache (pid {__import__('os').getpid()}): an external cache linker "

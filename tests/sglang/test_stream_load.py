@@ -23,7 +23,14 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 
-from sgl_kvtier.sglang.plugins import layer_loader, stream, stream_copy, stream_load, stream_retract  # noqa: E402
+from sgl_kvtier.sglang.plugins import (  # noqa: E402
+    layer_loader,
+    stream,
+    stream_copy,
+    stream_core,
+    stream_load,
+    stream_retract,
+)
 from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, TailState  # noqa: E402
 
 if torch.cuda.is_available():  # pragma: no cover - the loader thread is the CPU route
@@ -165,7 +172,7 @@ def env(kit_cache, monkeypatch):
     from sglang.srt.managers.cache_controller import LayerDoneCounter
 
     k = kit_cache
-    monkeypatch.setattr(stream, "active", lambda cache: stream.registry_of(cache), raising=False)
+    monkeypatch.setattr(stream_core, "active", lambda cache: stream.registry_of(cache))
     monkeypatch.setattr(stream_copy, "STATS", stream_copy.StreamLoadStats())
     monkeypatch.setattr(stream_copy, "SLOW_IO_S", BOUND_S)  # no deadline passes unless a test shortens it
     parked = Parked()
@@ -293,7 +300,7 @@ def test_sglangs_own_load_back_keeps_its_producer(env) -> None:
 
 def test_inactive_is_a_pass_through(env, monkeypatch) -> None:
     tail, _ = env.new_tail("r1")
-    monkeypatch.setattr(stream, "active", lambda cache: None)
+    monkeypatch.setattr(stream_core, "active", lambda cache: None)
     assert begin(env) == -1  # SGLang's answer: nothing to load
     assert tail.state is TailState.ADMITTED and not stream_load.IN_FLIGHT  # not taken, nothing started
     env.k.device.get_key_buffer(0)  # the gate passes straight to SGLang

@@ -12,7 +12,9 @@
 3. A streamed server (``streaming = "on"``, a throttled L3 device so hits have tails): the testing knob
    ``KVTIER_STREAM_FAULT=1:0`` fails layer group 0 of the first streamed tail: that request is retracted
    once, recomputes (never streaming again) and answers exactly as cold; the next one streams, lands and
-   keeps its forward, with the same answer as cold.
+   keeps its forward, with the same answer as cold. Its ``/metrics`` show the same story in the
+   ``kvtier_stream_*`` series (tails, streamed pages, the zero-filled group, the retract), and the prefill
+   samples that streaming feeds the gate's model with the cost plugin off.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ pytest.importorskip("sglang")
 
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from test_prometheus import only, scrape  # noqa: E402
 
 from sgl_kvtier.sglang.plugins import stream_copy, stream_retract  # noqa: E402
 
@@ -197,7 +200,8 @@ def test_streamed_tails_that_fail_are_retracted_and_recomputed(tmp_path: Path) -
             "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", str(PAGE),
             "--enable-cache-report", "--enable-metrics", "--skip-server-warmup",
             "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra)]
-    env = {stream_copy.ENV_FAULT: "1:0", **STRICT}  # group 0 of the first streamed tail fails, later ones land
+    env = {stream_copy.ENV_FAULT: "1:0", "KVTIER_METRICS_INTERVAL_S": "0", **STRICT}  # group 0 of the first
+    # streamed tail fails, later ones land; every scheduler step refreshes the kvtier_ gauges
     log_path = tmp_path / "server.log"
     with SGLangServer(model, extra_args=args, env=env, log_path=log_path) as srv:
         cold = [generate(srv, p, f"cold-{i}") for i, p in enumerate(prompts)]
@@ -205,6 +209,17 @@ def test_streamed_tails_that_fail_are_retracted_and_recomputed(tmp_path: Path) -
         srv.flush_cache()
         warm = [generate(srv, p, f"warm-{i}") for i, p in enumerate(prompts)]
         assert srv.metric("sglang:num_retracted_requests_total") == 1  # counted where SGLang counts retracts
+        metrics = scrape(srv)  # refreshed by warm-1's decode steps, after its verdict
+    ranks = {"tp_rank": "0"}
+    assert only(metrics, "kvtier_streaming_enabled", **ranks) == 1
+    assert only(metrics, "kvtier_stream_tails", **ranks) >= 2 and only(metrics, "kvtier_stream_loads", **ranks) >= 2
+    assert only(metrics, "kvtier_stream_streamed_pages", **ranks) > 0
+    assert only(metrics, "kvtier_stream_zero_filled_groups", **ranks) >= 1  # the injected one, and later ones not
+    # landed by then (looked at without waiting once the tail failed)
+    assert only(metrics, "kvtier_stream_poisoned", **ranks) == only(metrics, "kvtier_stream_retracts", **ranks) == 1
+    assert only(metrics, "kvtier_stream_landed", **ranks) >= 1 and only(metrics, "kvtier_stream_aborted", **ranks) == 0
+    assert only(metrics, "kvtier_stream_stall_seconds", **ranks) >= 0
+    assert only(metrics, "kvtier_prefill_samples", **ranks) >= 1  # fed by streaming: the cost plugin is off
     assert [w["output_ids"] for w in warm] == [c["output_ids"] for c in cold]
     assert cold[0]["output_ids"] != cold[1]["output_ids"]
     log = check_log(log_path)

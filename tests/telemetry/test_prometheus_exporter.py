@@ -27,6 +27,8 @@ from sgl_kvtier.telemetry.snapshot import (
     RateSnapshot,
     ReadAheadSnapshot,
     StoreSnapshot,
+    StreamHookSnapshot,
+    StreamSnapshot,
     TelemetrySnapshot,
     WriterSnapshot,
     WriterState,
@@ -53,6 +55,14 @@ NAMES = {
     # sharing = "cluster" (#13)
     "pool_peers_dropped", "pool_writers_retired", "pool_fenced_pages", "pool_reregistrations",
     "writer_lease_unchanged_seconds",
+    # streamed L3 tails (issue #13)
+    "streaming_enabled", "stream_dropped", "stream_not_streamed",
+    *(f"stream_{c}" for c in ("bound_hits", "head_pages", "streamed_pages", "staged_pages", "failed_pages",
+                              "failed_groups", "cancelled", "read_errors", "withheld_pages", "mismatches",
+                              "bind_calls", "tails", "ready", "admitted", "gate_waits", "gate_wait_seconds",
+                              "withheld_registered_slots", "loads", "loaded_tails", "copied_layers", "zeroed_layers",
+                              "zero_filled_groups", "timeouts", "landed", "poisoned", "stalls", "stall_seconds",
+                              "retracts", "requeued", "aborted")),
 }
 
 
@@ -84,6 +94,8 @@ def test_every_gauge_keeps_its_name_and_labels():
     assert labels["boundary_errors"] == ("tp_rank", "pp_rank", "dp_rank", "kind")
     assert labels["writer_live"] == ("pool", "tp_rank", "pp_rank", "dp_rank", "namespace", "wid", "host")
     assert labels["pool_writers"] == ("pool", "tp_rank", "pp_rank", "dp_rank", "namespace", "state")
+    assert labels["stream_tails"] == labels["stream_stall_seconds"] == ("tp_rank", "pp_rank", "dp_rank")
+    assert labels["stream_dropped"] == ("tp_rank", "pp_rank", "dp_rank", "reason")
 
 
 def test_gauges_show_the_snapshot():
@@ -171,6 +183,37 @@ def test_an_unmeasured_prefill_model_has_no_series():
     assert registry.get_sample_value("kvtier_prefill_per_token_seconds", RANKS) is None
     assert registry.get_sample_value("kvtier_prefill_samples", RANKS) == 0
     assert registry.get_sample_value("kvtier_cost_policy_enabled", RANKS) == 0
+
+
+def test_streamed_tails_have_series_only_when_the_backend_streams():
+    snap = snapshot()
+    hooks = StreamHookSnapshot(
+        bind_calls=4, tails=3, ready=2, admitted=2, gate_waits=7, gate_wait_s=0.25,
+        not_streamed=frozen_counts({"withheld cap": 1}), dropped=frozen_counts({"gate": 1, "abort": 2}), loads=2,
+        loaded_tails=2, copied_layers=11, zeroed_layers=1, zero_filled_groups=1, landed=1, poisoned=1, stalls=5,
+        stall_s=0.125, retracts=1, requeued=1)
+    streamed = StreamSnapshot(bound_hits=4, head_pages=6, streamed_pages=20, failed_pages=1, failed_groups=1,
+                              withheld_pages=3, hooks=hooks)
+    registry = CollectorRegistry()
+    exporter = prometheus.Exporter(registry)
+    value = registry.get_sample_value
+    exporter.update(snap)  # streaming off: the switch says so, and no stream figure has a series
+    assert value("kvtier_streaming_enabled", RANKS) == 0 and value("kvtier_stream_bound_hits", RANKS) is None
+    exporter.update(dataclasses.replace(snap, stream=dataclasses.replace(streamed, hooks=None)))
+    assert value("kvtier_streaming_enabled", RANKS) == 1 and value("kvtier_stream_streamed_pages", RANKS) == 20
+    assert value("kvtier_stream_tails", RANKS) is None  # the plugin never ran for it: its figures unmeasured
+    exporter.update(dataclasses.replace(snap, stream=streamed))
+    reads = {f: value(f"kvtier_stream_{f}", RANKS) for f in prometheus.STREAM_READS}
+    assert reads == {f: getattr(streamed, f) for f in prometheus.STREAM_READS}
+    assert value("kvtier_stream_tails", RANKS) == 3 and value("kvtier_stream_gate_waits", RANKS) == 7
+    assert value("kvtier_stream_gate_wait_seconds", RANKS) == 0.25 and value("kvtier_stream_stall_seconds", RANKS) == 0.125
+    assert value("kvtier_stream_zero_filled_groups", RANKS) == 1 and value("kvtier_stream_retracts", RANKS) == 1
+    assert value("kvtier_stream_aborted", RANKS) == 0  # measured (the plugin ran): a real 0
+    assert value("kvtier_stream_dropped", {**RANKS, "reason": "abort"}) == 2
+    assert value("kvtier_stream_dropped", {**RANKS, "reason": "gate"}) == 1
+    assert value("kvtier_stream_not_streamed", {**RANKS, "reason": "withheld cap"}) == 1
+    assert set(prometheus.STREAM_HOOKS) | {"dropped", "not_streamed"} == {
+        f.name for f in dataclasses.fields(StreamHookSnapshot)}
 
 
 class Snapshots:

@@ -17,6 +17,8 @@ from sgl_kvtier.telemetry.snapshot import (
     RankLabels,
     RateSnapshot,
     StoreSnapshot,
+    StreamHookSnapshot,
+    StreamSnapshot,
     TelemetrySnapshot,
     WriterSnapshot,
     WriterState,
@@ -77,3 +79,16 @@ def test_a_store_snapshot_carries_the_sharing_counters_and_the_watch():
         store.sharing["fenced_pages"] = 1  # type: ignore[index]
     assert store.writers[0].lease_unchanged_s == 4.5
     assert WriterSnapshot("a-0", "a", WriterState.LIVE, 0, 0).lease_unchanged_s is None  # this host's: by LOCK
+
+
+def test_a_stream_snapshot_cannot_change():
+    dropped = {"gate": 1}
+    snap = StreamSnapshot(streamed_pages=3, hooks=StreamHookSnapshot(tails=2, dropped=frozen_counts(dropped)))
+    dropped["gate"] = 5  # the plugin moves on; the snapshot does not
+    assert snap.hooks.dropped == {"gate": 1} and snap.hooks.not_streamed == {}
+    with pytest.raises(TypeError):
+        snap.hooks.dropped["abort"] = 1  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.streamed_pages = 4  # type: ignore[misc]
+    assert TelemetrySnapshot(RankLabels()).stream is None  # a backend that does not stream reports none
+    assert StreamSnapshot().hooks is None  # the plugin not active for it: its counters unmeasured

@@ -1,62 +1,45 @@
 """SGLang general plugin: streamed L3 tails (issue #13; the design: ``sgl_kvtier.sglang.stream``).
 
 Declared in pyproject.toml as the ``sglang.srt.plugins`` entry point ``kvtier_stream``. ``load()`` registers
-the hooks of ``stream_admit`` (bind, register, withhold, gate, virtual hit, load-back, ownership, row
-indices, clean-up) and ``stream_load`` (loader, per-layer gate, verdict, retract, requeue) unless
-``KVTIER_STREAM=0`` (a kill switch). Every hook is a pass-through unless the cache it runs on has our
-backend with ``streaming = "on"`` and the engine is inside this version's scope (``active``).
+the hooks of ``stream_admit`` (bind, register, gate, virtual hit, load-back, ownership, row indices, abort),
+``stream_slots`` (withhold, reap, reset / detach), ``stream_load`` (loader, per-layer gate, verdict,
+retract, requeue) and ``stream_sample`` (prefill samples for the gate's model) unless ``KVTIER_STREAM=0``
+(a kill switch). Every hook is a pass-through unless the cache it runs on has our backend with
+``streaming = "on"`` and the engine is inside this version's scope (``active``).
 
-``active(cache)`` decides once per (cache, backend object) and logs one line, on or off and why; a backend
-attached or detached at run time is a new decision. Scope of v1 (anything else: off, never an error):
-cache mode (no buffer pipeline), no disaggregation, PP = 1, no DP attention, no speculative decoding (no
-draft/EAGLE pools), no SWA or Mamba component, only the KV host pool (no side pools), no external cache
-linker, and SGLang's device module is ``torch.cpu`` (CUDA is off in this version). Every decision depends on
-the server's configuration only, so all ranks of one engine decide alike (the hooks' collectives rely on it).
-
-Shared helpers for both hook modules: ``controller_cache`` (the cache behind a HiCache controller, for hooks
-on controller methods), ``min_reduce`` (rank-MIN of a few ints at a lockstep point), ``boundary`` / ``guard``
-(the backend's ``ErrorBoundary``, where our hooks count what they caught, and the fallback they answer).
-
-Tails and slots (the accounting rules every hook keeps):
-- ``drop``: a tail given up before its forward: out of the registry, its private device slots freed only
-  while ADMITTED (from the batch's ``prepare_for_extend`` on they are in the request's row, which
-  ``release_kv_cache`` frees), its stream cancelled, its host slots deferred (``registry.defer_free``).
-- ``withhold``: what SGLang may release of some host slots: never a registered tail's (kept back, counted:
-  SGLang should not release them at all), and of slots a bound stream may still write only those the
-  binder clears (``binder.claim_released``, which cancels that stream); the rest is deferred.
-- Deferred slots are freed only once their stream ``ended`` (no IO in flight into them): ``free_host`` of
-  what ``registry.reap`` returns, the count MIN-reduced so every rank frees the same slots.
-- ``clear_all`` (reset, detach): every tail and deferred stream cancelled and waited for (bounded by
-  ``END_WAIT_S``, logged if late) before its slots are freed (detach) or forgotten (reset: SGLang cleared
-  the pools).
+The shared state and rules (``active``, the registry, ``drop``, ``STATS``, ...) live in ``stream_core`` and
+are re-exported here, read-only: a test that replaces one replaces it in ``stream_core``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import weakref
-from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sgl_kvtier.errors import KVTierError
-from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
-from sgl_kvtier.telemetry.counters import ErrorBoundary
-
-if TYPE_CHECKING:
-    from sgl_kvtier.sglang.storage import KVTierStorage
+from sgl_kvtier.sglang.plugins.stream_core import (
+    ACTIVE_ATTR,
+    CACHE_REF_ATTR,
+    REGISTRY_ATTR,
+    STATS,
+    AdmitStats,
+    active,
+    backend_of,
+    boundary,
+    controller_cache,
+    device_allocator,
+    drop,
+    guard,
+    min_reduce,
+    registry_of,
+    scope_problems,
+    streaming_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
-REGISTRY_ATTR = "_kvtier_stream_registry"
-ACTIVE_ATTR = "_kvtier_stream_active"  # on the cache: (backend, registry or None), the memoised decision
-CACHE_REF_ATTR = "_kvtier_stream_cache"  # on the controller: a weak reference to its cache (when active)
 ENV_KILL = "KVTIER_STREAM"
-END_WAIT_S = 30.0  # reset / detach: bound on waiting for a cancelled stream to end
 _loaded = False
-_orphans = ErrorBoundary(logger)  # failures with no backend of ours to count them
 
 # (dotted target under sglang.srt, hook function, "AROUND" | "AFTER" | "BEFORE"), per module
 HookSpec = tuple[str, Any, str]
@@ -64,9 +47,9 @@ HookSpec = tuple[str, Any, str]
 
 def hook_specs() -> list[HookSpec]:
     """Every hook of the streamed tail, in registration order."""
-    from sgl_kvtier.sglang.plugins import stream_admit, stream_load
+    from sgl_kvtier.sglang.plugins import stream_admit, stream_load, stream_sample, stream_slots
 
-    return [*stream_admit.HOOKS, *stream_load.HOOKS]
+    return [*stream_admit.HOOKS, *stream_slots.HOOKS, *stream_load.HOOKS, *stream_sample.HOOKS]
 
 
 def load() -> None:
@@ -84,224 +67,6 @@ def load() -> None:
                 len(specs), os.getpid())
 
 
-def registry_of(cache: Any) -> StreamRegistry:
-    """The ``StreamRegistry`` of one ``UnifiedRadixCache`` (made on first use, kept on the cache object)."""
-    registry: StreamRegistry | None = cache.__dict__.get(REGISTRY_ATTR)
-    if registry is None:
-        registry = StreamRegistry()
-        cache.__dict__[REGISTRY_ATTR] = registry
-    return registry
-
-
-# ---------------------------------------------------------------------------------------------- on or off
-def backend_of(cache: Any) -> KVTierStorage | None:
-    """Our backend behind a HiCache tree (``prefetch.backend_of``)."""
-    from sgl_kvtier.sglang.plugins.prefetch import backend_of as _backend_of
-
-    return _backend_of(cache)
-
-
-def boundary(cache: Any) -> ErrorBoundary:
-    """Where a hook on ``cache`` counts what it caught: the backend's boundary, else this module's."""
-    backend = None
-    try:
-        backend = backend_of(cache)
-    except Exception:  # noqa: BLE001 - the boundary of last resort must not fail itself
-        backend = None
-    return _orphans if backend is None else backend.boundary
-
-
-def streaming_enabled(backend: Any) -> bool:
-    """The backend's ``streaming_enabled`` (a property or a method), False when it has none."""
-    value = getattr(backend, "streaming_enabled", None)
-    if callable(value):
-        value = value()
-    return value is True
-
-
-def scope_problems(cache: Any) -> list[str]:
-    """Why this engine is outside streaming's v1 scope (empty: inside). Reads configuration only."""
-    import torch
-    from sglang.srt.managers import cache_controller
-    from sglang.srt.mem_cache import l2_transfer
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.runtime_context import get_disagg, get_parallel, get_server_args
-
-    problems: list[str] = []
-    controller = getattr(cache, "cache_controller", None)
-    if controller is None or not getattr(controller, "enable_storage", False):
-        problems.append("no HiCache storage")
-    if getattr(cache, "linker", None) is not None:
-        problems.append("an external cache linker is attached")
-    if getattr(cache, "buffer_pipeline", None) is not None or getattr(cache, "host_memory_mode", None) == "buffer_only":
-        problems.append("host memory mode buffer_only")
-    mode = get_disagg().disaggregation_mode
-    if mode not in (None, "null"):
-        problems.append(f"disaggregation mode {mode}")
-    if int(getattr(cache, "pp_size", 1)) > 1 or int(get_parallel().pp_size) > 1:
-        problems.append("pipeline parallelism (PP > 1)")
-    if int(get_parallel().attn_dp_size) > 1:
-        problems.append("DP attention")
-    if get_server_args().speculative_algorithm is not None or getattr(cache.tree_core, "is_eagle", False):
-        problems.append("speculative decoding (draft / EAGLE pools)")
-    if getattr(cache, "is_swa_enabled", False) or cache.supports_mamba():
-        problems.append("an SWA or Mamba component")
-    host = getattr(controller, "mem_pool_host", None)
-    if host is not None and set(getattr(host, "entry_map", {PoolName.KV: None})) != {PoolName.KV}:
-        problems.append("host side pools besides KV")
-    if cache_controller.device_module is not torch.cpu or l2_transfer.device_module is not torch.cpu:
-        problems.append("a CUDA (non-CPU) device: off in this version")
-    return problems
-
-
-def active(cache: Any) -> StreamRegistry | None:
-    """The cache's ``StreamRegistry`` when its tails stream, else None (every hook: SGLang's original).
-
-    Decided once per (cache, backend object), logged once; an error deciding is off (counted)."""
-    try:
-        backend = backend_of(cache)
-    except Exception as exc:
-        _orphans.fail("streamed tails: finding the backend", exc, outcome="streaming off")
-        return None
-    memo = cache.__dict__.get(ACTIVE_ATTR)
-    if memo is not None and memo[0] is backend:
-        registry: StreamRegistry | None = memo[1]
-        return registry
-    registry, reason = None, "no sgl-kvtier backend behind this cache"
-    try:
-        if backend is not None:
-            problems = [] if streaming_enabled(backend) else ['streaming = "off"']
-            problems = problems or scope_problems(cache)
-            reason = "; ".join(problems)
-            if not problems:
-                registry = registry_of(cache)
-                cache.cache_controller.__dict__[CACHE_REF_ATTR] = weakref.ref(cache)
-    except Exception as exc:
-        boundary(cache).fail("streamed tails: scope check", exc, outcome="streaming off")
-        registry, reason = None, f"scope check failed ({type(exc).__name__})"
-    cache.__dict__[ACTIVE_ATTR] = (backend, registry)
-    if registry is not None:
-        logger.info("kvtier streamed tails: on for this cache (pid %d)", os.getpid())
-    elif backend is not None:
-        logger.info("kvtier streamed tails: off for this cache (pid %d): %s", os.getpid(), reason)
-    return registry
-
-
-def controller_cache(controller: Any) -> Any | None:
-    """The (active) cache a HiCache controller serves, for hooks on controller methods (None: not active)."""
-    ref = controller.__dict__.get(CACHE_REF_ATTR)
-    cache = None if ref is None else ref()
-    if cache is None or getattr(cache, "cache_controller", None) is not controller or active(cache) is None:
-        return None
-    return cache
-
-
-def min_reduce(cache: Any, values: list[int]) -> list[int]:
-    """Rank-MIN of ``values`` over the cache's TP/PP ranks (``cache._all_reduce``; scheduler thread, lockstep)."""
-    import torch
-
-    tensor = torch.tensor(values, dtype=torch.int64, device="cpu")
-    cache._all_reduce(tensor, torch.distributed.ReduceOp.MIN)
-    return [int(v) for v in tensor.tolist()]
-
-
-# ---------------------------------------------------------------------------------------------- tails and slots
-@dataclasses.dataclass
-class AdmitStats:
-    """What the admission side did in this process (``stream_admit``)."""
-
-    bind_calls: int = 0  # hits handed to the backend's bind_hit (it may decline)
-    registered: int = 0
-    ready: int = 0
-    admitted: int = 0
-    withheld_registered: int = 0  # slots of registered tails SGLang tried to release (kept back; a bug upstream)
-    not_registered: Counter[str] = dataclasses.field(default_factory=Counter)
-    dropped: Counter[str] = dataclasses.field(default_factory=Counter)
-
-
-STATS = AdmitStats()
-
-
-def drop(cache: Any, registry: StreamRegistry, tail: StreamedTail, why: str) -> None:
-    """Give ``tail`` up: forget it, free its private device slots (ADMITTED only), cancel, defer host slots."""
-    registry.remove(tail.rid)
-    before, tail.state = tail.state, TailState.DROPPED
-    if before is TailState.ADMITTED and tail.device_indices is not None:
-        device_allocator(cache).free(tail.device_indices)
-        tail.device_indices = None
-    tail.stream.cancel()
-    registry.defer_free(tail.stream, tail.host_indices)
-    STATS.dropped[why] += 1
-    logger.debug("kvtier stream: tail of %s dropped (%s): %d tokens", tail.rid, why, tail.tokens)
-
-
-def device_allocator(cache: Any) -> Any:
-    """The full-attention device pool's allocator (the FULL component's ``_full_allocator``, ``full.py:473``)."""
-    allocator = cache.token_to_kv_pool_allocator
-    return allocator.full_attn_allocator if getattr(cache, "is_swa_enabled", False) else allocator
-
-
-def guard(cache: Any, what: str, outcome: str, fn: Callable[[], Any], fallback: Any = None) -> Any:
-    """``fn()``, or ``fallback`` when it raised (counted on the backend's boundary with ``outcome``)."""
-    try:
-        return fn()
-    except Exception as exc:
-        boundary(cache).fail(f"streamed tail {what}", exc, outcome=outcome)
-        return fallback
-
-
-def withhold(cache: Any, host_indices: Any) -> Any:
-    """The part of ``host_indices`` SGLang may free now; the rest is deferred until its stream ended."""
-    import torch
-
-    registry = active(cache)
-    if registry is None:
-        return host_indices
-    mine = [t.host_indices for t in registry if t.host_indices.numel()]
-    if mine:
-        ours = torch.isin(host_indices, torch.cat(mine))
-        if bool(ours.any()):
-            STATS.withheld_registered += int(ours.sum())
-            boundary(cache).fail("streamed tail withhold", KVTierError(
-                f"SGLang released {int(ours.sum())} slots of registered tails"), outcome="withheld")
-            host_indices = host_indices[~ours]
-    backend = backend_of(cache)
-    if backend is None or host_indices.numel() == 0:
-        return host_indices
-    releasable, withheld = backend.binder.claim_released(host_indices)
-    for stream, slots in withheld:
-        registry.defer_free(stream, slots)
-    return releasable
-
-
-def free_host(cache: Any, slots: list[Any]) -> None:
-    """Give ``slots`` (reaped: their streams ended) back to the host pool."""
-    import torch
-
-    if slots:
-        cache.cache_controller.mem_pool_host.free(torch.cat(slots))
-
-
-def clear_all(cache: Any, *, free: bool) -> None:
-    """Cancel every tail and deferred stream, wait (bounded) for their ends; ``free``: give the slots back."""
-    registry: StreamRegistry | None = cache.__dict__.get(REGISTRY_ATTR)
-    if registry is None:
-        return
-    for tail in registry:
-        if free:
-            drop(cache, registry, tail, "detach")
-        else:
-            registry.remove(tail.rid)
-            tail.state = TailState.DROPPED
-            tail.stream.cancel()
-            registry.defer_free(tail.stream, tail.host_indices)
-    late = 0
-    for stream, slots in registry.take_deferred():
-        stream.cancel()
-        if not stream.wait_ended(END_WAIT_S):
-            late += 1
-        elif free:
-            cache.cache_controller.mem_pool_host.free(slots)
-    if late:
-        logger.error("kvtier stream: %d tail stream(s) still reading %.0f s after %s; their host slots are %s",
-                     late, END_WAIT_S, "detach" if free else "reset", "leaked" if free else "reused")
+__all__ = ["ACTIVE_ATTR", "CACHE_REF_ATTR", "ENV_KILL", "REGISTRY_ATTR", "STATS", "AdmitStats", "HookSpec", "active",
+           "backend_of", "boundary", "controller_cache", "device_allocator", "drop", "guard", "hook_specs", "load",
+           "min_reduce", "registry_of", "scope_problems", "streaming_enabled"]

@@ -1,5 +1,6 @@
-"""Admission side of a streamed L3 tail (issue #13; design §2.2 steps 1b, 3-9, 13): hooks on the scheduler
+"""Admission side of a streamed L3 tail (issue #13; design §2.2 steps 1b, 5-9): hooks on the scheduler
 thread, every one SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23).
+Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots``' (the host slots).
 
 1. **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``, ``hybrid_cache_controller.py:796``): its
    caller ``_try_alloc_storage_hit`` queues the op for the IO thread only after it returns
@@ -16,19 +17,10 @@ thread, every one SGLang's original untouched unless ``stream.active(cache)`` (l
    from ``storage_start + completed``. Whenever we took the stream we own ``host_indices[completed:]``:
    ``operation.ack_releases_incomplete_host_indices = False`` stops SGLang's release of them (read right
    after the original returns, ``:3230``); a tail not agreed is dropped at once.
-3. **Withhold** (AROUND ``append_host_mem_release``, ``hybrid_cache_controller.py:470``, and
-   ``free_prefetch_host_buffers``, ``:831``: every other path that releases a prefetch's host slots goes
-   through the former; ``_handle_prefetch_result`` frees only head slots directly, and a head page is
-   settled): registered tails' slots never reach SGLang's release (a safety net: step 2 already stops
-   it); slots a bound stream may still write go to ``registry.defer_free`` (``binder.claim_released``,
-   which cancels that stream). Our own failure here keeps the slots (a counted leak, never a free under a
-   read).
-4. **Reap** (AROUND ``check_hicache_events``, the per-step lockstep point, ``:3651``): before SGLang's body
-   ``active`` is decided (so this step's binds see the controller); after it, the MIN over ranks of
-   ``ready_to_reap()`` deferred entries are freed to the host pool.
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
    blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, recompute faster)
-   drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep).
+   drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
+   "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
 6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
    match's end (device + host) and whose end fits the key (``_compute_max_prefix_len``) adds its tokens to
    ``host_hit_length`` (as ``unified_cache_linker.py:340-347``). A key reaching the tail's end whose match
@@ -45,9 +37,8 @@ thread, every one SGLang's original untouched unless ``stream.active(cache)`` (l
    admitted after the load-back: slots freed, back to READY. Admitted without it: the tail is dropped.
 9. **Row indices** (AROUND ``prefix_device_indices``, ``:3955``; used by ``allocation.py:371`` for a request
    without a row): tree path + private slots (the linker's precedent, ``:3958-3961``).
-10. **Clean-up**: AFTER ``release_aborted_request`` (``:2769``) a tail not yet loading is dropped; AFTER
-    ``reset`` (``:416``; flush, idle: the pools are cleared) and ``detach_storage_backend`` every tail and
-    deferred entry goes, once its stream ended (bounded wait).
+10. **Abort**: AFTER ``release_aborted_request`` (``:2769``) a tail not yet loading is dropped and the
+    request forgotten (unblocked).
 
 A drop frees a tail's private device slots (only while ADMITTED: later they are in the request's row),
 cancels its stream and defers its host slots. Nothing raises into SGLang: our failures are counted on the
@@ -61,24 +52,21 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from sgl_kvtier.sglang.plugins import stream_gate
-from sgl_kvtier.sglang.plugins.stream import (
+from sgl_kvtier.sglang.plugins.stream_core import (
     STATS,
     active,
     backend_of,
-    clear_all,
     controller_cache,
     device_allocator,
     drop,
-    free_host,
     guard,
     min_reduce,
-    withhold,
 )
+from sgl_kvtier.sglang.plugins.stream_slots import counting_releases
 from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, StreamRegistry, TailState
 
 logger = logging.getLogger(__name__)
@@ -101,19 +89,9 @@ _info: weakref.WeakKeyDictionary[StreamedTail, TailInfo] = weakref.WeakKeyDictio
 
 class _Ctx(threading.local):
     in_progress = 0  # inside check_prefetch_progress
-    releases: list[int] | None = None  # inside _handle_prefetch_result: host releases seen (None: outside)
 
 
 _ctx = _Ctx()
-
-
-@contextmanager
-def _counting_releases() -> Iterator[list[int]]:
-    outer, _ctx.releases = _ctx.releases, []
-    try:
-        yield _ctx.releases
-    finally:
-        _ctx.releases = outer
 
 
 def _tail(cache: Any, rid: Any) -> tuple[StreamRegistry | None, StreamedTail | None]:
@@ -143,29 +121,6 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
     return None
 
 
-# ---------------------------------------------------------------------------------------------- 3. withhold
-def withhold_release(original: Callable[..., Any], controller: Any, host_indices: Any = None,
-                     extra_pools: Any = None) -> Any:
-    """AROUND ``append_host_mem_release``: SGLang releases only slots no stream may still write."""
-    if _ctx.releases is not None:
-        _ctx.releases.append(0 if host_indices is None else int(host_indices.numel()))
-    cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
-    if cache is None:
-        return original(controller, host_indices, extra_pools)
-    kept = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
-                  lambda: withhold(cache, host_indices), host_indices[:0])
-    return original(controller, kept, extra_pools)
-
-
-def withhold_free(original: Callable[..., Any], controller: Any, operation: Any, host_indices: Any) -> Any:
-    """AROUND ``free_prefetch_host_buffers`` (no caller in 0.5.23): the same rule as the release."""
-    cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
-    if cache is not None:
-        host_indices = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
-                              lambda: withhold(cache, host_indices), host_indices[:0])
-    return original(controller, operation, host_indices)
-
-
 # ---------------------------------------------------------------------------------------------- 2. register
 def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> Any:
     """AROUND ``_handle_prefetch_result``: the part of the hit not landed becomes a streamed tail."""
@@ -175,7 +130,7 @@ def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> A
     info = cache.ongoing_prefetch.get(operation.handle)
     host_indices: Any = None if info is None else info.host_indices
     completed = int(operation.completed_tokens)
-    with _counting_releases() as releases:
+    with counting_releases() as releases:
         result = original(cache, operation)
     taken: list[Any] = []
 
@@ -241,19 +196,6 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
                  tail.tokens)
 
 
-# ---------------------------------------------------------------------------------------------- 4. reap
-def reap_deferred(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``check_hicache_events``: decide ``active`` first, then free the deferred slots all ranks can."""
-    registry = active(cache)
-    result = original(cache, *args, **kwargs)
-    if registry is not None:
-        local = guard(cache, "reap", "nothing freed this step", registry.ready_to_reap, 0)
-        count = guard(cache, "reap vote", "nothing freed this step", lambda: min_reduce(cache, [local])[0], 0)
-        if count > 0:
-            guard(cache, "reap", "slots kept", lambda: free_host(cache, registry.reap(count)))
-    return result
-
-
 # ---------------------------------------------------------------------------------------------- 5. gate
 def gate(original: Callable[..., Any], cache: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``check_prefetch_progress``: a REGISTERED tail holds its request until the T_hide rule opens."""
@@ -267,7 +209,11 @@ def gate(original: Callable[..., Any], cache: Any, request: Any, *args: Any, **k
         elif ready:
             tail.state = TailState.READY
             STATS.ready += 1
+            info = _info.get(tail)
+            if info is not None:
+                STATS.gate_wait_s += max(0.0, _clock() - info.registered_at)
         else:
+            STATS.gate_waits += 1
             return False  # skipped this round, not blocking the queue
     _ctx.in_progress += 1
     try:
@@ -400,7 +346,7 @@ def prefix_device_indices(original: Callable[..., Any], cache: Any, req: Any) ->
     return path[: req.prefix_len]
 
 
-# ---------------------------------------------------------------------------------------------- 10. clean-up
+# ---------------------------------------------------------------------------------------------- 10. abort
 def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``release_aborted_request``: a tail not yet loading is dropped; the request is forgotten."""
     registry, tail = _tail(cache, getattr(request, "rid", None))
@@ -412,30 +358,13 @@ def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any
     return None
 
 
-def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``reset`` (flush): the pools were cleared; forget every tail once its stream ended."""
-    guard(cache, "reset", "tails forgotten", lambda: clear_all(cache, free=False))
-    return None
-
-
-def after_detach(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``detach_storage_backend``: every tail dropped, its slots freed once its stream ended."""
-    guard(cache, "detach", "tails forgotten", lambda: clear_all(cache, free=True))
-    return None
-
-
 HOOKS: list[tuple[str, Any, str]] = [
     (_HCC + "allocate_storage_hit", bind_hit, "AFTER"),
-    (_HCC + "append_host_mem_release", withhold_release, "AROUND"),
-    (_HCC + "free_prefetch_host_buffers", withhold_free, "AROUND"),
     (_URC + "_handle_prefetch_result", register_tail, "AROUND"),
-    (_URC + "check_hicache_events", reap_deferred, "AROUND"),
     (_URC + "check_prefetch_progress", gate, "AROUND"),
     (_URC + "_finalize_match_result", virtual_hit, "AFTER"),
     (_URC + "init_load_back", load_back, "AROUND"),
     ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", add_one_req, "AROUND"),
     (_URC + "prefix_device_indices", prefix_device_indices, "AROUND"),
     (_URC + "release_aborted_request", after_abort, "AFTER"),
-    (_URC + "reset", after_reset, "AFTER"),
-    (_URC + "detach_storage_backend", after_detach, "AFTER"),
 ]

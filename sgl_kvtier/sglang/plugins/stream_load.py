@@ -21,6 +21,8 @@ The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
   cache (no copy outlives the forward's step), then per streamed request of the batch, in the batch's
   request order (the same on every rank), a landed flag MIN-reduced over the ranks (``cache._all_reduce``,
   ``unified_radix_cache.py:376-410``). Landed: DONE, ``registry.remove``, host slots to ``defer_free``.
+  Before the verdict, a batch whose forward waited on a tail group is marked (``stream_sample.note_stall``:
+  its time is no prefill sample).
   Poisoned on any rank: the stream is cancelled, its host slots deferred, ``registry.block(rid)`` (its
   retry never streams) and the request retracted (``stream_retract``). The hook returns None (an AFTER
   hook's non-None value would replace SGLang's result).
@@ -38,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stream_retract
+from sgl_kvtier.sglang.plugins import stream_retract, stream_sample
 from sgl_kvtier.sglang.plugins.stream_copy import (
     StreamLoad,
     TailCopy,
@@ -58,20 +60,11 @@ RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def active(cache: Any) -> StreamRegistry | None:
-    """The cache's registry if streaming is on for it (``plugins.stream.active``), else None."""
-    from sgl_kvtier.sglang.plugins import stream
+    """The cache's registry if streaming is on for it (``stream_core.active``, looked up at each call), else None."""
+    from sgl_kvtier.sglang.plugins import stream_core
 
-    decide = getattr(stream, "active", None)
-    if decide is not None:
-        registry: StreamRegistry | None = decide(cache)
-        return registry
-    from sgl_kvtier.config import Streaming
-    from sgl_kvtier.sglang.plugins.prefetch import backend_of
-
-    backend = backend_of(cache)  # until plugins.stream.active exists: our backend with streaming = "on"
-    if backend is None or backend.config.streaming is not Streaming.ON:
-        return None
-    return stream.registry_of(cache)
+    registry: StreamRegistry | None = stream_core.active(cache)
+    return registry
 
 
 class InFlight:
@@ -197,6 +190,9 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
         for load in loads:
             load.join()
         if loads:
+            # Before the verdict: a batch whose forward waited on a tail group is no prefill sample.
+            stream_sample.note_stall(scheduler, batch, sum(load.job.blocked_waits for load in loads),
+                                     sum(load.job.blocked_s for load in loads))
             verdict(scheduler, batch, loads)
     except Exception as exc:
         boundary_of(scheduler.tree_cache).fail("stream verdict", exc, outcome="verdict skipped")

@@ -1,0 +1,85 @@
+"""Prefill samples for the T_hide gate while tails stream (issue #13): the backend's prefill model is fed
+from the extend batches' timing even when the cost plugin is off.
+
+The gate (``stream_admit.local_verdict``, ``stream_gate.decide``) predicts the suffix's compute with
+``backend.cost.prefill.model()``; without a model it falls back to "group 0 landed on every tail page".
+Samples come from ``prefetch.record_prefill_timing`` (AFTER ``Scheduler.process_batch_result``,
+``scheduler.py:5074``: from the batch's ``launch_ts``, set by ``run_batch`` at ``:4623``, to the end of its
+result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_POLICY=cost``.
+``record_prefill`` (AFTER the same method) calls it for a batch when:
+
+- the cost plugin is not loaded in this process (``prefetch._loaded``, set by its ``load()``; a plugin that
+  ``SGLANG_PLUGINS`` leaves out is never loaded): if it is, its own hook samples every batch, and a second
+  call would count each batch twice;
+- the batch is EXTEND or MIXED (tested first: this hook runs after every step, decode ones included), and
+  streaming is active for ``scheduler.tree_cache`` (``stream_core.active``);
+- its forward never waited on a tail group. ``note_stall`` (``stream_load``'s verdict, AFTER ``run_batch``,
+  with the batch's joined loads) marks a batch that did by its ``forward_iter`` (set by ``run_batch``,
+  ``scheduler.py:4622``, and kept by ``ScheduleBatch.copy``, ``schedule_batch.py:4040``: the overlap loop
+  processes a copy of the batch that ran). Such a batch's time is compute plus stall: fitted as compute, the
+  stall would come back as predicted compute and the gate would admit earlier, to stall more. Marks are
+  taken when read and at most ``MAX_MARKS`` are kept per scheduler (a batch whose result is never processed
+  cannot pile them up).
+
+Limit: with the cost plugin on, its hook samples every batch, stalled ones too (it knows nothing of tails).
+Never raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and the sample skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STALLED_ATTR = "_kvtier_stream_stalled"  # on the Scheduler: forward_iter -> seconds its forward waited on tails
+MAX_MARKS = 64
+BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+
+
+def note_stall(scheduler: Any, batch: Any, waits: int, seconds: float) -> None:
+    """The forward of ``batch`` waited ``waits`` times (``seconds`` in all) on tail groups: not a sample."""
+    forward_iter = getattr(batch, "forward_iter", None)
+    if waits <= 0 or not isinstance(forward_iter, int):
+        return
+    marks: dict[int, float] = scheduler.__dict__.setdefault(STALLED_ATTR, {})
+    marks[forward_iter] = seconds
+    while len(marks) > MAX_MARKS:
+        del marks[next(iter(marks))]  # the oldest first (insertion order)
+
+
+def stalled(scheduler: Any, batch: Any) -> bool:
+    """Whether ``batch``'s forward waited on a tail group (its mark is taken)."""
+    marks: dict[int, float] | None = scheduler.__dict__.get(STALLED_ATTR)
+    forward_iter = getattr(batch, "forward_iter", None)
+    if not marks or not isinstance(forward_iter, int):
+        return False
+    return marks.pop(forward_iter, None) is not None
+
+
+def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``process_batch_result``: one prefill sample for the gate's model (module docstring). Returns None
+    (an AFTER hook's non-None value would replace SGLang's result)."""
+    from sgl_kvtier.sglang.plugins import prefetch
+
+    if prefetch._loaded:  # the cost plugin samples this batch itself
+        return None
+    mode = getattr(getattr(batch, "forward_mode", None), "name", None)
+    if mode not in prefetch.PREFILL_MODES:
+        return None
+    cache = getattr(scheduler, "tree_cache", None)
+    try:
+        from sgl_kvtier.sglang.plugins import stream_core
+
+        waited = stalled(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
+        if waited or stream_core.active(cache) is None:
+            return None
+    except Exception as exc:
+        from sgl_kvtier.sglang.plugins.stream_core import boundary
+
+        boundary(cache).fail("streamed tails: prefill sample", exc, outcome="sample skipped")
+        return None
+    prefetch.record_prefill_timing(result, scheduler, batch, *args, **kwargs)  # never raises
+    return None
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    (BATCH_RESULT_TARGET, record_prefill, "AFTER"),
+]

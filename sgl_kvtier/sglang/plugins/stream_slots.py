@@ -1,0 +1,190 @@
+"""Host slots of streamed L3 tails (issue #13; design §2.2 steps 3, 4, 13): what SGLang may release, when
+deferred slots are freed, and the clean-up at reset / detach. Hooks on the scheduler thread, every one
+SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23). The admission
+hooks that create and settle tails are ``stream_admit``'s.
+
+3. **Withhold** (AROUND ``append_host_mem_release``, ``hybrid_cache_controller.py:470``, and
+   ``free_prefetch_host_buffers``, ``:831``: every other path that releases a prefetch's host slots goes
+   through the former; ``_handle_prefetch_result`` frees only head slots directly, and a head page is
+   settled): registered tails' slots never reach SGLang's release (a safety net: ``stream_admit``'s
+   register step already stops it); slots a bound stream may still write go to ``registry.defer_free``
+   (``binder.claim_released``, which cancels that stream). Our own failure here keeps the slots (a counted
+   leak, never a free under a read). Every release seen inside ``_handle_prefetch_result`` is counted for
+   the register step (``counting_releases``: the head did not go in whole).
+4. **Reap** (AROUND ``check_hicache_events``, the per-step lockstep point, ``unified_radix_cache.py:3651``):
+   before SGLang's body ``active`` is decided (so this step's binds see the controller); after it, the MIN
+   over ranks of ``ready_to_reap()`` deferred entries are freed to the host pool.
+10. **Clean-up**: AFTER ``reset`` (``:416``; flush, idle: the pools are cleared) and
+    ``detach_storage_backend`` every tail and deferred entry goes, once its stream ended (bounded wait).
+
+Accounting rules (with ``stream.drop``):
+- ``withhold``: what SGLang may release of some host slots: never a registered tail's (kept back, counted:
+  SGLang should not release them at all), and of slots a bound stream may still write only those the
+  binder clears (``binder.claim_released``, which cancels that stream); the rest is deferred.
+- Deferred slots are freed only once their stream ``ended`` (no IO in flight into them): ``free_host`` of
+  what ``registry.reap`` returns, the count MIN-reduced so every rank frees the same slots.
+- ``clear_all`` (reset, detach): every tail and deferred stream cancelled and waited for (bounded by
+  ``END_WAIT_S``, logged if late) before its slots are freed (detach) or forgotten (reset: SGLang cleared
+  the pools).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.sglang.plugins.stream_core import (
+    REGISTRY_ATTR,
+    STATS,
+    active,
+    backend_of,
+    boundary,
+    controller_cache,
+    drop,
+    guard,
+    min_reduce,
+)
+from sgl_kvtier.sglang.stream.contract import StreamRegistry, TailState
+
+logger = logging.getLogger(__name__)
+
+_URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
+END_WAIT_S = 30.0  # reset / detach: bound on waiting for a cancelled stream to end
+
+
+class _Releases(threading.local):
+    seen: list[int] | None = None  # inside _handle_prefetch_result: host releases seen (None: outside)
+
+
+_releases = _Releases()
+
+
+@contextmanager
+def counting_releases() -> Iterator[list[int]]:
+    """The sizes of the host releases ``append_host_mem_release`` gets while the block runs (this thread)."""
+    outer, _releases.seen = _releases.seen, []
+    try:
+        yield _releases.seen
+    finally:
+        _releases.seen = outer
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+def withhold(cache: Any, host_indices: Any) -> Any:
+    """The part of ``host_indices`` SGLang may free now; the rest is deferred until its stream ended."""
+    import torch
+
+    registry = active(cache)
+    if registry is None:
+        return host_indices
+    mine = [t.host_indices for t in registry if t.host_indices.numel()]
+    if mine:
+        ours = torch.isin(host_indices, torch.cat(mine))
+        if bool(ours.any()):
+            STATS.withheld_registered += int(ours.sum())
+            boundary(cache).fail("streamed tail withhold", KVTierError(
+                f"SGLang released {int(ours.sum())} slots of registered tails"), outcome="withheld")
+            host_indices = host_indices[~ours]
+    backend = backend_of(cache)
+    if backend is None or host_indices.numel() == 0:
+        return host_indices
+    releasable, withheld = backend.binder.claim_released(host_indices)
+    for stream, slots in withheld:
+        registry.defer_free(stream, slots)
+    return releasable
+
+
+def free_host(cache: Any, slots: list[Any]) -> None:
+    """Give ``slots`` (reaped: their streams ended) back to the host pool."""
+    import torch
+
+    if slots:
+        cache.cache_controller.mem_pool_host.free(torch.cat(slots))
+
+
+def clear_all(cache: Any, *, free: bool) -> None:
+    """Cancel every tail and deferred stream, wait (bounded) for their ends; ``free``: give the slots back."""
+    registry: StreamRegistry | None = cache.__dict__.get(REGISTRY_ATTR)
+    if registry is None:
+        return
+    for tail in registry:
+        if free:
+            drop(cache, registry, tail, "detach")
+        else:
+            registry.remove(tail.rid)
+            tail.state = TailState.DROPPED
+            tail.stream.cancel()
+            registry.defer_free(tail.stream, tail.host_indices)
+    late = 0
+    for stream, slots in registry.take_deferred():
+        stream.cancel()
+        if not stream.wait_ended(END_WAIT_S):
+            late += 1
+        elif free:
+            cache.cache_controller.mem_pool_host.free(slots)
+    if late:
+        logger.error("kvtier stream: %d tail stream(s) still reading %.0f s after %s; their host slots are %s",
+                     late, END_WAIT_S, "detach" if free else "reset", "leaked" if free else "reused")
+
+
+# ---------------------------------------------------------------------------------------------- 3. withhold
+def withhold_release(original: Callable[..., Any], controller: Any, host_indices: Any = None,
+                     extra_pools: Any = None) -> Any:
+    """AROUND ``append_host_mem_release``: SGLang releases only slots no stream may still write."""
+    if _releases.seen is not None:
+        _releases.seen.append(0 if host_indices is None else int(host_indices.numel()))
+    cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
+    if cache is None:
+        return original(controller, host_indices, extra_pools)
+    kept = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
+                  lambda: withhold(cache, host_indices), host_indices[:0])
+    return original(controller, kept, extra_pools)
+
+
+def withhold_free(original: Callable[..., Any], controller: Any, operation: Any, host_indices: Any) -> Any:
+    """AROUND ``free_prefetch_host_buffers`` (no caller in 0.5.23): the same rule as the release."""
+    cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
+    if cache is not None:
+        host_indices = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
+                              lambda: withhold(cache, host_indices), host_indices[:0])
+    return original(controller, operation, host_indices)
+
+
+# ---------------------------------------------------------------------------------------------- 4. reap
+def reap_deferred(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``check_hicache_events``: decide ``active`` first, then free the deferred slots all ranks can."""
+    registry = active(cache)
+    result = original(cache, *args, **kwargs)
+    if registry is not None:
+        local = guard(cache, "reap", "nothing freed this step", registry.ready_to_reap, 0)
+        count = guard(cache, "reap vote", "nothing freed this step", lambda: min_reduce(cache, [local])[0], 0)
+        if count > 0:
+            guard(cache, "reap", "slots kept", lambda: free_host(cache, registry.reap(count)))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- 10. clean-up
+def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``reset`` (flush): the pools were cleared; forget every tail once its stream ended."""
+    guard(cache, "reset", "tails forgotten", lambda: clear_all(cache, free=False))
+    return None
+
+
+def after_detach(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``detach_storage_backend``: every tail dropped, its slots freed once its stream ended."""
+    guard(cache, "detach", "tails forgotten", lambda: clear_all(cache, free=True))
+    return None
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    (_HCC + "append_host_mem_release", withhold_release, "AROUND"),
+    (_HCC + "free_prefetch_host_buffers", withhold_free, "AROUND"),
+    (_URC + "check_hicache_events", reap_deferred, "AROUND"),
+    (_URC + "reset", after_reset, "AFTER"),
+    (_URC + "detach_storage_backend", after_detach, "AFTER"),
+]

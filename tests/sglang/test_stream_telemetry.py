@@ -1,0 +1,290 @@
+"""Streamed tails for the operator (issue #13): their figures in ``KVTierStorage.telemetry()`` and as
+``kvtier_stream_*`` gauges, and the prefill samples that feed the T_hide gate's model.
+
+- The backend's reads: a real backend with ``streaming = "on"`` on SGLang's real host pool and a real store
+  (``test_tail_stream.streamed``): a clean stream answered to SGLang, one with a corrupt part, one whose
+  slots are released while it reads; ``telemetry().stream`` is the binder's counters, the gauges show them.
+- The plugin's counters: SGLang's real ``UnifiedRadixCache`` + ``HybridCacheController`` under the admission
+  hooks (``stream_kit``, as ``test_stream_admit``): a gate that waits, a tail let through, one dropped; the
+  figures arrive through the backend's ``telemetry()`` (``stream_core`` attaches its reader) and the gauges.
+- Prefill samples (``stream_sample``): real ``ScheduleBatch``\\ es through the sampling hook over a real cache
+  and backend (a ``Scheduler`` built without start-up, as ``test_prefetch_plugin``): sampled when streaming
+  is on and the cost plugin is not loaded, never twice when it is, never a batch whose forward waited on a
+  tail; once measured, the gate admits by the model, not by its "group 0 landed" fallback.
+
+No sleeps: streams are held and released by their observer (``Hold``), the controller's queues wake the
+admission tests; timeouts only bound failures. Every gauge is read from a private registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections import Counter, defaultdict
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+
+if torch.cuda.is_available():  # pragma: no cover - CPU pools and the CPU shims
+    pytest.skip("CPU harness", allow_module_level=True)
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
+from stream_kit import PS, close_all, hicache, new_req, open_consumer, reap_all, registered, store_prompt  # noqa: E402
+from test_storage_adapter import slots  # noqa: E402
+from test_tail_stream import BOUND_S, DST, Hold, N, flip, group_slice, streamed  # noqa: E402
+
+from sgl_kvtier.keys import parse_keys  # noqa: E402
+from sgl_kvtier.policy import cost_inputs  # noqa: E402
+from sgl_kvtier.sglang.plugins import (  # noqa: E402
+    prefetch,
+    stream_admit,
+    stream_copy,
+    stream_core,
+    stream_retract,
+    stream_sample,
+    stream_slots,
+)
+from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
+from sgl_kvtier.telemetry import prometheus  # noqa: E402
+from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, StreamSnapshot  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+RANKS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+T0 = 1000.0
+
+
+def gauges(backend):
+    """The backend's telemetry through an ``Exporter`` over a private registry: its sample reader."""
+    registry = CollectorRegistry()
+    prometheus.Exporter(registry).update(backend.telemetry())
+    return registry.get_sample_value
+
+
+# ---------------------------------------------------------------------------------------------- the backend's reads
+def test_the_backends_tail_reads_are_in_its_telemetry_and_gauges(tmp_path) -> None:
+    backend, pool, keys, _ = streamed(tmp_path)
+    try:
+        assert backend.telemetry().stream == StreamSnapshot()  # streaming on, nothing bound yet, no plugin
+        value = gauges(backend)
+        assert value("kvtier_streaming_enabled", RANKS) == 1 and value("kvtier_stream_bound_hits", RANKS) == 0
+        assert value("kvtier_stream_tails", RANKS) is None  # the plugin never decided on here: not measured
+
+        clean = backend.binder.bind(parse_keys(keys), slots(DST))
+        assert clean.wait_ended(BOUND_S)
+        assert backend.batch_get_v1(keys, slots(DST)) == [True] * N  # all of it answered to SGLang: the head
+        flip(backend, keys[3], group_slice(backend.kv.pages.plan, 0, 0).start + 5)  # page 3 fails group 0
+        corrupt = backend.binder.bind(parse_keys(keys), slots(DST))
+        assert corrupt.wait_ended(BOUND_S)
+        hold = Hold(group=0)
+        backend.binder.observer = hold
+        released = backend.binder.bind(parse_keys(keys), slots(DST))
+        assert hold.reached.wait(BOUND_S)
+        _, withheld = backend.binder.claim_released(slots(DST))  # SGLang releases the slots mid-read
+        hold.release()
+        assert released.wait_ended(BOUND_S)
+
+        counts, snap = backend.binder.counts(), backend.telemetry().stream
+        assert snap is not None and snap.hooks is None
+        assert (snap.bound_hits, snap.head_pages, snap.failed_pages, snap.cancelled) == (3, N, 1, 1)
+        assert snap.failed_groups >= 1  # group 0 of page 3, and the later ones of a page dropped as corrupt
+        assert snap.streamed_pages == counts.streamed_pages >= 2 * N - 1  # the clean one whole, the corrupt one but 1
+        assert snap.withheld_pages == sum(len(s) for _, s in withheld) // PS == counts.withheld_pages > 0
+        assert snap == StreamSnapshot(  # every field is the binder's
+            bound_hits=counts.streams_bound, head_pages=counts.head_pages, streamed_pages=counts.streamed_pages,
+            staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
+            cancelled=counts.cancelled_streams, read_errors=counts.stream_errors, withheld_pages=counts.withheld_pages,
+            mismatches=counts.mismatches)
+        value = gauges(backend)
+        assert {f: value(f"kvtier_stream_{f}", RANKS) for f in prometheus.STREAM_READS} == {
+            f: getattr(snap, f) for f in prometheus.STREAM_READS}
+    finally:
+        backend.close()
+
+
+def test_a_backend_that_does_not_stream_has_no_stream_series(tmp_path) -> None:
+    backend, *_ = streamed(tmp_path, streaming="off")
+    try:
+        assert backend.telemetry().stream is None
+        value = gauges(backend)
+        assert value("kvtier_streaming_enabled", RANKS) == 0 and value("kvtier_stream_bound_hits", RANKS) is None
+    finally:
+        backend.close()
+
+
+def test_the_stream_counters_are_the_binders_and_the_plugins_fields():
+    from sgl_kvtier.sglang.stream.binding import StreamCounters
+
+    binder = {f.name for f in dataclasses.fields(StreamCounters)}
+    renamed = {"streams_bound": "bound_hits", "cancelled_streams": "cancelled", "stream_errors": "read_errors"}
+    assert {renamed.get(f, f) for f in binder} == set(prometheus.STREAM_READS)  # each binder counter exported
+
+
+def test_the_plugins_counters_map_to_their_snapshot(monkeypatch) -> None:
+    """Distinct values in each of the plugin's counters (admission, loader, retract): each lands in its field."""
+    monkeypatch.setattr(stream_core, "STATS", stream_core.AdmitStats(
+        bind_calls=1, registered=2, ready=3, admitted=4, gate_waits=5, gate_wait_s=6.5, withheld_registered=7,
+        not_registered=Counter({"withheld cap": 8}), dropped=Counter({"gate": 9, "abort": 10})))
+    monkeypatch.setattr(stream_copy, "STATS", stream_copy.StreamLoadStats(
+        loads=11, tails=12, layers_copied=13, layers_zeroed=14, failed_groups=15, timeouts=16, injected=17, landed=18,
+        poisoned=19, blocked_waits=20, blocked_s=21.5))
+    monkeypatch.setattr(stream_retract, "STATS", stream_retract.RetractStats(retracted=22, requeued=23, aborted=24))
+    assert stream_core.hook_snapshot() == StreamHookSnapshot(
+        bind_calls=1, tails=2, ready=3, admitted=4, gate_waits=5, gate_wait_s=6.5, withheld_registered_slots=7,
+        not_streamed={"withheld cap": 8}, dropped={"gate": 9, "abort": 10}, loads=11, loaded_tails=12,
+        copied_layers=13, zeroed_layers=14, zero_filled_groups=15, timeouts=16, landed=18, poisoned=19, stalls=20,
+        stall_s=21.5, retracts=22, requeued=23, aborted=24)
+
+
+# ---------------------------------------------------------------------------------------------- the plugin's counters
+@pytest.fixture
+def hooks(monkeypatch, cpu_shims):
+    """The admission and host-slot hooks applied to SGLang's classes; registry and classes restored after."""
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
+    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
+    for target, fn, kind in [*stream_admit.HOOKS, *stream_slots.HOOKS]:
+        module, cls_name, name = target.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module), cls_name)
+        monkeypatch.setattr(cls, name, cls.__dict__[name])
+        HookRegistry.register(target, fn, HookType[kind])
+    HookRegistry.apply_hooks()
+
+
+@pytest.fixture
+def kit(single_rank, monkeypatch):
+    from sglang.test.kits.unified_radix_cache import fixtures
+
+    monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
+    return fixtures
+
+
+@pytest.fixture
+def consumer(tmp_path, kit, hooks, monkeypatch):
+    """A cache with the streaming test backend (``stream_kit``) over a store holding the prompt."""
+    stored = store_prompt(kit, tmp_path, monkeypatch)
+    caches: list = []
+    try:
+        yield open_consumer(kit, stored, monkeypatch, caches)
+    finally:
+        close_all(caches)
+
+
+def test_the_plugins_counters_reach_the_backends_telemetry(consumer) -> None:
+    env = consumer
+    assert stream_core.active(env.cache) is not None  # decided on: the backend now reports the plugin's figures
+    before = env.backend.telemetry().stream.hooks
+    assert before is not None
+    req, other = new_req("r-metrics"), new_req("r-metrics-drop")
+    registry = registered(env, req, head=2)
+    tail = registry.get(req.rid)
+    assert env.cache.check_prefetch_progress(req.cache_request_handle) is False  # group 0 not landed: wait
+    tail.stream.land(0)
+    assert env.cache.check_prefetch_progress(req.cache_request_handle) is True and tail.state is TailState.READY
+    dropped = registered(env, other, head=2).get(other.rid)
+    dropped.stream.fail(0)
+    assert env.cache.check_prefetch_progress(other.cache_request_handle) is True
+    assert dropped.state is TailState.DROPPED
+
+    after = env.backend.telemetry().stream.hooks
+    assert (after.tails - before.tails, after.ready - before.ready, after.gate_waits - before.gate_waits) == (2, 1, 1)
+    assert after.dropped["gate"] - before.dropped.get("gate", 0) == 1 and after.gate_wait_s >= before.gate_wait_s
+    value = gauges(env.backend)
+    assert value("kvtier_stream_tails", RANKS) == after.tails and value("kvtier_stream_gate_waits", RANKS) == after.gate_waits
+    assert value("kvtier_stream_dropped", {**RANKS, "reason": "gate"}) == after.dropped["gate"]
+    assert value("kvtier_stream_gate_wait_seconds", RANKS) == after.gate_wait_s
+    for t in (tail, dropped):
+        t.stream.finish()
+    reap_all(env, registry)  # the dropped tail's slots; the READY one goes at the detach
+
+
+# ---------------------------------------------------------------------------------------------- prefill samples
+def scheduler_over(cache) -> Scheduler:
+    """A Scheduler whose tree is ``cache`` (what the sampling hooks read), built without start-up."""
+    scheduler = object.__new__(Scheduler)
+    scheduler.tree_cache = cache
+    return scheduler
+
+
+def batch(mode: str, extend: int, seconds: float, forward_iter: int) -> ScheduleBatch:
+    b = ScheduleBatch(reqs=[], forward_mode=ForwardMode[mode], extend_lens=[extend], prefix_lens=[0],
+                      launch_ts=T0 - seconds)
+    b.forward_iter = forward_iter
+    return b
+
+
+@pytest.fixture
+def sampled(tmp_path, kit, monkeypatch, cpu_shims):
+    """A real cache with the streaming test backend (empty store), the cost plugin off, the clock at ``T0``."""
+    monkeypatch.setattr(prefetch, "_loaded", False)
+    monkeypatch.setattr(prefetch, "_clock", lambda: T0)
+    caches: list = []
+    try:
+        env = hicache(kit, tmp_path, caches)
+        assert stream_core.active(env.cache) is not None
+        yield env
+    finally:
+        close_all(caches)
+
+
+def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) -> None:
+    env, sampler = sampled, sampled.backend.cost.prefill
+    scheduler = scheduler_over(env.cache)
+    warm = cost_inputs.WARMUP_BATCHES
+    for i in range(warm + 4):  # 1 ms per token
+        stream_sample.record_prefill(None, scheduler, batch("EXTEND", 100 * (i + 1), 0.1 * (i + 1), i))
+    assert sampler.estimator.samples == 4 and sampler.model() is not None  # measured: the gate's model
+    assert sampler.model().time(1000, 0) == pytest.approx(1.0, rel=1e-6)
+    stream_sample.record_prefill(None, scheduler, batch("DECODE", 1, 0.5, 90))
+    stalled = batch("EXTEND", 300, 9.0, 91)  # its forward waited on a tail group: compute + stall
+    stream_sample.note_stall(scheduler, stalled, waits=2, seconds=8.7)
+    stream_sample.record_prefill(None, scheduler, stalled.copy())  # the overlap loop processes a copy
+    assert sampler.estimator.samples == 4 and not scheduler.__dict__[stream_sample.STALLED_ATTR]  # mark taken
+    stream_sample.record_prefill(None, scheduler, batch("MIXED", 200, 0.2, 92))
+    assert sampler.estimator.samples == 5
+
+    monkeypatch.setattr(prefetch, "_loaded", True)  # the cost plugin is on too: both hooks run on each batch
+    for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
+        hook(None, scheduler, batch("EXTEND", 400, 0.4, 93))
+    assert sampler.estimator.samples == 6  # one sample, not two
+    assert env.backend.telemetry().boundary.total == 0
+
+
+def test_no_sample_when_the_cache_does_not_stream(tmp_path, kit, monkeypatch, cpu_shims) -> None:
+    monkeypatch.setattr(prefetch, "_loaded", False)
+    caches: list = []
+    try:
+        env = hicache(kit, tmp_path, caches, backend="KVTierStorage")  # streaming = "off"
+        scheduler = scheduler_over(env.cache)
+        for i in range(cost_inputs.WARMUP_BATCHES + 1):
+            stream_sample.record_prefill(None, scheduler, batch("EXTEND", 64, 0.1, i))
+        assert stream_core.active(env.cache) is None and env.backend.cost.prefill.estimator.samples == 0
+    finally:
+        close_all(caches)
+
+
+def test_once_measured_the_gate_admits_by_the_model(consumer, monkeypatch) -> None:
+    """Before any sample the gate waits for group 0 (the fallback); once our hook fed a model of a slow
+    prefill, the same tail at the same rate is let through before any group landed."""
+    env = consumer
+    monkeypatch.setattr(prefetch, "_loaded", False)
+    monkeypatch.setattr(prefetch, "_clock", lambda: T0)
+    req = new_req("r-model")
+    registry = registered(env, req, head=2)
+    tail = registry.get(req.rid)
+    tail.stream.rate = 1e9  # the rest of the read takes well under a millisecond
+    assert env.backend.cost.prefill.model() is None
+    assert env.cache.check_prefetch_progress(req.cache_request_handle) is False  # unmeasured: group 0 first
+    scheduler = scheduler_over(env.cache)
+    for i in range(cost_inputs.WARMUP_BATCHES + 4):  # 10 ms per token: the suffix's compute hides the read
+        stream_sample.record_prefill(None, scheduler, batch("EXTEND", 10 * (i + 1), 0.1 * (i + 1), i))
+    model = env.backend.cost.prefill.model()
+    assert model is not None and model.time(100, 0) == pytest.approx(1.0, rel=1e-6)
+    assert env.cache.check_prefetch_progress(req.cache_request_handle) is True and tail.state is TailState.READY
+    assert tail.stream.landed_groups == 0  # admitted by the model: no group had landed
+    tail.stream.finish()  # the READY tail goes at the detach
