@@ -152,6 +152,10 @@ class FakeBinder:
                 self._index[hp] = (stream, i)
         return stream
 
+    def bound_pages(self) -> int:
+        with self._lock:
+            return len(self._index)
+
     def answer(self, keys, host_indices):  # the real batch_get_v1's question: never ours (see the subclass)
         return None
 

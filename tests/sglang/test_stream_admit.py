@@ -115,6 +115,10 @@ def test_register_gate_match_load_back_own_and_rows(consumer):
     # the gate: group 0 not landed -> skipped (not blocking); landed -> READY
     assert env.cache.check_prefetch_progress(req.cache_request_handle) is False
     stream_.land(0)
+    # SGLang's L3 attribution (the span its prefetch loaded): head and tail, from the hit's start
+    handle = req.cache_request_handle
+    assert env.cache.prefetch_loaded_tokens_by_reqid[handle] == N_TOKENS
+    assert env.cache.prefetch_loaded_storage_start_by_reqid[handle] == 0
     adder, res = admit(env, req)
     assert tail.state is TailState.ADMITTED and res is not None
     assert adder.can_run_list == [req]
@@ -245,17 +249,17 @@ def test_a_rank_that_cannot_stream_vetoes_the_tail(consumer, monkeypatch):
     assert env.host.available_size() == env.host_baseline - 3 * PS
 
 
-def test_a_tail_not_streamed_locally_is_released_through_the_binder(consumer, monkeypatch):
+def test_a_hit_over_the_withheld_cap_is_not_bound_and_loads_whole(consumer, monkeypatch):
+    """The cap is judged when the hit is bound, before SGLang's IO thread asks: over it, the hit is read
+    whole before admission as today (a hit bound and then refused would be recomputed)."""
     env, req = consumer, new_req("r-cap")
-    monkeypatch.setattr(stream_admit, "MAX_WITHHELD", 0.0)  # over the withheld cap: this rank says no
+    monkeypatch.setattr(stream_admit, "MAX_WITHHELD", 0.0)
+    before = stream_admit.STATS.not_registered["withheld cap: loaded whole"]
     registry = registered(env, req, head=3)
-    assert len(registry) == 0 and stream_admit.STATS.not_registered["withheld cap"] >= 1
-    [(stream_, held)] = env.backend.binder.claims  # SGLang's own release of the tail, withheld from it
-    assert stream_.cancelled and torch.equal(held, stream_.host_indices[3 * PS:]) and registry.deferred() == 1
-    assert env.host.available_size() == env.host_baseline - N_TOKENS
-    stream_.finish()
-    reap_all(env, registry)
-    assert env.host.available_size() == env.host_baseline - 3 * PS
+    assert env.backend.binder.streams == [] and len(registry) == 0 and registry.deferred() == 0
+    assert stream_admit.STATS.not_registered["withheld cap: loaded whole"] == before + 1
+    adder, _ = admit(env, req)
+    assert req.prefix_len == N_TOKENS and req.host_hit_length == N_TOKENS  # the whole hit, from L3 via L2
 
 
 def test_match_ending_elsewhere_drops_the_tail(consumer):

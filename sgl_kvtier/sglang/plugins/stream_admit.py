@@ -113,9 +113,16 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
             return
         pages = host_indices.numel() // cache.page_size
         backend = backend_of(cache)
-        if backend is not None and pages and len(operation.hash_value) >= pages:
-            backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
-            STATS.bind_calls += 1
+        if backend is None or not pages or len(operation.hash_value) < pages:
+            return
+        # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole
+        # before admission (today's path); one bound and then refused at registration would be recomputed.
+        held = sum(t.tokens for t in registry) + backend.binder.bound_pages() * cache.page_size
+        if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
+            STATS.not_registered["withheld cap: loaded whole"] += 1
+            return
+        backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
+        STATS.bind_calls += 1
 
     guard(cache, "bind", "the hit loads whole, as today", bind)
     return None
@@ -192,6 +199,15 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
                            max(1, span_end + 1 - tail.token_end))
     registry.register(tail)
     STATS.registered += 1
+    # SGLang attributes a request's cached tokens to L3 by the span its prefetch loaded
+    # (``pop_prefetch_loaded_span`` at admission, ``split_cached_prefix_by_tier``): the tail is loaded from L3
+    # too, right after the head's span, so the span grows by it (a tail dropped before admission then shows
+    # as unfulfilled L3 tokens, as a cut hit does).
+    handle = operation.handle
+    loaded = int(cache.prefetch_loaded_tokens_by_reqid.get(handle, 0))
+    if loaded <= 0:
+        cache.prefetch_loaded_storage_start_by_reqid[handle] = tail.token_start
+    cache.prefetch_loaded_tokens_by_reqid[handle] = max(loaded, 0) + tail.tokens
     logger.debug("kvtier stream: tail of %s registered: %d head + %d streamed tokens", tail.rid, completed,
                  tail.tokens)
 

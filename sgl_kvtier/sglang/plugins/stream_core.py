@@ -182,6 +182,7 @@ class AdmitStats:
     gate_waits: int = 0  # admission polls the gate answered "not yet" (the request skipped that round)
     gate_wait_s: float = 0.0  # registration to READY, summed over the tails the gate let through
     withheld_registered: int = 0  # slots of registered tails SGLang tried to release (kept back; a bug upstream)
+    # why hits did not stream: at registration, or at binding ("withheld cap: loaded whole")
     not_registered: Counter[str] = dataclasses.field(default_factory=Counter)
     dropped: Counter[str] = dataclasses.field(default_factory=Counter)
 
