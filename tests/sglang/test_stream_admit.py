@@ -448,6 +448,9 @@ def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer):
     tail = registry.get(req.rid)
     tail.stream.rate = 1e9  # the rest of the read hides under the suffix's compute: READY before any group
     assert env.cache.check_prefetch_progress(req.cache_request_handle) and tail.state is TailState.READY
+    stream_core.drop(env.cache, registry, tail, "next case")  # one streamed hit at a time (the alone rule)
+    tail.stream.finish()
+    reap_all(env, registry)
 
     env.backend.cost.prefill.estimator.seed = PrefillModel(1e-9, 0.0, 0.0)  # recomputing costs nothing
     req2 = new_req("r-slow")
@@ -455,3 +458,24 @@ def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer):
     tail2.stream.rate = 1.0  # 1 B/s: waiting is slower than recomputing the tail
     tail2.stream.land(0)  # even with group 0 there: the measured rule decides, not the fallback
     assert env.cache.check_prefetch_progress(req2.cache_request_handle) and tail2.state is TailState.DROPPED
+
+
+def test_a_hit_while_another_tail_streams_loads_whole(consumer):
+    """The alone rule: only a hit no other request's L3 work overlaps is streamed; a second one, arriving
+    while the first one's tail streams, is read whole before its admission (today's path) and never sees
+    the first's tail (private until its forward succeeded)."""
+    env = consumer
+    first = new_req("r-first")
+    registry = registered(env, first, head=3)
+    tail = registry.get(first.rid)
+    assert tail is not None
+    before = stream_admit.STATS.not_registered["busy: loaded whole"]
+    second = new_req("r-second")
+    registered(env, second, head=0)
+    assert len(env.backend.binder.streams) == 1 and registry.get(second.rid) is None
+    assert stream_admit.STATS.not_registered["busy: loaded whole"] == before + 1
+    admit(env, second)
+    assert second.prefix_len == N_TOKENS  # the first's head from the tree, the rest read whole from L3
+    stream_core.drop(env.cache, registry, tail, "test over")
+    tail.stream.finish()
+    reap_all(env, registry)

@@ -115,6 +115,13 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         backend = backend_of(cache)
         if backend is None or not pages or len(operation.hash_value) < pages:
             return
+        # Alone: only a hit no other request's L3 work overlaps streams (no other prefetch in flight, no tail
+        # registered, no hit bound). Measured (benchmarks/RESULTS.md, "bench_streaming"): on a 2-core CPU a
+        # lone request gains, while at C = 2-4, where loads already hide behind the other requests'
+        # forwards, streaming every hit cost 13-24% (its stalls hold the whole batch).
+        if len(registry) or backend.binder.bound_pages() or len(cache.ongoing_prefetch) > 1:
+            STATS.not_registered["busy: loaded whole"] += 1
+            return
         # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole
         # before admission (today's path); one bound and then refused at registration would be recomputed.
         held = sum(t.tokens for t in registry) + backend.binder.bound_pages() * cache.page_size
