@@ -31,3 +31,12 @@ def single_rank(cpu_shims):
 
     with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
         yield
+
+
+@pytest.fixture
+def kit_on_cpu(single_rank, monkeypatch):
+    """SGLang's unified-radix-cache unit kit with its device pointed at the CPU."""
+    from sglang.test.kits.unified_radix_cache import fixtures
+
+    monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
+    return fixtures

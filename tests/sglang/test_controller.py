@@ -288,14 +288,6 @@ class _PrivateRegistryCollector(StorageMetricsCollector):
         super().__init__(labels=labels)
 
 
-@pytest.fixture
-def kit_on_cpu(single_rank, monkeypatch):
-    from sglang.test.kits.unified_radix_cache import fixtures
-
-    monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
-    return fixtures
-
-
 def _hicache(kit, store_dir, caches: list):
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
 

@@ -8,7 +8,6 @@ copy is held in flight on a ``threading.Event``. Timeouts only bound a failure.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 pytest.importorskip("sglang")
 
 import torch  # noqa: E402
+from hook_kit import keep_hooks  # noqa: E402
 
 from sgl_kvtier.sglang.plugins import layer_loader  # noqa: E402
 from sgl_kvtier.sglang.plugins.layer_gate import LayerGate, LayerLoad  # noqa: E402
@@ -337,14 +337,9 @@ def hook_targets():
 @pytest.fixture
 def pristine(monkeypatch, cpu_shims):
     """The hook registry, the hooked SGLang methods and the plugin's load flag come back after the test."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
-    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
-    for cls, name in hook_targets():
-        monkeypatch.setattr(cls, name, cls.__dict__[name])
+    originals = keep_hooks(monkeypatch, hook_targets())
     monkeypatch.setattr(layer_loader, "_loaded", False)
-    return {name: cls.__dict__[name] for cls, name in hook_targets()}
+    return originals
 
 
 def test_entry_point_is_registered() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 from array import array
-from collections import defaultdict
 from importlib.metadata import entry_points
 
 import pytest
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 if torch.cuda.is_available():  # pragma: no cover - the CPU harness builds CPU pools
     pytest.skip("CPU harness: builds CPU KV pools and uses the CPU shims", allow_module_level=True)
 
+from hook_kit import keep_hooks  # noqa: E402
 from pools import mha_host_pool, storage_config  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
@@ -62,13 +62,10 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def pristine(monkeypatch, cpu_shims):
     """Hook registry, SGLang's classes and the plugin's load flag and clock come back as they were after the test."""
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
-    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
-    for cls, name in TARGETS:
-        monkeypatch.setattr(cls, name, cls.__dict__[name])
+    originals = keep_hooks(monkeypatch, TARGETS)
     monkeypatch.setattr(prefetch_plugin, "_loaded", False)
     monkeypatch.setattr(prefetch_plugin, "_clock", lambda: T0)
-    return {name: cls.__dict__[name] for cls, name in TARGETS}
+    return originals
 
 
 @pytest.fixture

@@ -15,10 +15,8 @@ Waits are on the controller's own queues (an event set by their ``put``), bounde
 
 from __future__ import annotations
 
-import importlib
 import threading
 from array import array
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -30,11 +28,11 @@ import torch  # noqa: E402
 if torch.cuda.is_available():  # pragma: no cover - CPU pools and the CPU shims
     pytest.skip("CPU harness", allow_module_level=True)
 
+from hook_kit import install_hooks  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 from stream_kit import (  # noqa: E402
     DEADLINE_S,
     LAYERS,
@@ -67,35 +65,20 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def hooks(monkeypatch, cpu_shims):
     """The admission hooks applied to SGLang's classes; registry and classes restored afterwards."""
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
-    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
-    for target, fn, kind in [*stream_admit.HOOKS, *stream_slots.HOOKS]:
-        module, cls_name, name = target.rsplit(".", 2)
-        cls = getattr(importlib.import_module(module), cls_name)
-        monkeypatch.setattr(cls, name, cls.__dict__[name])
-        HookRegistry.register(target, fn, HookType[kind])
-    HookRegistry.apply_hooks()
+    install_hooks(monkeypatch, [*stream_admit.HOOKS, *stream_slots.HOOKS])
 
 
 @pytest.fixture
-def kit(single_rank, monkeypatch):
-    from sglang.test.kits.unified_radix_cache import fixtures
-
-    monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
-    return fixtures
-
-
-@pytest.fixture
-def stored(tmp_path, kit, hooks, monkeypatch):
+def stored(tmp_path, kit_on_cpu, hooks, monkeypatch):
     """The prompt's first ``N_PAGES`` pages in our L3 store, and their KV bytes per token row."""
-    return store_prompt(kit, tmp_path, monkeypatch)
+    return store_prompt(kit_on_cpu, tmp_path, monkeypatch)
 
 
 @pytest.fixture
-def consumer(stored, kit, monkeypatch):
+def consumer(stored, kit_on_cpu, monkeypatch):
     caches: list = []
     try:
-        yield open_consumer(kit, stored, monkeypatch, caches)
+        yield open_consumer(kit_on_cpu, stored, monkeypatch, caches)
     finally:
         close_all(caches)
 
@@ -322,10 +305,10 @@ def test_a_load_back_the_adder_does_not_keep_is_undone(consumer, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- off, out of scope
-def test_inert_when_streaming_is_off(stored, kit, monkeypatch):
+def test_inert_when_streaming_is_off(stored, kit_on_cpu, monkeypatch):
     caches: list = []
     try:
-        env = hicache(kit, stored.dir, caches, backend="KVTierStorage")  # streaming = "off" (the default)
+        env = hicache(kit_on_cpu, stored.dir, caches, backend="KVTierStorage")  # streaming = "off" (the default)
         queues, baseline = Queues(env.cc, monkeypatch), env.host.available_size()
         req = new_req("r-off")
         arrive(env, req)

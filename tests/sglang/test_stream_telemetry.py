@@ -19,8 +19,7 @@ admission tests; timeouts only bound failures. Every gauge is read from a privat
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 
@@ -31,11 +30,11 @@ import torch  # noqa: E402
 if torch.cuda.is_available():  # pragma: no cover - CPU pools and the CPU shims
     pytest.skip("CPU harness", allow_module_level=True)
 
+from hook_kit import install_hooks  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 from stream_kit import PS, close_all, hicache, new_req, open_consumer, reap_all, registered, store_prompt  # noqa: E402
 from test_storage_adapter import slots  # noqa: E402
 from test_tail_stream import BOUND_S, DST, Hold, N, flip, group_slice, streamed  # noqa: E402
@@ -146,31 +145,16 @@ def test_the_plugins_counters_map_to_their_snapshot(monkeypatch) -> None:
 @pytest.fixture
 def hooks(monkeypatch, cpu_shims):
     """The admission and host-slot hooks applied to SGLang's classes; registry and classes restored after."""
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
-    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
-    for target, fn, kind in [*stream_admit.HOOKS, *stream_slots.HOOKS]:
-        module, cls_name, name = target.rsplit(".", 2)
-        cls = getattr(importlib.import_module(module), cls_name)
-        monkeypatch.setattr(cls, name, cls.__dict__[name])
-        HookRegistry.register(target, fn, HookType[kind])
-    HookRegistry.apply_hooks()
+    install_hooks(monkeypatch, [*stream_admit.HOOKS, *stream_slots.HOOKS])
 
 
 @pytest.fixture
-def kit(single_rank, monkeypatch):
-    from sglang.test.kits.unified_radix_cache import fixtures
-
-    monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
-    return fixtures
-
-
-@pytest.fixture
-def consumer(tmp_path, kit, hooks, monkeypatch):
+def consumer(tmp_path, kit_on_cpu, hooks, monkeypatch):
     """A cache with the streaming test backend (``stream_kit``) over a store holding the prompt."""
-    stored = store_prompt(kit, tmp_path, monkeypatch)
+    stored = store_prompt(kit_on_cpu, tmp_path, monkeypatch)
     caches: list = []
     try:
-        yield open_consumer(kit, stored, monkeypatch, caches)
+        yield open_consumer(kit_on_cpu, stored, monkeypatch, caches)
     finally:
         close_all(caches)
 
@@ -219,13 +203,13 @@ def batch(mode: str, extend: int, seconds: float, forward_iter: int) -> Schedule
 
 
 @pytest.fixture
-def sampled(tmp_path, kit, monkeypatch, cpu_shims):
+def sampled(tmp_path, kit_on_cpu, monkeypatch, cpu_shims):
     """A real cache with the streaming test backend (empty store), the cost plugin off, the clock at ``T0``."""
     monkeypatch.setattr(prefetch, "_loaded", False)
     monkeypatch.setattr(prefetch, "_clock", lambda: T0)
     caches: list = []
     try:
-        env = hicache(kit, tmp_path, caches)
+        env = hicache(kit_on_cpu, tmp_path, caches)
         assert stream_core.active(env.cache) is not None
         yield env
     finally:
@@ -255,11 +239,11 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     assert env.backend.telemetry().boundary.total == 0
 
 
-def test_no_sample_when_the_cache_does_not_stream(tmp_path, kit, monkeypatch, cpu_shims) -> None:
+def test_no_sample_when_the_cache_does_not_stream(tmp_path, kit_on_cpu, monkeypatch, cpu_shims) -> None:
     monkeypatch.setattr(prefetch, "_loaded", False)
     caches: list = []
     try:
-        env = hicache(kit, tmp_path, caches, backend="KVTierStorage")  # streaming = "off"
+        env = hicache(kit_on_cpu, tmp_path, caches, backend="KVTierStorage")  # streaming = "off"
         scheduler = scheduler_over(env.cache)
         for i in range(cost_inputs.WARMUP_BATCHES + 1):
             stream_sample.record_prefill(None, scheduler, batch("EXTEND", 64, 0.1, i))
