@@ -217,19 +217,25 @@ def test_staged_ready_pages_are_copied_not_read_again(tmp_path) -> None:
         backend.close()
 
 
+def hold_staged_reads(ra) -> tuple[threading.Event, threading.Event]:
+    """Hold read-ahead's staged reads: ``entered`` is set once one is in flight, each waits for ``gate``."""
+    gate, entered = threading.Event(), threading.Event()
+    reader = ra._reader
+
+    def gated(keys_, pages_):
+        entered.set()
+        assert gate.wait(BOUND_S)
+        return reader(keys_, pages_)
+
+    ra._reader = gated
+    return gate, entered
+
+
 def test_staged_reading_pages_land_when_their_read_ends(tmp_path) -> None:
     backend, pool, keys, want = streamed(tmp_path, readahead_bytes=64 << 20)
     try:
         ra = backend.kv.readahead
-        gate, entered = threading.Event(), threading.Event()
-        reader = ra._reader
-
-        def gated(keys_, pages_):
-            entered.set()
-            assert gate.wait(BOUND_S)
-            return reader(keys_, pages_)
-
-        ra._reader = gated
+        gate, entered = hold_staged_reads(ra)
         assert backend.batch_exists(keys) == N
         assert entered.wait(BOUND_S)  # the staged read is in flight, held
         before = parts_read(backend)
@@ -270,15 +276,7 @@ def test_a_cancelled_stream_gives_its_staged_pages_back(tmp_path) -> None:
     backend, pool, keys, _ = streamed(tmp_path, readahead_bytes=64 << 20)
     try:
         ra = backend.kv.readahead
-        gate, entered = threading.Event(), threading.Event()
-        reader = ra._reader
-
-        def gated(keys_, pages_):
-            entered.set()
-            assert gate.wait(BOUND_S)
-            return reader(keys_, pages_)
-
-        ra._reader = gated
+        gate, entered = hold_staged_reads(ra)
         assert backend.batch_exists(keys) == N and entered.wait(BOUND_S)
         stream = backend.binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.TIMEOUT
