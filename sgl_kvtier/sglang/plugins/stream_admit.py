@@ -57,7 +57,9 @@ from typing import Any
 
 from sgl_kvtier.sglang.plugins import stream_gate
 from sgl_kvtier.sglang.plugins.stream_core import (
+    HCC,
     STATS,
+    URC,
     active,
     backend_of,
     controller_cache,
@@ -71,8 +73,6 @@ from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, Stream
 
 logger = logging.getLogger(__name__)
 
-_URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
-_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
 MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (they escape SGLang's rate limit)
 _clock = time.monotonic  # replaceable in tests
 
@@ -382,12 +382,12 @@ def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any
 
 
 HOOKS: list[tuple[str, Any, str]] = [
-    (_HCC + "allocate_storage_hit", bind_hit, "AFTER"),
-    (_URC + "_handle_prefetch_result", register_tail, "AROUND"),
-    (_URC + "check_prefetch_progress", gate, "AROUND"),
-    (_URC + "_finalize_match_result", virtual_hit, "AFTER"),
-    (_URC + "init_load_back", load_back, "AROUND"),
+    (HCC + "allocate_storage_hit", bind_hit, "AFTER"),
+    (URC + "_handle_prefetch_result", register_tail, "AROUND"),
+    (URC + "check_prefetch_progress", gate, "AROUND"),
+    (URC + "_finalize_match_result", virtual_hit, "AFTER"),
+    (URC + "init_load_back", load_back, "AROUND"),
     ("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", add_one_req, "AROUND"),
-    (_URC + "prefix_device_indices", prefix_device_indices, "AROUND"),
-    (_URC + "release_aborted_request", after_abort, "AFTER"),
+    (URC + "prefix_device_indices", prefix_device_indices, "AROUND"),
+    (URC + "release_aborted_request", after_abort, "AFTER"),
 ]

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# hook targets' class prefixes (dotted, under sglang.srt), for the hook modules' HOOKS lists
+URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
+HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
 REGISTRY_ATTR = "_kvtier_stream_registry"
 ACTIVE_ATTR = "_kvtier_stream_active"  # on the cache: (backend, registry or None), the memoised decision
 CACHE_REF_ATTR = "_kvtier_stream_cache"  # on the controller: a weak reference to its cache (when active)

@@ -38,8 +38,10 @@ from typing import Any
 
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.sglang.plugins.stream_core import (
+    HCC,
     REGISTRY_ATTR,
     STATS,
+    URC,
     active,
     backend_of,
     boundary,
@@ -52,8 +54,6 @@ from sgl_kvtier.sglang.stream.contract import StreamRegistry, TailState
 
 logger = logging.getLogger(__name__)
 
-_URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
-_HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
 END_WAIT_S = 30.0  # reset / detach: bound on waiting for a cancelled stream to end
 
 
@@ -182,9 +182,9 @@ def after_detach(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
 
 
 HOOKS: list[tuple[str, Any, str]] = [
-    (_HCC + "append_host_mem_release", withhold_release, "AROUND"),
-    (_HCC + "free_prefetch_host_buffers", withhold_free, "AROUND"),
-    (_URC + "check_hicache_events", reap_deferred, "AROUND"),
-    (_URC + "reset", after_reset, "AFTER"),
-    (_URC + "detach_storage_backend", after_detach, "AFTER"),
+    (HCC + "append_host_mem_release", withhold_release, "AROUND"),
+    (HCC + "free_prefetch_host_buffers", withhold_free, "AROUND"),
+    (URC + "check_hicache_events", reap_deferred, "AROUND"),
+    (URC + "reset", after_reset, "AFTER"),
+    (URC + "detach_storage_backend", after_detach, "AFTER"),
 ]
