@@ -366,7 +366,9 @@ def admit(env, req: Req, adder: PrefillAdder | None = None):
     """SGLang's admission order: the prefetch gate, the match, then ``add_one_req``."""
     if not env.cache.check_prefetch_progress(req.cache_request_handle):
         return None
-    env.cache.pop_prefetch_loaded_span(req.cache_request_handle)
+    loaded, start = env.cache.pop_prefetch_loaded_span(req.cache_request_handle)
+    if loaded > 0:  # what the scheduler does with the popped span (scheduler.py:4250-4256)
+        req.storage_hit_length, req.storage_hit_start = loaded, start
     req.init_next_round_input(env.cache)
     adder = adder or adder_for(env)
     return adder, adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)

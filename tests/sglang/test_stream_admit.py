@@ -98,12 +98,10 @@ def test_register_gate_match_load_back_own_and_rows(consumer):
     # the gate: group 0 not landed -> skipped (not blocking); landed -> READY
     assert env.cache.check_prefetch_progress(req.cache_request_handle) is False
     stream_.land(0)
-    # SGLang's L3 attribution (the span its prefetch loaded): head and tail, from the hit's start
-    handle = req.cache_request_handle
-    assert env.cache.prefetch_loaded_tokens_by_reqid[handle] == N_TOKENS
-    assert env.cache.prefetch_loaded_storage_start_by_reqid[handle] == 0
     adder, res = admit(env, req)
     assert tail.state is TailState.ADMITTED and res is not None
+    # SGLang's L3 attribution of the request: the head's span, grown by the tail once it is admitted
+    assert (req.storage_hit_start, req.storage_hit_length) == (0, N_TOKENS)
     assert adder.can_run_list == [req]
     assert req.prefix_len == N_TOKENS and req.kv.cache_protected_len == 3 * PS  # the tail is request-owned
     assert tail.device_indices is not None and len(tail.device_indices) == tail.tokens
@@ -256,6 +254,9 @@ def test_match_ending_elsewhere_drops_the_tail(consumer):
     env.cache.insert(InsertParams(key=RadixKey(array("q", TOKENS[:N_TOKENS])), value=value))
     req.init_next_round_input(env.cache)
     assert tail.state is TailState.DROPPED and req.host_hit_length == 0 and req.prefix_len == N_TOKENS
+    # SGLang's L3 span of the request is the head's alone: a tail dropped before admission is never counted
+    # as read from L3 (here those tokens are device hits another request computed)
+    assert env.cache.pop_prefetch_loaded_span(req.cache_request_handle) == (2 * PS, 0)
     tail.stream.finish()
     reap_all(env, registry)
 

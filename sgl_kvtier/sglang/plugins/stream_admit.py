@@ -206,15 +206,6 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
                            max(1, span_end + 1 - tail.token_end))
     registry.register(tail)
     STATS.registered += 1
-    # SGLang attributes a request's cached tokens to L3 by the span its prefetch loaded
-    # (``pop_prefetch_loaded_span`` at admission, ``split_cached_prefix_by_tier``): the tail is loaded from L3
-    # too, right after the head's span, so the span grows by it (a tail dropped before admission then shows
-    # as unfulfilled L3 tokens, as a cut hit does).
-    handle = operation.handle
-    loaded = int(cache.prefetch_loaded_tokens_by_reqid.get(handle, 0))
-    if loaded <= 0:
-        cache.prefetch_loaded_storage_start_by_reqid[handle] = tail.token_start
-    cache.prefetch_loaded_tokens_by_reqid[handle] = max(loaded, 0) + tail.tokens
     logger.debug("kvtier stream: tail of %s registered: %d head + %d streamed tokens", tail.rid, completed,
                  tail.tokens)
 
@@ -305,7 +296,17 @@ def load_back(original: Callable[..., Any], cache: Any, params: Any) -> Any:
     tail.device_indices = slots
     registry.queue_load(tail)
     STATS.admitted += 1
+    _count_as_storage(req, tail, +1)
     return int(loaded[0]) + tail.tokens, loaded[1]
+
+
+def _count_as_storage(req: Any, tail: StreamedTail, sign: int) -> None:
+    """The admitted tail is read from L3: SGLang's storage span of ``req`` (popped at admission, read by
+    ``_account_prefill_cache_admission`` and ``split_cached_prefix_by_tier``) grows by it (shrinks back: undone)."""
+    length = int(getattr(req, "storage_hit_length", 0) or 0)
+    if sign > 0 and length <= 0:
+        req.storage_hit_start = tail.token_start
+    req.storage_hit_length = max(0, length + sign * tail.tokens)
 
 
 def _alloc_device(cache: Any, tokens: int) -> Any:
@@ -340,6 +341,7 @@ def add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, 
             req.kv.cache_protected_len = req.prefix_len - tail.tokens  # [token_start, token_end): request-owned
         else:
             guard(cache, "ownership", "slots kept", lambda: _unadmit(cache, registry, tail))
+            _count_as_storage(req, tail, -1)
     elif admitted and state in (TailState.REGISTERED, TailState.READY):  # computed by the request itself
         guard(cache, "ownership", "tail dropped", lambda: drop(cache, registry, tail, "computed"))
     return result
