@@ -340,17 +340,18 @@ def new_req(rid: str) -> Req:
                sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
 
 
-def arrive(env, req: Req) -> None:
-    """SGLang's own arrival path: ``Scheduler._prefetch_kvcache`` (match, then ``prefetch_from_storage``)."""
+def arrive(env, req: Req, storage_hit_end: int | None = None) -> None:
+    """SGLang's own arrival path: ``Scheduler._prefetch_kvcache`` (match, then ``prefetch_from_storage``); with
+    ``storage_hit_end`` as its L3 retries call it (a hit end known: SGLang's op spans only the hit)."""
     Scheduler._prefetch_kvcache(SimpleNamespace(enable_hicache_storage=True, enable_lmcache=False,
-                                                tree_cache=env.cache), req)
+                                                tree_cache=env.cache), req, storage_hit_end)
 
 
-def registered(env, req: Req, head: int):
+def registered(env, req: Req, head: int, storage_hit_end: int | None = None):
     """``req`` arrives with ``head`` pages of its hit landed when SGLang's IO thread asks; pumped until the
     prefetch result was handled (the tail registered, or not)."""
     env.backend.binder.head = head
-    arrive(env, req)
+    arrive(env, req, storage_hit_end)
     registry = stream.active(env.cache)
     assert registry is not None
     env.queues.pump(env.cache, lambda: req.rid not in {h.rid for h in env.cache.ongoing_prefetch},

@@ -39,6 +39,7 @@ from stream_kit import (  # noqa: E402
     N_PAGES,
     N_TOKENS,
     PS,
+    SUFFIX,
     TOKENS,
     Queues,
     adder_for,
@@ -442,6 +443,27 @@ def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer):
     tail2.stream.rate = 1.0  # 1 B/s: waiting is slower than recomputing the tail
     tail2.stream.land(0)  # even with group 0 there: the measured rule decides, not the fallback
     assert env.cache.check_prefetch_progress(req2.cache_request_handle) and tail2.state is TailState.DROPPED
+
+
+def test_the_gate_hides_the_read_under_the_prompts_own_suffix_when_sglang_knows_the_hit_end(consumer):
+    """An L3 retry knows where the hit ends (``storage_hit_end``) and SGLang's op then spans only the hit: the
+    gate still weighs the read against the compute of the whole suffix after the tail (``SUFFIX`` tokens)."""
+    from sgl_kvtier.policy.cost_model import PrefillModel
+
+    env = consumer
+    env.backend.cost.prefill.estimator.seed = PrefillModel(1.0, 0.0, 0.0)  # 1 s per token
+    req = new_req("r-known-end")
+    registry = registered(env, req, head=2, storage_hit_end=N_TOKENS)
+    tail = registry.get(req.rid)
+    assert tail is not None and tail.token_end == N_TOKENS
+    # the rest of the read takes (1 - 1/G) * SUFFIX - 1 seconds: hidden under the suffix's SUFFIX seconds (it would
+    # not be under one token's second, nor faster than recomputing the tail: the request would wait)
+    hidden_s = (1 - 1 / tail.stream.groups) * SUFFIX - 1
+    tail.stream.rate = tail.stream.remaining_bytes(tail.first_page) / hidden_s
+    assert env.cache.check_prefetch_progress(req.cache_request_handle) and tail.state is TailState.READY
+    stream_core.drop(env.cache, registry, tail, "test over")
+    tail.stream.finish()
+    reap_all(env, registry)
 
 
 def test_a_hit_while_another_tail_streams_loads_whole(consumer):

@@ -7,6 +7,8 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
    ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
    Not for a request blocked after a failed tail (it loads whole) nor an op with side pools.
+   AFTER ``prefetch_from_storage`` (``:2081``) the op is told where the request's prompt ends: SGLang spans an
+   op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``), the gate needs the suffix.
 2. **Register** (AROUND ``UnifiedRadixCache._handle_prefetch_result``, ``:2422``), only when called from
    the ack drain (``:3229``): the op's ``completed_req`` ack means its IO thread issued its last get. Called
    from ``check_prefetch_progress`` (``:2419``, a terminated op whose IO may still run) it streams nothing.
@@ -21,6 +23,7 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, recompute faster)
    drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
    "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
+   Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` leaves the prefill model out (the safe minimum decides).
 6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
    match's end (device + host) and whose end fits the key (``_compute_max_prefix_len``) adds its tokens to
    ``host_hit_length`` (as ``unified_cache_linker.py:340-347``). A key reaching the tail's end whose match
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -75,13 +79,15 @@ logger = logging.getLogger(__name__)
 
 MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (they escape SGLang's rate limit)
 _clock = time.monotonic  # replaceable in tests
+ENV_TEST_GATE = "KVTIER_TEST_STREAM_GATE"  # testing only: "group0" (see local_verdict)
+PROMPT_END = "kvtier_prompt_end"  # attribute of a prefetch op: the end of the request's prefix span (tokens)
 
 
 @dataclasses.dataclass
 class TailInfo:
     registered_at: float
     deadline_s: float
-    suffix_tokens: int  # lower bound: the prefetch span's end + 1 - the tail's end
+    suffix_tokens: int  # the prompt's prefix end (``note_prompt``) + 1 - the tail's end
 
 
 _info: weakref.WeakKeyDictionary[StreamedTail, TailInfo] = weakref.WeakKeyDictionary()
@@ -132,6 +138,17 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         STATS.bind_calls += 1
 
     guard(cache, "bind", "the hit loads whole, as today", bind)
+    return None
+
+
+def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, new_input_tokens: Any, *args: Any,
+                **kwargs: Any) -> None:
+    """AFTER ``prefetch_from_storage``: where the request's prompt ends, on its op. SGLang shortens the op's span
+    to a hit it knows the end of (``storage_hit_end``); the gate needs the suffix computed after the tail."""
+    info = cache.ongoing_prefetch.get(request) if active(cache) is not None else None
+    if info is not None:
+        matched = kwargs.get("matched_prefix_tokens", args[2] if len(args) > 2 else None)
+        setattr(info.operation, PROMPT_END, len(matched or ()) + len(new_input_tokens))
     return None
 
 
@@ -200,7 +217,8 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
         stream.cancel()
         registry.defer_free(stream, tail.host_indices)
         return
-    span_end = int(operation.storage_start) + int(getattr(operation, "stats_requested_tokens", 0) or 0)
+    span_end = max(int(operation.storage_start) + int(getattr(operation, "stats_requested_tokens", 0) or 0),
+                   int(getattr(operation, PROMPT_END, 0)))
     pages = tail.tokens // ps
     _info[tail] = TailInfo(_clock(), cache.prefetch_timeout_base + pages * cache.prefetch_timeout_per_page,
                            max(1, span_end + 1 - tail.token_end))
@@ -243,7 +261,9 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     failed = stream.wait_group(stream.groups - 1, tail.first_page, 0) is GroupVerdict.FAILED
     landed0 = stream.wait_group(0, tail.first_page, 0) is GroupVerdict.LANDED
     backend = backend_of(cache)
-    model = None if backend is None else backend.cost.prefill.model()
+    # Testing only: KVTIER_TEST_STREAM_GATE=group0 leaves the prefill model out: the gate's safe minimum decides
+    # (READY once group 0 landed), so a real-server test sees each tail admitted whatever the machine's load.
+    model = None if backend is None or os.environ.get(ENV_TEST_GATE) == "group0" else backend.cost.prefill.model()
     suffix = full = None
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
@@ -385,6 +405,7 @@ def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any
 
 HOOKS: list[tuple[str, Any, str]] = [
     (HCC + "allocate_storage_hit", bind_hit, "AFTER"),
+    (URC + "prefetch_from_storage", note_prompt, "AFTER"),
     (URC + "_handle_prefetch_result", register_tail, "AROUND"),
     (URC + "check_prefetch_progress", gate, "AROUND"),
     (URC + "_finalize_match_result", virtual_hit, "AFTER"),
