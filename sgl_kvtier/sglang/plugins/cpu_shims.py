@@ -9,7 +9,9 @@ Why each exists (measured, see shared/reference/sglang-on-cpu.md):
    `pin_memory=True`, which asks CUDA to register the buffer. No server flag turns it off.
 3. `sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct`: imported from `sgl_kernel.kvcacheio`
    only on CUDA/ROCm/XPU, so on CPU the name is simply missing and `--hicache-io-backend direct`
-   with `layer_first` fails with NameError. A torch stand-in does the same copy with index ops.
+   with `layer_first` fails with NameError. A torch stand-in does the same copy with index ops; so do
+   two more for `page_first_direct` (`transfer_kv_all_layer_direct_lf_pf`, device -> host pages, and
+   `transfer_kv_per_layer_direct_pf_lf`, one layer host -> device), in the MHA and the MLA host modules.
 
 A fourth shim is not about running at all but about measuring honestly on CPU:
 
@@ -45,6 +47,7 @@ BOUNDARY = ErrorBoundary(logger)  # the shims' caught exceptions in this process
 
 VLLM_STUB_MARKER = "__sgl_kvtier_stub__"
 MHA_HOST_MODULE = "sglang.srt.mem_cache.pool_host.mha"
+HOST_MODULES = (MHA_HOST_MODULE, "sglang.srt.mem_cache.pool_host.mla")  # each looks the kernels up in its globals
 HOST_KV_CACHE_INIT = "sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__"
 EXTEND_ATTENTION = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
                     "_run_sdpa_forward_extend")
@@ -137,17 +140,72 @@ def transfer_kv_direct(
         dst.index_copy_(0, dst_idx, rows)
 
 
-def install_transfer_kv_direct() -> bool:
-    """Give the MHA host-pool module a `transfer_kv_direct` if it has none; True if installed.
+def _page_ids(indices: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The page of each page-aligned run of ``page_size`` slots in ``indices`` (int64, on its device)."""
+    if page_size <= 0 or indices.numel() % page_size != 0:
+        raise ValueError(f"{indices.numel()} slots is not a whole number of pages of {page_size}")
+    return (indices.view(-1, page_size)[:, 0] // page_size).to(torch.int64)
 
-    HookRegistry cannot do this: it resolves the target with getattr first, and on CPU the name does
+
+def transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Torch stand-in for `sgl_kernel.kvcacheio.transfer_kv_all_layer_direct_lf_pf`: device (layer first:
+    K of every layer, then V) -> host `page_first_direct` (`[K, V]`, each `(pages, layers, page, ...)`)."""
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(f"{src_indices.numel()} source vs {dst_indices.numel()} destination slots")
+    if src_indices.numel() == 0:
+        return
+    layers = len(src_ptrs) // len(dst_ptrs)
+    pages = _page_ids(dst_indices, page_size).to(dst_ptrs[0].device)
+    rows = src_indices.to(device=src_ptrs[0].device, dtype=torch.int64)
+    for kv, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            src = src_ptrs[kv * layers + layer]
+            data = src.index_select(0, rows).view(-1, page_size, *src.shape[1:]).to(dst.device)
+            dst[:, layer].index_copy_(0, pages, data)
+
+
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    page_size: int,
+) -> None:
+    """Torch stand-in for `sgl_kernel.kvcacheio.transfer_kv_per_layer_direct_pf_lf`: one layer of host
+    `page_first_direct` pages (`[K, V]`) -> the device's layer buffers (`[K_l, V_l]`, token rows)."""
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(f"{src_indices.numel()} source vs {dst_indices.numel()} destination slots")
+    if src_indices.numel() == 0:
+        return
+    pages = _page_ids(src_indices, page_size).to(src_ptrs[0].device)
+    for src, dst in zip(src_ptrs, dst_ptrs):
+        data = src[:, layer_id].index_select(0, pages).reshape(-1, *dst.shape[1:])
+        dst.index_copy_(0, dst_indices.to(device=dst.device, dtype=torch.int64), data.to(dst.device))
+
+
+def install_transfer_kv_direct() -> bool:
+    """Give the MHA and MLA host-pool modules the `direct` IO backend's kernels they lack (`transfer_kv_direct`
+    for `layer_first`, the two `page_first_direct` ones); True if any was installed.
+
+    HookRegistry cannot do this: it resolves the target with getattr first, and on CPU the names do
     not exist. A real kernel (GPU builds) is never replaced.
     """
-    module = importlib.import_module(MHA_HOST_MODULE)
-    if hasattr(module, "transfer_kv_direct"):
-        return False
-    setattr(module, "transfer_kv_direct", transfer_kv_direct)  # noqa: B010
-    return True
+    installed = False
+    for module in map(importlib.import_module, HOST_MODULES):
+        for name, fn in (("transfer_kv_direct", transfer_kv_direct),
+                         ("transfer_kv_all_layer_direct_lf_pf", transfer_kv_all_layer_direct_lf_pf),
+                         ("transfer_kv_per_layer_direct_pf_lf", transfer_kv_per_layer_direct_pf_lf)):
+            if not hasattr(module, name):
+                setattr(module, name, fn)
+                installed = True
+    return installed
 
 
 def extend_attention_new_queries_only(
