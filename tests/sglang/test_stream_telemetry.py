@@ -236,6 +236,11 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
         hook(None, scheduler, batch("EXTEND", 400, 0.4, 93))
     assert sampler.estimator.samples == 6  # one sample, not two
+    stalled = batch("EXTEND", 500, 9.0, 94)
+    stream_sample.note_stall(scheduler, stalled, waits=1, seconds=8.5)
+    for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
+        hook(None, scheduler, stalled)
+    assert sampler.estimator.samples == 6  # the cost plugin's hook skips a stalled batch too
     assert env.backend.telemetry().boundary.total == 0
 
 

@@ -21,7 +21,7 @@ result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_
   taken when read and at most ``MAX_MARKS`` are kept per scheduler (a batch whose result is never processed
   cannot pile them up).
 
-Limit: with the cost plugin on, its hook samples every batch, stalled ones too (it knows nothing of tails).
+With the cost plugin on, its hook (``prefetch.record_prefill_timing``) skips the stalled batches the same way.
 Never raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and the sample skipped.
 """
 
