@@ -56,7 +56,7 @@ from stream_kit import (  # noqa: E402
     tree_device_tokens,
 )
 
-from sgl_kvtier.sglang.plugins import stream, stream_admit, stream_core, stream_slots  # noqa: E402
+from sgl_kvtier.sglang.plugins import prefetch, stream, stream_admit, stream_core, stream_slots  # noqa: E402
 from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -423,7 +423,7 @@ def test_an_early_cut_streams_nothing(consumer):
     assert env.host.available_size() == env.host_baseline - op.completed_tokens  # the cut's head, in the tree
 
 
-def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer):
+def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer, monkeypatch):
     from sgl_kvtier.policy.cost_model import PrefillModel
 
     env = consumer
@@ -442,6 +442,9 @@ def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer):
     tail2 = registered(env, req2, head=2).get(req2.rid)
     tail2.stream.rate = 1.0  # 1 B/s: waiting is slower than recomputing the tail
     tail2.stream.land(0)  # even with group 0 there: the measured rule decides, not the fallback
+    # without the cost policy a slow tail is waited for (as a hit loaded whole would be)
+    assert not env.cache.check_prefetch_progress(req2.cache_request_handle) and tail2.state is TailState.REGISTERED
+    monkeypatch.setattr(prefetch, "_loaded", True)  # KVTIER_PREFETCH_POLICY=cost: recomputing is its call
     assert env.cache.check_prefetch_progress(req2.cache_request_handle) and tail2.state is TailState.DROPPED
 
 

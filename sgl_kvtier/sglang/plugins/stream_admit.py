@@ -59,7 +59,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stream_gate
+from sgl_kvtier.sglang.plugins import prefetch, stream_gate
 from sgl_kvtier.sglang.plugins.stream_core import (
     HCC,
     STATS,
@@ -267,7 +267,9 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     suffix = full = None
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
-        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start)
+        # Recomputing instead of waiting is the cost policy's call (KVTIER_PREFETCH_POLICY=cost): without it a
+        # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
+        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch._loaded else None
     return stream_gate.decide(stream_gate.GateInputs(
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,

@@ -13,7 +13,10 @@ landed on every tail page (the forward's first layers never wait on a group not 
 DROP (the request computes the tail itself; its host slots are freed once their reads end) when:
 - a group has FAILED on a tail page before admission (nothing unverified is ever admitted);
 - waiting is predicted slower than recomputing: streaming TTFT ``max(read, (1 - 1/G) c) + c/G`` against
-  the recompute TTFT of tail + suffix (both from the same prefill model);
+  the recompute TTFT of tail + suffix (both from the same prefill model). The caller passes the latter only
+  with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``): otherwise, as a hit loaded whole under SGLang's
+  own policy, the tail is waited for (measured: an early, low read rate dropped tails that then landed in
+  well under their recompute time);
 - the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
   never parks a request for longer than SGLang itself would have waited on it).
 
@@ -46,7 +49,7 @@ class GateInputs:
     deadline_s: float  # give up after this long at the gate
     read_rate_Bps: float | None = None  # measured on this stream (None: too early)
     suffix_compute_s: float | None = None  # predicted prefill of the tokens after the tail (None: no model)
-    full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model)
+    full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model, or no cost policy)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
