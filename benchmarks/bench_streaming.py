@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                     run["references"] = {"device": device.name, "streaming": spec.streaming.value}
                 if {"off", "on"} <= slot.keys():
                     run["identical"][device.name] = outputs.compare(slot["off"], slot["on"])
+                    run.setdefault("identical_control", {})[device.name] = outputs.compare(
+                        slot["off"], slot["on"], outputs.CONTROL)
                 session.save(run, args.out)
     finally:
         session.finish(run, args.out, stream_report.markdown, plot.plot, console)

@@ -140,6 +140,21 @@ def test_outputs_compared_request_by_request() -> None:
     assert outputs.all_identical({}) is None
 
 
+def test_the_write_round_is_the_control_of_the_comparison() -> None:
+    """A document whose from-scratch write-round output already differs between the servers has different KV
+    in each one's L3: its measured differences are not streaming's; the others are."""
+    off = _server({"d6-q0": [1], "d7-q0": [2]}, "write")
+    on = _server({"d6-q0": [9], "d7-q0": [2]}, "write")
+    off["rounds"] += _server({"d6-q2": [3], "d7-q2": [4], "d8-q2": [5]})["rounds"]
+    on["rounds"] += _server({"d6-q2": [0], "d7-q2": [0], "d8-q2": [5]})["rounds"]
+    control = outputs.compare(off, on, outputs.CONTROL)
+    assert control == {"1": {"compared": 2, "identical": 1, "missing": 0, "different": ["d6-q0"]}}
+    assert outputs.attributable(outputs.compare(off, on), control) == ["d7-q2"]
+    run = {"identical": {"fast": outputs.compare(off, on)}, "identical_control": {"fast": control}}
+    (line,) = stream_report.control_lines(run)
+    assert "1/2 identical, differing on d6" in line and line.endswith("control was identical: d7-q2")
+
+
 def _summary(ttft: float, storage: int, unfulfilled: float = 0.0) -> dict:
     reqs = [{"rid": f"r{i}", "ttft_s": ttft * (1 + i / 10), "latency_s": ttft, "prompt_tokens": 1600,
              "cached_device": 0, "cached_host": 0, "cached_storage": storage} for i in range(5)]

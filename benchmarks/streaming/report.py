@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.serving.report import machine_paragraph, model_dtype
-from benchmarks.streaming.outputs import all_identical
+from benchmarks.streaming.outputs import all_identical, attributable, document
 from benchmarks.streaming.plan import BREAKEVEN
 
 Cell = dict[str, Any]
@@ -169,11 +169,27 @@ def targets(run: Mapping[str, Any]) -> list[str]:
     same = {d: all_identical(run.get("identical", {}).get(d, {})) for d in run["device_order"]}
     words = "; ".join(f"{d}: {'yes' if v else 'NO' if v is False else 'not compared'}" for d, v in same.items())
     out.append(f"- outputs identical on/off (greedy): {words}")
+    out += control_lines(run)
     fell_back = fallbacks(run)
     if fell_back:
         out.append("- WARNING, streaming on recomputed L3 hits that off loaded (its TTFT there is no streaming "
                    "figure): " + "; ".join(fell_back))
     return out
+
+
+def control_lines(run: Mapping[str, Any]) -> list[str]:
+    """The write round's outputs compared as the control (``outputs`` module docstring), per device."""
+    lines = []
+    for device, control in run.get("identical_control", {}).items():
+        cells = list(control.values())
+        same, total = sum(c["identical"] for c in cells), sum(c["compared"] for c in cells)
+        unequal = sorted({document(rid) for c in cells for rid in c["different"]})
+        left = attributable(run.get("identical", {}).get(device, {}), control)
+        lines.append(f"  - {device}, control (write round, computed from scratch on both servers): {same}/{total} "
+                     f"identical" + (f", differing on {', '.join(unequal)}" if unequal else "")
+                     + "; measured differences on documents whose control was identical: "
+                     + (", ".join(left) if left else "none"))
+    return lines
 
 
 def breakeven_line(run: Mapping[str, Any]) -> str:
