@@ -153,6 +153,8 @@ def test_the_write_round_is_the_control_of_the_comparison() -> None:
     run = {"identical": {"fast": outputs.compare(off, on)}, "identical_control": {"fast": control}}
     (line,) = stream_report.control_lines(run)
     assert "1/2 identical, differing on d6" in line and line.endswith("control was identical: d7-q2")
+    at_two = _server({"d7-q4": [1]}, c=2), _server({"d7-q4": [2]}, c=2)  # C > 1: batches differ, not counted
+    assert outputs.attributable(outputs.compare(*at_two), control) == []
 
 
 def _summary(ttft: float, storage: int, unfulfilled: float = 0.0) -> dict:

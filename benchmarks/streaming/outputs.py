@@ -10,7 +10,8 @@ The control: the write round, where each server computes every document from scr
 streaming plays no part). Each server stores the KV it computed itself, so a document whose write-round
 output already differs between the two servers (their processes' own bf16 arithmetic: measured 2 of 8
 documents on this CPU) has different KV in each server's L3, and a measured difference on it is not
-streaming's. ``attributable`` lists the measured differences on documents whose control was identical.
+streaming's. ``attributable`` lists the measured differences at C = 1 (alone: the same batches on both
+servers) on documents whose control was identical.
 """
 
 from __future__ import annotations
@@ -77,6 +78,6 @@ def document(rid: str) -> str:
 
 
 def attributable(measured: Mapping[str, Mapping[str, Any]], control: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """The measured differences on documents whose control outputs were identical on both servers."""
+    """The measured differences at C = 1 on documents whose control outputs were identical on both servers."""
     unequal = {document(rid) for cell in control.values() for rid in cell["different"]}
-    return [rid for cell in measured.values() for rid in cell["different"] if document(rid) not in unequal]
+    return [rid for rid in measured.get("1", {}).get("different", []) if document(rid) not in unequal]

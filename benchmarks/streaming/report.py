@@ -187,7 +187,7 @@ def control_lines(run: Mapping[str, Any]) -> list[str]:
         left = attributable(run.get("identical", {}).get(device, {}), control)
         lines.append(f"  - {device}, control (write round, computed from scratch on both servers): {same}/{total} "
                      f"identical" + (f", differing on {', '.join(unequal)}" if unequal else "")
-                     + "; measured differences on documents whose control was identical: "
+                     + "; at C = 1, measured differences on documents whose control was identical: "
                      + (", ".join(left) if left else "none"))
     return lines
 
