@@ -43,6 +43,7 @@ from sgl_kvtier.keys import parse_keys  # noqa: E402
 from sgl_kvtier.policy import cost_inputs  # noqa: E402
 from sgl_kvtier.sglang.plugins import (  # noqa: E402
     prefetch,
+    stall_marks,
     stream_admit,
     stream_copy,
     stream_core,
@@ -226,9 +227,9 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     assert sampler.model().time(1000, 0) == pytest.approx(1.0, rel=1e-6)
     stream_sample.record_prefill(None, scheduler, batch("DECODE", 1, 0.5, 90))
     stalled = batch("EXTEND", 300, 9.0, 91)  # its forward waited on a tail group: compute + stall
-    stream_sample.note_stall(scheduler, stalled, waits=2, seconds=8.7)
+    stall_marks.note_stall(scheduler, stalled, waits=2, seconds=8.7)
     stream_sample.record_prefill(None, scheduler, stalled.copy())  # the overlap loop processes a copy
-    assert sampler.estimator.samples == 4 and not scheduler.__dict__[stream_sample.STALLED_ATTR]  # mark taken
+    assert sampler.estimator.samples == 4 and not scheduler.__dict__[stall_marks.STALLED_ATTR]  # mark taken
     stream_sample.record_prefill(None, scheduler, batch("MIXED", 200, 0.2, 92))
     assert sampler.estimator.samples == 5
 
@@ -237,7 +238,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
         hook(None, scheduler, batch("EXTEND", 400, 0.4, 93))
     assert sampler.estimator.samples == 6  # one sample, not two
     stalled = batch("EXTEND", 500, 9.0, 94)
-    stream_sample.note_stall(scheduler, stalled, waits=1, seconds=8.5)
+    stall_marks.note_stall(scheduler, stalled, waits=1, seconds=8.5)
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
         hook(None, scheduler, stalled)
     assert sampler.estimator.samples == 6  # the cost plugin's hook skips a stalled batch too

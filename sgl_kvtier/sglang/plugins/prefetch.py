@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from sgl_kvtier.policy.cost_inputs import PolicyMode
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
-from sgl_kvtier.sglang.plugins import stream_sample
+from sgl_kvtier.sglang.plugins import stall_marks
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
         return
     if batch.forward_mode.name not in PREFILL_MODES or not batch.extend_lens:
         return
-    if stream_sample.stalled(scheduler, batch):  # compute + a wait on streamed tails: fitted, it would be "compute"
+    if stall_marks.stalled(scheduler, batch):  # compute + a wait on streamed tails: fitted, it would be "compute"
         return
     backend = backend_of(getattr(scheduler, "tree_cache", None))
     if backend is None:

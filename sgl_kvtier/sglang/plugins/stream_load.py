@@ -21,7 +21,7 @@ The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
   cache (no copy outlives the forward's step), then per streamed request of the batch, in the batch's
   request order (the same on every rank), a landed flag MIN-reduced over the ranks (``cache._all_reduce``,
   ``unified_radix_cache.py:376-410``). Landed: DONE, ``registry.remove``, host slots to ``defer_free``.
-  Before the verdict, a batch whose forward waited on a tail group is marked (``stream_sample.note_stall``:
+  Before the verdict, a batch whose forward waited on a tail group is marked (``stall_marks.note_stall``:
   its time is no prefill sample).
   Poisoned on any rank: the stream is cancelled, its host slots deferred, ``registry.block(rid)`` (its
   retry never streams) and the request retracted (``stream_retract``). The hook returns None (an AFTER
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stream_retract, stream_sample
+from sgl_kvtier.sglang.plugins import stall_marks, stream_retract
 from sgl_kvtier.sglang.plugins.stream_copy import (
     StreamLoad,
     TailCopy,
@@ -191,7 +191,7 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
             load.join()
         if loads:
             # Before the verdict: a batch whose forward waited on a tail group is no prefill sample.
-            stream_sample.note_stall(scheduler, batch, sum(load.job.blocked_waits for load in loads),
+            stall_marks.note_stall(scheduler, batch, sum(load.job.blocked_waits for load in loads),
                                      sum(load.job.blocked_s for load in loads))
             verdict(scheduler, batch, loads)
     except Exception as exc:

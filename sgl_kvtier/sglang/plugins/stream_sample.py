@@ -13,7 +13,7 @@ result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_
   call would count each batch twice;
 - the batch is EXTEND or MIXED (tested first: this hook runs after every step, decode ones included), and
   streaming is active for ``scheduler.tree_cache`` (``stream_core.active``);
-- its forward never waited on a tail group. ``note_stall`` (``stream_load``'s verdict, AFTER ``run_batch``,
+- its forward never waited on a tail group. ``stall_marks.note_stall`` (``stream_load``'s verdict, AFTER ``run_batch``,
   with the batch's joined loads) marks a batch that did by its ``forward_iter`` (set by ``run_batch``,
   ``scheduler.py:4622``, and kept by ``ScheduleBatch.copy``, ``schedule_batch.py:4040``: the overlap loop
   processes a copy of the batch that ran). Such a batch's time is compute plus stall: fitted as compute, the
@@ -29,29 +29,9 @@ from __future__ import annotations
 
 from typing import Any
 
-STALLED_ATTR = "_kvtier_stream_stalled"  # on the Scheduler: forward_iter -> seconds its forward waited on tails
-MAX_MARKS = 64
+from sgl_kvtier.sglang.plugins.stall_marks import stalled
+
 BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-
-
-def note_stall(scheduler: Any, batch: Any, waits: int, seconds: float) -> None:
-    """The forward of ``batch`` waited ``waits`` times (``seconds`` in all) on tail groups: not a sample."""
-    forward_iter = getattr(batch, "forward_iter", None)
-    if waits <= 0 or not isinstance(forward_iter, int):
-        return
-    marks: dict[int, float] = scheduler.__dict__.setdefault(STALLED_ATTR, {})
-    marks[forward_iter] = seconds
-    while len(marks) > MAX_MARKS:
-        del marks[next(iter(marks))]  # the oldest first (insertion order)
-
-
-def stalled(scheduler: Any, batch: Any) -> bool:
-    """Whether ``batch``'s forward waited on a tail group (its mark is taken)."""
-    marks: dict[int, float] | None = scheduler.__dict__.get(STALLED_ATTR)
-    forward_iter = getattr(batch, "forward_iter", None)
-    if not marks or not isinstance(forward_iter, int):
-        return False
-    return marks.pop(forward_iter, None) is not None
 
 
 def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
