@@ -20,8 +20,8 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    ``operation.ack_releases_incomplete_host_indices = False`` stops SGLang's release of them (read right
    after the original returns, ``:3230``); a tail not agreed is dropped at once.
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
-   blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, recompute faster)
-   drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
+   blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, or recomputing
+   predicted faster: only with the cost policy on, ``prefetch._loaded``) drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
    "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
    Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` leaves the prefill model out (the safe minimum decides).
 6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
@@ -65,6 +65,7 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     STATS,
     URC,
     active,
+    alloc_device,
     backend_of,
     controller_cache,
     device_allocator,
@@ -145,10 +146,13 @@ def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, n
                 **kwargs: Any) -> None:
     """AFTER ``prefetch_from_storage``: where the request's prompt ends, on its op. SGLang shortens the op's span
     to a hit it knows the end of (``storage_hit_end``); the gate needs the suffix computed after the tail."""
-    info = cache.ongoing_prefetch.get(request) if active(cache) is not None else None
-    if info is not None:
-        matched = kwargs.get("matched_prefix_tokens", args[2] if len(args) > 2 else None)
-        setattr(info.operation, PROMPT_END, len(matched or ()) + len(new_input_tokens))
+    def note() -> None:
+        info = cache.ongoing_prefetch.get(request) if active(cache) is not None else None
+        if info is not None:
+            matched = kwargs.get("matched_prefix_tokens", args[2] if len(args) > 2 else None)
+            setattr(info.operation, PROMPT_END, len(matched or ()) + len(new_input_tokens))
+
+    guard(cache, "prompt end", "the gate sees the op's span only", note)
     return None
 
 
@@ -303,7 +307,7 @@ def load_back(original: Callable[..., Any], cache: Any, params: Any) -> Any:
     if (registry is None or tail is None or tail.state is not TailState.READY or params.host_hit_length < tail.tokens
             or req.prefix_len + params.host_hit_length != tail.token_end):
         return original(cache, params)
-    slots = guard(cache, "device slots", "loaded without the tail", lambda: _alloc_device(cache, tail.tokens))
+    slots = guard(cache, "device slots", "loaded without the tail", lambda: alloc_device(cache, tail.tokens))
     if slots is None:
         return 0, req.last_node  # all or nothing: no device room for the tail, none of the hit loads
     tree_part = params.host_hit_length - tail.tokens
@@ -329,18 +333,6 @@ def _count_as_storage(req: Any, tail: StreamedTail, sign: int) -> None:
     if sign > 0 and length <= 0:
         req.storage_hit_start = tail.token_start
     req.storage_hit_length = max(0, length + sign * tail.tokens)
-
-
-def _alloc_device(cache: Any, tokens: int) -> Any:
-    import torch
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    allocator = device_allocator(cache)
-    shortfall = tokens - allocator.available_size()
-    if shortfall > 0:
-        cache.evict(EvictParams(num_tokens=shortfall))
-    slots = allocator.alloc(tokens)
-    return None if slots is None else slots.to(torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------- 8. ownership

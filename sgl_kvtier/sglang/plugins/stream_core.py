@@ -212,6 +212,19 @@ def device_allocator(cache: Any) -> Any:
     return allocator.full_attn_allocator if getattr(cache, "is_swa_enabled", False) else allocator
 
 
+def alloc_device(cache: Any, tokens: int) -> Any:
+    """``tokens`` device slots of the full-attention pool (int64), evicting the tree for them; None: no room."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    allocator = device_allocator(cache)
+    shortfall = tokens - allocator.available_size()
+    if shortfall > 0:
+        cache.evict(EvictParams(num_tokens=shortfall))
+    slots = allocator.alloc(tokens)
+    return None if slots is None else slots.to(torch.int64)
+
+
 def guard(cache: Any, what: str, outcome: str, fn: Callable[[], Any], fallback: Any = None) -> Any:
     """``fn()``, or ``fallback`` when it raised (counted on the backend's boundary with ``outcome``)."""
     try:
