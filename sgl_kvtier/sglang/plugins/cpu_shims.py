@@ -119,14 +119,10 @@ def transfer_kv_direct(
     global _transfer_logged
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"transfer_kv_direct: {len(src_layers)} source vs {len(dst_layers)} destination layers")
-    if src_indices.numel() != dst_indices.numel():
-        raise ValueError(
-            f"transfer_kv_direct: {src_indices.numel()} source vs {dst_indices.numel()} destination slots"
-        )
+    if not _slots_to_copy("transfer_kv_direct", src_indices, dst_indices):
+        return
     if page_size > 0 and src_indices.numel() % page_size != 0:
         raise ValueError(f"transfer_kv_direct: {src_indices.numel()} slots is not a whole number of pages")
-    if src_indices.numel() == 0:
-        return
     if not _transfer_logged:
         _transfer_logged = True
         logger.info("sgl_kvtier cpu shim: torch transfer_kv_direct in use (pid %d)", os.getpid())
@@ -138,6 +134,13 @@ def transfer_kv_direct(
         if rows.device != dst.device:
             rows = rows.to(dst.device)
         dst.index_copy_(0, dst_idx, rows)
+
+
+def _slots_to_copy(kernel: str, src_indices: torch.Tensor, dst_indices: torch.Tensor) -> bool:
+    """Whether the stand-in for ``kernel`` has slots to copy; ValueError when source and destination differ."""
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(f"{kernel}: {src_indices.numel()} source vs {dst_indices.numel()} destination slots")
+    return src_indices.numel() > 0
 
 
 def _page_ids(indices: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -156,9 +159,7 @@ def transfer_kv_all_layer_direct_lf_pf(
 ) -> None:
     """Torch stand-in for `sgl_kernel.kvcacheio.transfer_kv_all_layer_direct_lf_pf`: device (layer first:
     K of every layer, then V) -> host `page_first_direct` (`[K, V]`, each `(pages, layers, page, ...)`)."""
-    if src_indices.numel() != dst_indices.numel():
-        raise ValueError(f"{src_indices.numel()} source vs {dst_indices.numel()} destination slots")
-    if src_indices.numel() == 0:
+    if not _slots_to_copy("transfer_kv_all_layer_direct_lf_pf", src_indices, dst_indices):
         return
     layers = len(src_ptrs) // len(dst_ptrs)
     pages = _page_ids(dst_indices, page_size).to(dst_ptrs[0].device)
@@ -180,9 +181,7 @@ def transfer_kv_per_layer_direct_pf_lf(
 ) -> None:
     """Torch stand-in for `sgl_kernel.kvcacheio.transfer_kv_per_layer_direct_pf_lf`: one layer of host
     `page_first_direct` pages (`[K, V]`) -> the device's layer buffers (`[K_l, V_l]`, token rows)."""
-    if src_indices.numel() != dst_indices.numel():
-        raise ValueError(f"{src_indices.numel()} source vs {dst_indices.numel()} destination slots")
-    if src_indices.numel() == 0:
+    if not _slots_to_copy("transfer_kv_per_layer_direct_pf_lf", src_indices, dst_indices):
         return
     pages = _page_ids(src_indices, page_size).to(src_ptrs[0].device)
     for src, dst in zip(src_ptrs, dst_ptrs):
