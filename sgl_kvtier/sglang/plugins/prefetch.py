@@ -71,6 +71,11 @@ def load() -> None:
                 TERMINATE_TARGET, BATCH_RESULT_TARGET)
 
 
+def loaded() -> bool:
+    """Whether the cost policy's hooks are registered in this process (``KVTIER_PREFETCH_POLICY=cost``)."""
+    return _loaded
+
+
 def backend_of(cache: Any) -> KVTierStorage | None:
     """Our backend behind a HiCache tree (None: no HiCache, no L3 attached, or another backend)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector

@@ -21,7 +21,8 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    after the original returns, ``:3230``); a tail not agreed is dropped at once.
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
    blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, or recomputing
-   predicted faster: only with the cost policy on, ``prefetch._loaded``) drops it and the request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
+   predicted faster: only with the cost policy on, ``prefetch.loaded()``) drops it and the request is
+   admitted with its head only. Flags MIN-reduced (ready AND keep). Each
    "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
    Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` leaves the prefill model out (the safe minimum decides).
 6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
@@ -81,6 +82,7 @@ logger = logging.getLogger(__name__)
 MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (they escape SGLang's rate limit)
 _clock = time.monotonic  # replaceable in tests
 ENV_TEST_GATE = "KVTIER_TEST_STREAM_GATE"  # testing only: "group0" (see local_verdict)
+_TEST_GATE_GROUP0 = os.environ.get(ENV_TEST_GATE) == "group0"  # read once: the gate polls on every scheduler step
 PROMPT_END = "kvtier_prompt_end"  # attribute of a prefetch op: the end of the request's prefix span (tokens)
 
 
@@ -267,13 +269,13 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     backend = backend_of(cache)
     # Testing only: KVTIER_TEST_STREAM_GATE=group0 leaves the prefill model out: the gate's safe minimum decides
     # (READY once group 0 landed), so a real-server test sees each tail admitted whatever the machine's load.
-    model = None if backend is None or os.environ.get(ENV_TEST_GATE) == "group0" else backend.cost.prefill.model()
+    model = None if backend is None or _TEST_GATE_GROUP0 else backend.cost.prefill.model()
     suffix = full = None
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
         # Recomputing instead of waiting is the cost policy's call (KVTIER_PREFETCH_POLICY=cost): without it a
         # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
-        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch._loaded else None
+        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
     return stream_gate.decide(stream_gate.GateInputs(
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,

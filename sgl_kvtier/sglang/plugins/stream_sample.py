@@ -8,7 +8,7 @@ Samples come from ``prefetch.record_prefill_timing`` (AFTER ``Scheduler.process_
 result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_POLICY=cost``.
 ``record_prefill`` (AFTER the same method) calls it for a batch when:
 
-- the cost plugin is not loaded in this process (``prefetch._loaded``, set by its ``load()``; a plugin that
+- the cost plugin is not loaded in this process (``prefetch.loaded()``, set by its ``load()``; a plugin that
   ``SGLANG_PLUGINS`` leaves out is never loaded): if it is, its own hook samples every batch, and a second
   call would count each batch twice;
 - the batch is EXTEND or MIXED (tested first: this hook runs after every step, decode ones included), and
@@ -39,7 +39,7 @@ def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs
     (an AFTER hook's non-None value would replace SGLang's result)."""
     from sgl_kvtier.sglang.plugins import prefetch
 
-    if prefetch._loaded:  # the cost plugin samples this batch itself
+    if prefetch.loaded():  # the cost plugin samples this batch itself
         return None
     mode = getattr(getattr(batch, "forward_mode", None), "name", None)
     if mode not in prefetch.PREFILL_MODES:
