@@ -284,6 +284,13 @@ class SGLangServer:
             time.sleep(0.2)
 
 
+def cached_tiers(out: dict[str, Any]) -> dict[str, int]:
+    """Where a /generate answer's cached tokens came from: SGLang's ``cached_tokens_details`` (needs
+    ``--enable-cache-report``) as ``device`` / ``host`` / ``storage`` counts, 0 for a tier it omits."""
+    details = out["meta_info"].get("cached_tokens_details") or {}
+    return {tier: int(details.get(tier, 0)) for tier in ("device", "host", "storage")}
+
+
 def tracebacks_through(log: str, package: str = "sgl_kvtier") -> list[str]:
     """Tracebacks in a server log with a frame in ``package`` (SGLang logs harmless ones of its own on CPU)."""
     blocks = log.split("Traceback (most recent call last):")[1:]

@@ -8,8 +8,8 @@ injected faults at the right moment, wait for its log lines, and find and damage
   open (inotify ``IN_OPEN``), the moment the first IO batch after a switch drew its faults from the new
   knobs. Ordering rule the tests build on: a batch's faults are drawn when it starts, so a switch made while
   one batch is in flight applies to the batches after it, never to that one.
-- ``tiers`` / ``verdict_of`` / ``in_background``: where an answer's cached tokens came from (SGLang's
-  ``cached_tokens_details``), what the plugin's verdict line said of a request, a request sent from a thread;
+- ``verdict_of`` / ``in_background``: what the plugin's verdict line said of a request, a request sent from
+  a thread (where an answer's cached tokens came from: ``serving.server.cached_tiers``);
 - ``ServerLog``: the server's log, read from a mark; ``wait_for`` wakes at each write to the file (inotify
   ``IN_MODIFY``), bounded by a timeout, or stops early when the caller's condition holds.
 - ``cpu_route_missing``: why SGLang's CPU route cannot serve a host layout here (its missing kernels);
@@ -146,11 +146,6 @@ class ServerLog:
 
 
 # ---------------------------------------------------------------------------------------------- answers
-def tiers(out: dict[str, Any]) -> dict[str, int]:
-    details = out["meta_info"].get("cached_tokens_details") or {}
-    return {k: int(details.get(k, 0)) for k in ("device", "host", "storage")}
-
-
 def verdict_of(log: str, rid: str) -> str | None:
     """``landed`` / ``retracted`` as the plugin's verdict line named ``rid``, or None (never loaded streamed)."""
     match = re.search(rf"[( ]{re.escape(rid)}=(landed|retracted)\b", log)

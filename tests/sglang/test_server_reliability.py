@@ -21,7 +21,7 @@ pytest.importorskip("sglang")
 
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
-from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402
+from sgl_kvtier.serving.server import SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
 from sgl_kvtier.store.fsck import find_shards, shard_summary  # noqa: E402
 
 PAGE = 16
@@ -44,7 +44,7 @@ def args_for(store: Path, control: Path | None = None) -> list[str]:
 
 
 def storage_hit(out: dict) -> int:
-    return (out["meta_info"].get("cached_tokens_details") or {}).get("storage", 0)
+    return cached_tiers(out)["storage"]
 
 
 def backed_up(srv: SGLangServer) -> float:

@@ -33,7 +33,7 @@ pytest.importorskip("sglang")
 from sgl_kvtier.serving.hardware import DTYPE_BYTES, choose_dtype  # noqa: E402
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt, spec_for  # noqa: E402
-from sgl_kvtier.serving.server import ServerError, SGLangServer, tracebacks_through  # noqa: E402
+from sgl_kvtier.serving.server import ServerError, SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
 
 PAGE = 16
 PROMPT = 900
@@ -84,7 +84,7 @@ def details(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def storage(out: dict[str, Any]) -> int:
-    return int(details(out).get("storage", 0))
+    return cached_tiers(out)["storage"]
 
 
 def generate_on(srv: SGLangServer, text: str, dp_rank: int) -> dict[str, Any]:

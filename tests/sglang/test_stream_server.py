@@ -67,14 +67,13 @@ from stream_server_kit import (  # noqa: E402
     in_background,
     page_geometry,
     stored_slots,
-    tiers,
     verdict_of,
     written_chain,
 )
 
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
-from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402
+from sgl_kvtier.serving.server import SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
 
 PAGE = 16
 NEW_TOKENS = 8
@@ -189,7 +188,7 @@ def streamed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         backed = 0
         for name in [n for n in env.prompts if not n.endswith("-prefix")]:  # each prompt before its sharer
             env.cold[name] = out = env.ask(name, f"cold-{name}-{layout}", salt="cold")
-            backed += stored_tokens(env.prompts[name][1], tiers(out)["device"])
+            backed += stored_tokens(env.prompts[name][1], cached_tiers(out)["device"])
         srv.wait_metric("sglang:backuped_tokens_total", backed, timeout_s=180)  # stored whole, under "cold"
         yield env
     log = log_path.read_text(errors="replace")
@@ -281,7 +280,7 @@ def warm(streamed: Streamed) -> Warm:
 def test_streamed_tails_answer_as_cold(streamed: Streamed, warm: Warm) -> None:
     for rid, out in warm.answers.items():
         streamed.answer_as_cold(rid.split("-")[1], out)
-        assert out["meta_info"]["cached_tokens"] == PREFIX and tiers(out)["device"] == 0, (rid, tiers(out))
+        assert out["meta_info"]["cached_tokens"] == PREFIX and cached_tiers(out)["device"] == 0, (rid, cached_tiers(out))
     verdicts = {rid: verdict_of(warm.log, rid) for rid in warm.answers}
     alone = [f"one-{n}-{streamed.layout}" for n in ("p1", "p2")]
     assert all(verdicts[rid] == "landed" for rid in alone), verdicts  # streamed, through the tail loader, kept
@@ -297,7 +296,7 @@ def test_streamed_tails_answer_as_cold(streamed: Streamed, warm: Warm) -> None:
 
 def test_streamed_tail_is_reported_as_a_storage_hit(streamed: Streamed, warm: Warm) -> None:
     for rid, out in warm.answers.items():
-        assert tiers(out) == {"device": 0, "host": 0, "storage": PREFIX}, rid
+        assert cached_tiers(out) == {"device": 0, "host": 0, "storage": PREFIX}, rid
 
 
 # ---------------------------------------------------------------------------------------------- 2. faults
@@ -313,7 +312,7 @@ def test_fault_before_admission_drops_the_tail(clean: Streamed, fault: dict[str,
     out = env.ask("fault", rid, "cold")
     env.answer_as_cold("fault", out)
     assert verdict_of(env.log.since(mark), rid) is None  # never admitted with its tail
-    assert out["meta_info"]["cached_tokens"] == 0, tiers(out)
+    assert out["meta_info"]["cached_tokens"] == 0, cached_tiers(out)
     assert env.retracted() == before
 
 
@@ -333,7 +332,7 @@ def test_stall_past_the_deadline_retracts_and_never_helps_others(clean: Streamed
 
     rid, log, before = fail_group1(env, "fault", "stall", STALL, "timeout", then=send_sharer)
     env.answer_as_cold("fault-sharer", sharers[rid])
-    assert tiers(sharers[rid])["device"] + tiers(sharers[rid])["host"] == 0, tiers(sharers[rid])
+    assert cached_tiers(sharers[rid])["device"] + cached_tiers(sharers[rid])["host"] == 0, cached_tiers(sharers[rid])
     check_retracted(env, rid, log, before, "timeout")
 
 
@@ -349,19 +348,19 @@ def test_a_sharer_never_sees_a_streaming_tail(clean: Streamed) -> None:
         before = env.retracted()
         answer, mark = switch_after_group0(env, "held", rid, {}, first={"stall_rate": 1.0, "stall_s": HOLD_S})
         sharer = env.ask("held-sharer", f"sharer-{rid}", rid)
-        assert sharer["meta_info"]["cached_tokens"] == 0, tiers(sharer)  # nothing of the unverified tail
+        assert sharer["meta_info"]["cached_tokens"] == 0, cached_tiers(sharer)  # nothing of the unverified tail
         env.answer_as_cold("held-sharer", sharer)
         out = answer.result(600)
         env.answer_as_cold("held", out)
         if verdict_of(env.log.since(mark), rid) is None:  # given up before admission, as it should
             break
         # The hold missed group 0 (another batch opened the control file first): the tail may land first.
-        assert tiers(out) == {"device": 0, "host": 0, "storage": PREFIX}, tiers(out)
+        assert cached_tiers(out) == {"device": 0, "host": 0, "storage": PREFIX}, cached_tiers(out)
     else:
         raise AssertionError(f"group 0 was never held in {ATTEMPTS} attempts")
     assert env.retracted() == before
-    assert out["meta_info"]["cached_tokens"] == SHARED, tiers(out)
-    assert tiers(out) == {"device": SHARED, "host": 0, "storage": 0}, tiers(out)  # the sharer's KV, not L3's
+    assert out["meta_info"]["cached_tokens"] == SHARED, cached_tiers(out)
+    assert cached_tiers(out) == {"device": SHARED, "host": 0, "storage": 0}, cached_tiers(out)  # the sharer's KV, not L3's
 
 
 def test_a_verified_tail_serves_later_requests(clean: Streamed) -> None:
@@ -373,10 +372,10 @@ def test_a_verified_tail_serves_later_requests(clean: Streamed) -> None:
     assert verdict_of(env.log.since(mark), rid) == "landed"  # its forward waited for group 1 and kept it
     again = env.ask("held", f"again-{rid}", rid)  # no flush
     env.answer_as_cold("held", again)
-    assert tiers(again)["device"] >= PREFIX + SUFFIX - PAGE, tiers(again)
+    assert cached_tiers(again)["device"] >= PREFIX + SUFFIX - PAGE, cached_tiers(again)
     sharer = env.ask("held-sharer", f"sharer-{rid}", rid)
     env.answer_as_cold("held-sharer", sharer)
-    assert tiers(sharer)["device"] == SHARED, tiers(sharer)
+    assert cached_tiers(sharer)["device"] == SHARED, cached_tiers(sharer)
 
 
 # ---------------------------------------------------------------------------------------------- 2. checksums
