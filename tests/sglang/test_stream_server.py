@@ -280,7 +280,8 @@ def warm(streamed: Streamed) -> Warm:
 def test_streamed_tails_answer_as_cold(streamed: Streamed, warm: Warm) -> None:
     for rid, out in warm.answers.items():
         streamed.answer_as_cold(rid.split("-")[1], out)
-        assert out["meta_info"]["cached_tokens"] == PREFIX and cached_tiers(out)["device"] == 0, (rid, cached_tiers(out))
+        assert out["meta_info"]["cached_tokens"] == PREFIX and cached_tiers(out)["device"] == 0, \
+            (rid, cached_tiers(out))
     verdicts = {rid: verdict_of(warm.log, rid) for rid in warm.answers}
     alone = [f"one-{n}-{streamed.layout}" for n in ("p1", "p2")]
     assert all(verdicts[rid] == "landed" for rid in alone), verdicts  # streamed, through the tail loader, kept
@@ -360,7 +361,8 @@ def test_a_sharer_never_sees_a_streaming_tail(clean: Streamed) -> None:
         raise AssertionError(f"group 0 was never held in {ATTEMPTS} attempts")
     assert env.retracted() == before
     assert out["meta_info"]["cached_tokens"] == SHARED, cached_tiers(out)
-    assert cached_tiers(out) == {"device": SHARED, "host": 0, "storage": 0}, cached_tiers(out)  # the sharer's KV, not L3's
+    # the sharer's KV, not L3's
+    assert cached_tiers(out) == {"device": SHARED, "host": 0, "storage": 0}, cached_tiers(out)
 
 
 def test_a_verified_tail_serves_later_requests(clean: Streamed) -> None:
