@@ -163,6 +163,10 @@ class CostPolicy:
         """The switch, read now (so a test or an operator can flip it)."""
         return self._mode() is PolicyMode.COST
 
+    def read_path(self) -> ReadPath | None:
+        """The KV pool's read path now (None: no pool, no open store, not measured)."""
+        return self._read_path()
+
     def inputs(self) -> CostInputs | None:
         """Both inputs, or None while either is unknown."""
         read, prefill = self._read_path(), self.prefill.model()

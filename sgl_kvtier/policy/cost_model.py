@@ -67,6 +67,12 @@ class PrefillModel:
         t = max(int(tokens), 1)
         return self.per_token_s * t + self.per_token_kctx_s * t * (cached + t / 2) / 1000 + self.fixed_s
 
+    def batch_time(self, requests: Sequence[tuple[int, int]]) -> float:
+        """Predicted seconds of one forward over ``(new tokens, cached tokens)`` per request (as
+        ``PrefillEstimator.record_batch`` fits it: the fixed cost once)."""
+        reqs = [(int(t), int(c)) for t, c in requests if t > 0]
+        return sum(self.time(t, c) - self.fixed_s for t, c in reqs) + self.fixed_s
+
     @classmethod
     def from_tokens_per_s(cls, tokens_per_s: float) -> PrefillModel:
         """A flat model: ``tokens_per_s`` regardless of context."""

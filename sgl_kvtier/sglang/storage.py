@@ -57,6 +57,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from sgl_kvtier.config import Streaming
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
+from sgl_kvtier.policy.stream_bind import StreamCosts
 from sgl_kvtier.sglang.host_pages import check_indices
 from sgl_kvtier.sglang.page_keys import keys_or_none, keys_until_invalid, parent_of, prefix_keys, warm_page_hash
 from sgl_kvtier.sglang.pool_tier import PoolTier
@@ -92,6 +93,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
         self.cost = CostPolicy(self._read_path, boundary=self.boundary)
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
+        self.stream_costs = StreamCosts()  # the bind rule's learned figures (policy.stream_bind)
         self.binder = StreamBinder(lambda: self.kv, lambda: self.streaming_enabled, self.boundary)
         self._said_streaming = False
         self._stream_hooks: Callable[[], StreamHookSnapshot] | None = None

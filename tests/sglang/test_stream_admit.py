@@ -56,7 +56,7 @@ from stream_kit import (  # noqa: E402
     tree_device_tokens,
 )
 
-from sgl_kvtier.sglang.plugins import prefetch, stream, stream_admit, stream_core, stream_slots  # noqa: E402
+from sgl_kvtier.sglang.plugins import prefetch, stream, stream_admit, stream_bind, stream_core, stream_slots  # noqa: E402
 from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -235,7 +235,7 @@ def test_a_hit_over_the_withheld_cap_is_not_bound_and_loads_whole(consumer, monk
     """The cap is judged when the hit is bound, before SGLang's IO thread asks: over it, the hit is read
     whole before admission as today (a hit bound and then refused would be recomputed)."""
     env, req = consumer, new_req("r-cap")
-    monkeypatch.setattr(stream_admit, "MAX_WITHHELD", 0.0)
+    monkeypatch.setattr(stream_bind, "MAX_WITHHELD", 0.0)
     before = stream_admit.STATS.not_registered["withheld cap: loaded whole"]
     registry = registered(env, req, head=3)
     assert env.backend.binder.streams == [] and len(registry) == 0 and registry.deferred() == 0
@@ -488,3 +488,30 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     stream_core.drop(env.cache, registry, tail, "test over")
     tail.stream.finish()
     reap_all(env, registry)
+
+
+def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_load(consumer, monkeypatch):
+    """With the store's read model, the prefill model and a learned interference that the overlap cannot win
+    back, the hit is not bound: it is read whole before admission (today's path), and that load, alone, is
+    the rule's sample of the whole-load wait."""
+    from sgl_kvtier.estimation import DeviceModel
+    from sgl_kvtier.policy.cost_inputs import ReadPath
+    from sgl_kvtier.policy.cost_model import PrefillModel
+
+    env = consumer
+    pages = env.backend.kv.pages
+    monkeypatch.setattr(env.backend.cost, "read_path", lambda: ReadPath(pages.page_tokens, pages.page_bytes,
+                                                                        DeviceModel(1e9, 1e-3)))
+    env.backend.cost.prefill.estimator.seed = PrefillModel(1e-3, 0.0, 0.0)
+    costs = env.backend.stream_costs
+    for n in (1, 2):
+        costs.record_interference(n * 1_000_000, n * 1.0)  # 1 s of forward per MB of tail: never worth it
+    reason = "predicted no faster: loaded whole"
+    before = stream_admit.STATS.not_registered[reason]
+    req = new_req("r-whole")
+    registry = registered(env, req, head=3)
+    assert env.backend.binder.streams == [] and len(registry) == 0
+    assert stream_admit.STATS.not_registered[reason] == before + 1
+    assert costs.snapshot()["whole_samples"] == 1  # the load from its op's start to its handled result
+    admit(env, req)
+    assert req.prefix_len == N_TOKENS and req.host_hit_length == N_TOKENS  # the whole hit, from L3 via L2

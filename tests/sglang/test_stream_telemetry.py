@@ -227,18 +227,26 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     assert sampler.model().time(1000, 0) == pytest.approx(1.0, rel=1e-6)
     stream_sample.record_prefill(None, scheduler, batch("DECODE", 1, 0.5, 90))
     stalled = batch("EXTEND", 300, 9.0, 91)  # its forward waited on a tail group: compute + stall
-    stall_marks.note_stall(scheduler, stalled, waits=2, seconds=8.7)
+    stall_marks.note_batch(scheduler, stalled, waits=2, seconds=8.7, tail_bytes=1 << 20)
     stream_sample.record_prefill(None, scheduler, stalled.copy())  # the overlap loop processes a copy
-    assert sampler.estimator.samples == 4 and not scheduler.__dict__[stall_marks.STALLED_ATTR]  # mark taken
+    assert sampler.estimator.samples == 4 and not scheduler.__dict__[stall_marks.MARKS_ATTR]  # mark taken
+    costs = env.backend.stream_costs
+    assert costs.snapshot()["interference_samples"] == 0  # a stalled forward is no sample of either kind
     stream_sample.record_prefill(None, scheduler, batch("MIXED", 200, 0.2, 92))
     assert sampler.estimator.samples == 5
+    for i, mb in enumerate((1, 2)):  # ran beside 1 / 2 MB of tails, never waited: 0.1 s / 0.2 s over the model
+        streamed = batch("EXTEND", 300, 0.3 + 0.1 * mb, 95 + i)
+        stall_marks.note_batch(scheduler, streamed, waits=0, seconds=0.0, tail_bytes=mb * 1_000_000)
+        stream_sample.record_prefill(None, scheduler, streamed)
+    assert sampler.estimator.samples == 5  # compute + interference: not a prefill sample
+    assert costs.interference_s_per_byte() == pytest.approx(0.1 / 1e6, rel=1e-6)  # the bind rule's k
 
     monkeypatch.setattr(prefetch, "_loaded", True)  # the cost plugin is on too: both hooks run on each batch
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
         hook(None, scheduler, batch("EXTEND", 400, 0.4, 93))
     assert sampler.estimator.samples == 6  # one sample, not two
     stalled = batch("EXTEND", 500, 9.0, 94)
-    stall_marks.note_stall(scheduler, stalled, waits=1, seconds=8.5)
+    stall_marks.note_batch(scheduler, stalled, waits=1, seconds=8.5, tail_bytes=1 << 20)
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
         hook(None, scheduler, stalled)
     assert sampler.estimator.samples == 6  # the cost plugin's hook skips a stalled batch too

@@ -160,12 +160,21 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
         return
     if batch.forward_mode.name not in PREFILL_MODES or not batch.extend_lens:
         return
-    if stall_marks.stalled(scheduler, batch):  # compute + a wait on streamed tails: fitted, it would be "compute"
+    mark = stall_marks.take(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
+    if mark is not None and mark.stalled:  # compute + a wait on streamed tails: fitted, it would be "compute"
         return
     backend = backend_of(getattr(scheduler, "tree_cache", None))
     if backend is None:
         return
     try:
-        backend.cost.prefill.record_batch(list(batch.extend_lens), list(batch.prefix_lens), _clock() - batch.launch_ts)
+        seconds = _clock() - batch.launch_ts
+        if mark is None:
+            backend.cost.prefill.record_batch(list(batch.extend_lens), list(batch.prefix_lens), seconds)
+            return
+        # Compute + the interference of its tails' landing and copies: the bind rule's sample, not a prefill one.
+        model = backend.cost.prefill.model()
+        if model is not None:
+            predicted = model.batch_time(list(zip(batch.extend_lens, batch.prefix_lens)))
+            backend.stream_costs.record_interference(mark.tail_bytes, seconds - predicted)
     except Exception as exc:  # a timing sample must never break the scheduler loop
         backend.boundary.fail("prefill timing", exc, outcome="sample skipped")

@@ -1,36 +1,52 @@
-"""Marks of the batches whose forward waited on a streamed tail's layer group (issue #13), so that neither
-prefill sampler (``stream_sample.record_prefill``, the cost plugin's ``prefetch.record_prefill_timing``)
-fits such a batch's time as compute: the stall would come back as predicted compute.
+"""Marks of the batches that ran with streamed tails (issue #13), so that neither prefill sampler
+(``stream_sample.record_prefill``, the cost plugin's ``prefetch.record_prefill_timing``) fits such a batch's
+time as compute: a forward that waited on a tail's layer group (a stall) would come back as predicted
+compute, and one that ran beside its tails' landing and copies is compute plus their interference. The
+latter is the bind rule's sample instead (``policy.stream_bind``: seconds over the prediction, per tail byte).
 
-A mark is ``scheduler.__dict__[STALLED_ATTR][forward_iter] = seconds`` (``forward_iter``: set by SGLang's
-``run_batch`` and kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``stalled`` takes it
+A mark is ``scheduler.__dict__[MARKS_ATTR][forward_iter] = Mark(...)`` (``forward_iter``: set by SGLang's
+``run_batch`` and kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``take`` removes it
 when read, and at most ``MAX_MARKS`` are kept per scheduler (the oldest go first). No imports: both
 samplers use it without importing each other.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-STALLED_ATTR = "_kvtier_stream_stalled"  # on the Scheduler: forward_iter -> seconds its forward waited on tails
+MARKS_ATTR = "_kvtier_stream_marks"  # on the Scheduler: forward_iter -> Mark
 MAX_MARKS = 64
 
 
-def note_stall(scheduler: Any, batch: Any, waits: int, seconds: float) -> None:
-    """The forward of ``batch`` waited ``waits`` times (``seconds`` in all) on tail groups: not a sample."""
+@dataclass(frozen=True)
+class Mark:
+    waits: int  # times the forward waited on a tail group
+    stall_s: float  # seconds it waited in all
+    tail_bytes: int  # bytes of the streamed tails the batch loaded
+
+    @property
+    def stalled(self) -> bool:
+        """No sample of either kind (the forward waited on a group, or ran with a failed tail: ``stream_load``)."""
+        return self.waits > 0
+
+
+def note_batch(scheduler: Any, batch: Any, waits: int, seconds: float, tail_bytes: int) -> None:
+    """The forward of ``batch`` loaded ``tail_bytes`` of streamed tails and waited ``waits`` times
+    (``seconds`` in all) on their groups."""
     forward_iter = getattr(batch, "forward_iter", None)
-    if waits <= 0 or not isinstance(forward_iter, int):
+    if (waits <= 0 and tail_bytes <= 0) or not isinstance(forward_iter, int):
         return
-    marks: dict[int, float] = scheduler.__dict__.setdefault(STALLED_ATTR, {})
-    marks[forward_iter] = seconds
+    marks: dict[int, Mark] = scheduler.__dict__.setdefault(MARKS_ATTR, {})
+    marks[forward_iter] = Mark(max(waits, 0), seconds, max(tail_bytes, 0))
     while len(marks) > MAX_MARKS:
         del marks[next(iter(marks))]  # the oldest first (insertion order)
 
 
-def stalled(scheduler: Any, batch: Any) -> bool:
-    """Whether ``batch``'s forward waited on a tail group (its mark is taken)."""
-    marks: dict[int, float] | None = getattr(scheduler, "__dict__", {}).get(STALLED_ATTR)
+def take(scheduler: Any, batch: Any) -> Mark | None:
+    """``batch``'s mark, removed (None: it ran without streamed tails)."""
+    marks: dict[int, Mark] | None = getattr(scheduler, "__dict__", {}).get(MARKS_ATTR)
     forward_iter = getattr(batch, "forward_iter", None)
     if not marks or not isinstance(forward_iter, int):
-        return False
-    return marks.pop(forward_iter, None) is not None
+        return None
+    return marks.pop(forward_iter, None)

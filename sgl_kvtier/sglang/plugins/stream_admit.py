@@ -2,13 +2,7 @@
 thread, every one SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23).
 Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots``' (the host slots).
 
-1. **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``, ``hybrid_cache_controller.py:796``): its
-   caller ``_try_alloc_storage_hit`` queues the op for the IO thread only after it returns
-   (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
-   ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
-   Not for a request blocked after a failed tail (it loads whole) nor an op with side pools.
-   AFTER ``prefetch_from_storage`` (``:2081``) the op is told where the request's prompt ends: SGLang spans an
-   op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``), the gate needs the suffix.
+1. **Bind** and the prompt's end: ``stream_bind`` (which hits stream; its hooks come first in ``HOOKS``).
 2. **Register** (AROUND ``UnifiedRadixCache._handle_prefetch_result``, ``:2422``), only when called from
    the ack drain (``:3229``): the op's ``completed_req`` ack means its IO thread issued its last get. Called
    from ``check_prefetch_progress`` (``:2419``, a terminated op whose IO may still run) it streams nothing.
@@ -53,22 +47,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import prefetch, stream_gate
+from sgl_kvtier.sglang.plugins import prefetch, stream_bind, stream_gate
 from sgl_kvtier.sglang.plugins.stream_core import (
-    HCC,
     STATS,
     URC,
     active,
     alloc_device,
     backend_of,
-    controller_cache,
     device_allocator,
     drop,
     guard,
@@ -79,11 +70,7 @@ from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, Stream
 
 logger = logging.getLogger(__name__)
 
-MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (they escape SGLang's rate limit)
 _clock = time.monotonic  # replaceable in tests
-ENV_TEST_GATE = "KVTIER_TEST_STREAM_GATE"  # testing only: "group0" (see local_verdict)
-_TEST_GATE_GROUP0 = os.environ.get(ENV_TEST_GATE) == "group0"  # read once: the gate polls on every scheduler step
-PROMPT_END = "kvtier_prompt_end"  # attribute of a prefetch op: the end of the request's prefix span (tokens)
 
 
 @dataclasses.dataclass
@@ -108,56 +95,6 @@ def _tail(cache: Any, rid: Any) -> tuple[StreamRegistry | None, StreamedTail | N
     return registry, (None if registry is None or rid is None else registry.get(rid))
 
 
-# ---------------------------------------------------------------------------------------------- 1. bind
-def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``allocate_storage_hit``: the backend binds the hit's keys to its fresh host slots."""
-    cache = controller_cache(controller)
-    host_indices = result[0] if isinstance(result, tuple) else None
-    if cache is None or host_indices is None or host_indices.numel() == 0:
-        return None
-
-    def bind() -> None:
-        registry = active(cache)
-        if registry is None or registry.is_blocked(operation.handle.rid) or operation.pool_transfers:
-            return
-        pages = host_indices.numel() // cache.page_size
-        backend = backend_of(cache)
-        if backend is None or not pages or len(operation.hash_value) < pages:
-            return
-        # Alone: only a hit no other request's L3 work overlaps streams (no other prefetch in flight, no tail
-        # registered, no hit bound). Measured (benchmarks/RESULTS.md, "bench_streaming"): on a 2-core CPU a
-        # lone request gains, while at C = 2-4, where loads already hide behind the other requests'
-        # forwards, streaming every hit cost 13-24% (its stalls hold the whole batch).
-        if len(registry) or backend.binder.bound_pages() or len(cache.ongoing_prefetch) > 1:
-            STATS.not_registered["busy: loaded whole"] += 1
-            return
-        # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole
-        # before admission (today's path); one bound and then refused at registration would be recomputed.
-        held = sum(t.tokens for t in registry) + backend.binder.bound_pages() * cache.page_size
-        if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
-            STATS.not_registered["withheld cap: loaded whole"] += 1
-            return
-        backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
-        STATS.bind_calls += 1
-
-    guard(cache, "bind", "the hit loads whole, as today", bind)
-    return None
-
-
-def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, new_input_tokens: Any, *args: Any,
-                **kwargs: Any) -> None:
-    """AFTER ``prefetch_from_storage``: where the request's prompt ends, on its op. SGLang shortens the op's span
-    to a hit it knows the end of (``storage_hit_end``); the gate needs the suffix computed after the tail."""
-    def note() -> None:
-        info = cache.ongoing_prefetch.get(request) if active(cache) is not None else None
-        if info is not None:
-            matched = kwargs.get("matched_prefix_tokens", args[2] if len(args) > 2 else None)
-            setattr(info.operation, PROMPT_END, len(matched or ()) + len(new_input_tokens))
-
-    guard(cache, "prompt end", "the gate sees the op's span only", note)
-    return None
-
-
 # ---------------------------------------------------------------------------------------------- 2. register
 def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> Any:
     """AROUND ``_handle_prefetch_result``: the part of the hit not landed becomes a streamed tail."""
@@ -169,6 +106,8 @@ def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> A
     completed = int(operation.completed_tokens)
     with counting_releases() as releases:
         result = original(cache, operation)
+    if getattr(operation, stream_bind.WHOLE_ALONE, False) and host_indices is not None and completed == host_indices.numel():
+        guard(cache, "bind rule sample", "not sampled", lambda: stream_bind.sample_whole(cache, operation, completed))
     taken: list[Any] = []
 
     def local() -> str | None:  # None: this rank can stream it; else why not
@@ -207,7 +146,7 @@ def _why_not(cache: Any, registry: StreamRegistry, operation: Any, host_indices:
     if operation.pool_transfers:
         return "side pools"
     withheld = sum(t.tokens for t in registry) + host_indices.numel() - completed
-    if withheld > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
+    if withheld > stream_bind.MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
         return "withheld cap"
     return None
 
@@ -224,7 +163,7 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
         registry.defer_free(stream, tail.host_indices)
         return
     span_end = max(int(operation.storage_start) + int(getattr(operation, "stats_requested_tokens", 0) or 0),
-                   int(getattr(operation, PROMPT_END, 0)))
+                   int(getattr(operation, stream_bind.PROMPT_END, 0)))
     pages = tail.tokens // ps
     _info[tail] = TailInfo(_clock(), cache.prefetch_timeout_base + pages * cache.prefetch_timeout_per_page,
                            max(1, span_end + 1 - tail.token_end))
@@ -269,7 +208,7 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     backend = backend_of(cache)
     # Testing only: KVTIER_TEST_STREAM_GATE=group0 leaves the prefill model out: the gate's safe minimum decides
     # (READY once group 0 landed), so a real-server test sees each tail admitted whatever the machine's load.
-    model = None if backend is None or _TEST_GATE_GROUP0 else backend.cost.prefill.model()
+    model = None if backend is None or stream_bind.TEST_GATE_GROUP0 else backend.cost.prefill.model()
     suffix = full = None
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
@@ -400,8 +339,7 @@ def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any
 
 
 HOOKS: list[tuple[str, Any, str]] = [
-    (HCC + "allocate_storage_hit", bind_hit, "AFTER"),
-    (URC + "prefetch_from_storage", note_prompt, "AFTER"),
+    *stream_bind.HOOKS,
     (URC + "_handle_prefetch_result", register_tail, "AROUND"),
     (URC + "check_prefetch_progress", gate, "AROUND"),
     (URC + "_finalize_match_result", virtual_hit, "AFTER"),

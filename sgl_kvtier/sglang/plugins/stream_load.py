@@ -21,8 +21,8 @@ The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
   cache (no copy outlives the forward's step), then per streamed request of the batch, in the batch's
   request order (the same on every rank), a landed flag MIN-reduced over the ranks (``cache._all_reduce``,
   ``unified_radix_cache.py:376-410``). Landed: DONE, ``registry.remove``, host slots to ``defer_free``.
-  Before the verdict, a batch whose forward waited on a tail group is marked (``stall_marks.note_stall``:
-  its time is no prefill sample).
+  Before the verdict, the batch is marked with its tails' bytes and stalls (``stall_marks.note_batch``:
+  its time is no prefill sample; one that never stalled is the bind rule's interference sample).
   Poisoned on any rank: the stream is cancelled, its host slots deferred, ``registry.block(rid)`` (its
   retry never streams) and the request retracted (``stream_retract``). The hook returns None (an AFTER
   hook's non-None value would replace SGLang's result).
@@ -51,6 +51,7 @@ from sgl_kvtier.sglang.plugins.stream_copy import (
     logger,
     slow_io_of,
 )
+from sgl_kvtier.sglang.plugins.stream_core import backend_of
 from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
@@ -190,13 +191,23 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
         for load in loads:
             load.join()
         if loads:
-            # Before the verdict: a batch whose forward waited on a tail group is no prefill sample.
-            stall_marks.note_stall(scheduler, batch, sum(load.job.blocked_waits for load in loads),
-                                     sum(load.job.blocked_s for load in loads))
+            # Before the verdict: a batch that ran with tails is no prefill sample (a stall, or interference);
+            # one with a failed tail (zeros, a retract) is no sample of either kind: marked as if it stalled.
+            copies = [tc for load in loads for tc in load.tails]
+            waits = sum(load.job.blocked_waits for load in loads) or int(any(tc.failed for tc in copies))
+            stall_marks.note_batch(scheduler, batch, waits, sum(load.job.blocked_s for load in loads),
+                                   sum(tc.tail.tokens for tc in copies) * _token_bytes(scheduler))
             verdict(scheduler, batch, loads)
     except Exception as exc:
         boundary_of(scheduler.tree_cache).fail("stream verdict", exc, outcome="verdict skipped")
     return None
+
+
+def _token_bytes(scheduler: Any) -> int:
+    """Bytes of one token of the KV pool our backend serves (0: none)."""
+    backend = backend_of(scheduler.tree_cache)
+    kv = None if backend is None else backend.kv
+    return 0 if kv is None else kv.pages.page_bytes // max(1, kv.pages.page_tokens)
 
 
 def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:

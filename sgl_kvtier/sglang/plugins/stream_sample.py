@@ -13,15 +13,17 @@ result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_
   call would count each batch twice;
 - the batch is EXTEND or MIXED (tested first: this hook runs after every step, decode ones included), and
   streaming is active for ``scheduler.tree_cache`` (``stream_core.active``);
-- its forward never waited on a tail group. ``stall_marks.note_stall`` (``stream_load``'s verdict, AFTER ``run_batch``,
-  with the batch's joined loads) marks a batch that did by its ``forward_iter`` (set by ``run_batch``,
+- it ran without streamed tails. ``stall_marks.note_batch`` (``stream_load``'s verdict, AFTER ``run_batch``,
+  with the batch's joined loads) marks a batch that had some by its ``forward_iter`` (set by ``run_batch``,
   ``scheduler.py:4622``, and kept by ``ScheduleBatch.copy``, ``schedule_batch.py:4040``: the overlap loop
-  processes a copy of the batch that ran). Such a batch's time is compute plus stall: fitted as compute, the
-  stall would come back as predicted compute and the gate would admit earlier, to stall more. Marks are
+  processes a copy of the batch that ran). A batch whose forward waited on a tail group is compute plus
+  stall: fitted as compute, the stall would come back as predicted compute and the gate would admit earlier,
+  to stall more; it is no sample at all. One that never waited is compute plus its tails' interference: its
+  time over the prefill model's prediction is the bind rule's sample (``backend.stream_costs``). Marks are
   taken when read and at most ``MAX_MARKS`` are kept per scheduler (a batch whose result is never processed
   cannot pile them up).
 
-With the cost plugin on, its hook (``prefetch.record_prefill_timing``) skips the stalled batches the same way.
+With the cost plugin on, its hook (``prefetch.record_prefill_timing``) reads the marks the same way.
 Never raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and the sample skipped.
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_kvtier.sglang.plugins.stall_marks import stalled
+from sgl_kvtier.sglang.plugins import stall_marks
 
 BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
@@ -48,8 +50,8 @@ def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs
     try:
         from sgl_kvtier.sglang.plugins import stream_core
 
-        waited = stalled(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
-        if waited or stream_core.active(cache) is None:
+        if stream_core.active(cache) is None:
+            stall_marks.take(scheduler, batch)  # none lingers
             return None
     except Exception as exc:
         from sgl_kvtier.sglang.plugins.stream_core import boundary

@@ -1,0 +1,176 @@
+"""Stream a hit, or load it whole? The bind-time rule of a streamed L3 tail (issue #13), and the two
+figures it learns on the running server. Pure Python: no clock, no SGLang; callers pass measurements in.
+
+A hit loaded whole costs its request ``W`` (SGLang's prefetch, from the op's start to its result) before
+the suffix's compute ``c`` starts. A streamed hit waits at the gate until the rest of its read hides under
+the first ``(1 - 1/G)`` of ``c`` (``stream_gate``), at least for group 0, and its forward then runs while
+the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take the cores
+the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on a GPU
+the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
+model) and ``B = (1 - 1/G) * c``:
+
+    gain  =  W  -  max(R / G, R - B)  -  k * bytes
+    STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + c)        (else WHOLE: today's path)
+
+Learned figures (``StreamCosts``, thread-safe, weights halving every ``HALF_LIFE`` samples):
+- ``W(bytes) ~= a + bytes / bw``, from hits that loaded whole while no other prefetch ran (their op's
+  start to SGLang's handling of its result); until ``MIN_SAMPLES`` were seen, ``W`` is taken as ``R``.
+- ``k``, from the forwards that ran with streamed tails and never waited on one of their groups: the
+  forward's measured time minus the prefill model's prediction, per tail byte (least squares through 0);
+  until ``MIN_SAMPLES`` were seen, ``k`` is unknown and the hit streams (that is how ``k`` is measured).
+Each choice feeds only its own figure, so every ``EXPLORE_EVERY``-th decided hit takes the other path
+(re-measuring it: a device that changed speed is seen). Unknown ``R`` or ``c``: the hit streams, as before
+this rule (the gate's safe minimum then decides when to admit).
+
+Invariants: ``decide`` never raises for finite inputs and answers a reason with every verdict; a sample
+that is not finite, or of no bytes, is ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_kvtier.estimation import DecayingLeastSquares
+
+MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT
+MIN_SAMPLES = 2  # samples of a learned figure before it is used
+HALF_LIFE = 16.0  # samples
+EXPLORE_EVERY = 16  # every n-th decided hit takes the other path (0: never)
+
+
+class BindVerdict(enum.Enum):
+    STREAM = "stream"
+    WHOLE = "whole"
+
+
+@dataclass(frozen=True)
+class BindInputs:
+    """One hit at bind time."""
+
+    hit_bytes: int
+    groups: int  # layer groups per page (G >= 1)
+    read_s: float | None  # predicted read of the whole hit (the store's read model; None: not measured)
+    suffix_compute_s: float | None  # predicted prefill of the tokens after the hit (None: no prefill model)
+    whole_wait_s: float | None = None  # learned W for this hit (None: not learned yet, R stands in)
+    interference_s_per_byte: float | None = None  # learned k (None: not learned yet)
+
+    def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups}")
+        if self.hit_bytes < 0:
+            raise ValueError(f"hit_bytes must be >= 0, got {self.hit_bytes}")
+
+
+@dataclass(frozen=True)
+class BindDecision:
+    verdict: BindVerdict
+    reason: str  # a short label (counted by the plugin)
+    gain_s: float | None = None  # the predicted gain, where computed
+
+
+def _known(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x >= 0
+
+
+def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDecision:
+    """The rule of the module docstring for one hit."""
+    read, c = inputs.read_s, inputs.suffix_compute_s
+    if not _known(read) or not _known(c):
+        return BindDecision(BindVerdict.STREAM, "unmeasured: streamed")
+    assert read is not None and c is not None
+    k = inputs.interference_s_per_byte
+    if not _known(k):
+        return BindDecision(BindVerdict.STREAM, "calibrating: streamed")
+    assert k is not None
+    whole = inputs.whole_wait_s if _known(inputs.whole_wait_s) else read
+    assert whole is not None
+    g = inputs.groups
+    gate = max(read / g, read - (1.0 - 1.0 / g) * c)
+    gain = whole - gate - k * inputs.hit_bytes
+    if gain >= min_gain_share * (whole + c):
+        return BindDecision(BindVerdict.STREAM, "predicted faster: streamed", gain)
+    return BindDecision(BindVerdict.WHOLE, "predicted no faster: loaded whole", gain)
+
+
+class _Fit:
+    """y ~= theta . x by decaying non-negative least squares (``estimation.DecayingLeastSquares``)."""
+
+    def __init__(self, n: int, subsets: tuple[tuple[int, ...], ...]):
+        self._ls = DecayingLeastSquares(n, HALF_LIFE, subsets)
+        self.theta: list[float] | None = None
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        self._ls.add(x, y)
+        self.theta = self._ls.solve()
+
+    @property
+    def count(self) -> int:
+        return self._ls.count
+
+
+class StreamCosts:
+    """The two learned figures of one backend and its exploration counter (module docstring)."""
+
+    def __init__(self, explore_every: int = EXPLORE_EVERY, min_samples: int = MIN_SAMPLES):
+        self._lock = threading.Lock()
+        self._whole = _Fit(2, ((0, 1), (0,), (1,)))  # seconds ~= a + MB * s_per_MB
+        self._k = _Fit(1, ((0,),))  # excess seconds ~= k * MB
+        self._explore_every = explore_every
+        self._min = max(1, min_samples)
+        self._decided = 0
+
+    def record_whole(self, nbytes: int, seconds: float) -> None:
+        """A hit of ``nbytes`` loaded whole, alone, in ``seconds`` (op start to its handled result)."""
+        if nbytes > 0 and 0 <= seconds < math.inf:
+            with self._lock:
+                self._whole.add((1.0, nbytes / 1e6), seconds)
+
+    def record_interference(self, nbytes: int, excess_s: float) -> None:
+        """A forward with ``nbytes`` of streamed tails took ``excess_s`` longer than predicted (may be < 0)."""
+        if nbytes > 0 and math.isfinite(excess_s):
+            with self._lock:
+                self._k.add((nbytes / 1e6,), excess_s)
+
+    def whole_wait_s(self, nbytes: int) -> float | None:
+        with self._lock:
+            t = self._whole.theta if self._whole.count >= self._min else None
+        return None if t is None else t[0] + t[1] * nbytes / 1e6
+
+    def interference_s_per_byte(self) -> float | None:
+        with self._lock:
+            if self._k.count < self._min:
+                return None
+            t = self._k.theta
+        return 0.0 if t is None else t[0] / 1e6  # no fit >= 0: forwards with tails ran no slower than predicted
+
+    def decide(self, hit_bytes: int, groups: int, read_s: float | None,
+               suffix_compute_s: float | None) -> BindDecision:
+        """``decide`` with the learned figures; every ``explore_every``-th decided hit takes the other path."""
+        decision = decide(BindInputs(hit_bytes, groups, read_s, suffix_compute_s, self.whole_wait_s(hit_bytes),
+                                     self.interference_s_per_byte()))
+        if decision.gain_s is None or self._explore_every <= 0:
+            return decision
+        with self._lock:
+            self._decided += 1
+            explore = self._decided % self._explore_every == 0
+        if not explore:
+            return decision
+        other = BindVerdict.WHOLE if decision.verdict is BindVerdict.STREAM else BindVerdict.STREAM
+        return BindDecision(other, f"re-measuring: {'streamed' if other is BindVerdict.STREAM else 'loaded whole'}",
+                            decision.gain_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The learned figures (None: not learned) and their sample counts, JSON-ready."""
+        with self._lock:
+            whole, k = self._whole.theta, self._k.theta
+            counts = (self._whole.count, self._k.count)
+        return {"whole_wait_fixed_s": None if whole is None else whole[0],
+                "whole_wait_s_per_MB": None if whole is None else whole[1], "whole_samples": counts[0],
+                "interference_s_per_MB": None if k is None else k[0], "interference_samples": counts[1]}
+
+
+__all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]

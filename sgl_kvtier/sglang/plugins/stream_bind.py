@@ -1,0 +1,141 @@
+"""Bind side of a streamed L3 tail (issue #13; design §2.2 step 1b): which hits stream, hooks on the scheduler
+thread, every one SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23).
+The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_admit``'s.
+
+1. **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``, ``hybrid_cache_controller.py:796``): its
+   caller ``_try_alloc_storage_hit`` queues the op for the IO thread only after it returns
+   (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
+   ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
+   Not for a request blocked after a failed tail (it loads whole), an op with side pools, a hit another
+   request's L3 work overlaps (busy), one over the withheld cap, nor one the bind rule loads whole:
+   ``policy.stream_bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
+   (the backend's prefill model) against the two figures it learns here: a hit it loads whole, alone, is
+   timed from its op's start to SGLang's handling of its result (``sample_whole``, called by
+   ``stream_admit.register_tail``), and a forward that ran with tails is timed by the prefill samplers
+   (``stall_marks``). The rule's verdict is logged when it changes; every hit it loads whole is counted
+   by its reason (``STATS.not_registered``).
+   ``allocate_storage_hit`` runs in a drain after the op's storage query: ``note_prompt`` has run.
+2. **Prompt end** (AFTER ``prefetch_from_storage``, ``:2081``): the op is told where the request's prompt
+   ends: SGLang spans an op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``); the
+   rule and the gate need the suffix.
+
+Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` (read once at import) leaves the prefill model out: every
+hit the other conditions allow streams, and the gate's safe minimum admits it (``stream_admit``).
+Nothing raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and the hit loads whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from typing import Any
+
+from sgl_kvtier.policy.stream_bind import BindDecision, BindVerdict
+from sgl_kvtier.sglang.plugins.stream_core import HCC, STATS, URC, active, backend_of, controller_cache, guard
+
+logger = logging.getLogger(__name__)
+
+MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (they escape SGLang's rate limit)
+ENV_TEST_GATE = "KVTIER_TEST_STREAM_GATE"  # testing only: "group0" (module docstring)
+TEST_GATE_GROUP0 = os.environ.get(ENV_TEST_GATE) == "group0"  # read once: the gate polls on every scheduler step
+PROMPT_END = "kvtier_prompt_end"  # attribute of a prefetch op: the end of the request's prefix span (tokens)
+WHOLE_ALONE = "kvtier_whole_alone"  # attribute of a prefetch op: loaded whole by the bind rule, alone
+_clock = time.monotonic  # replaceable in tests (SGLang's op start_time is on this clock)
+
+
+def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``allocate_storage_hit``: the backend binds the hit's keys to its fresh host slots."""
+    cache = controller_cache(controller)
+    host_indices = result[0] if isinstance(result, tuple) else None
+    if cache is None or host_indices is None or host_indices.numel() == 0:
+        return None
+
+    def bind() -> None:
+        registry = active(cache)
+        if registry is None or registry.is_blocked(operation.handle.rid) or operation.pool_transfers:
+            return
+        pages = host_indices.numel() // cache.page_size
+        backend = backend_of(cache)
+        if backend is None or not pages or len(operation.hash_value) < pages:
+            return
+        # Alone: only a hit no other request's L3 work overlaps streams (no other prefetch in flight, no tail
+        # registered, no hit bound). Measured (benchmarks/RESULTS.md, "bench_streaming"): on a 2-core CPU a
+        # lone request gains, while at C = 2-4, where loads already hide behind the other requests'
+        # forwards, streaming every hit cost 13-24% (its stalls hold the whole batch).
+        if len(registry) or backend.binder.bound_pages() or len(cache.ongoing_prefetch) > 1:
+            STATS.not_registered["busy: loaded whole"] += 1
+            return
+        # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole
+        # before admission (today's path); one bound and then refused at registration would be recomputed.
+        held = sum(t.tokens for t in registry) + backend.binder.bound_pages() * cache.page_size
+        if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
+            STATS.not_registered["withheld cap: loaded whole"] += 1
+            return
+        decision = _bind_rule(cache, backend, operation, pages)
+        if decision is not None and decision.verdict is BindVerdict.WHOLE:
+            STATS.not_registered[decision.reason] += 1
+            setattr(operation, WHOLE_ALONE, True)  # its load is the rule's sample of W (register_tail)
+            return
+        backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
+        STATS.bind_calls += 1
+
+    guard(cache, "bind", "the hit loads whole, as today", bind)
+    return None
+
+
+def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int) -> BindDecision | None:
+    """Stream this hit or load it whole (``policy.stream_bind``): its predicted read (the store's read model) and
+    its suffix's compute (the prefill model, over the prompt's end ``note_prompt`` put on the op). None: the
+    testing knob (every hit streams)."""
+    kv = backend.kv
+    if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
+        return None
+    ps, page_bytes = cache.page_size, kv.pages.page_bytes
+    read = backend.cost.read_path()
+    model = backend.cost.prefill.model()
+    hit_end = int(operation.storage_start) + pages * ps
+    prompt_end = getattr(operation, PROMPT_END, None)
+    compute = None if model is None or prompt_end is None else model.time(max(1, int(prompt_end) + 1 - hit_end),
+                                                                          hit_end)
+    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, kv.pages.plan.group_count,
+                                           None if read is None else read.device.load_time(pages, page_bytes),
+                                           compute)
+    if decision.verdict is not _last_verdict.get(backend):
+        _last_verdict[backend] = decision.verdict
+        logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
+                    "-" if decision.gain_s is None else f"{decision.gain_s:.3f}s", backend.stream_costs.snapshot())
+    return decision
+
+
+_last_verdict: weakref.WeakKeyDictionary[Any, BindVerdict] = weakref.WeakKeyDictionary()
+
+
+def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, new_input_tokens: Any, *args: Any,
+                **kwargs: Any) -> None:
+    """AFTER ``prefetch_from_storage``: where the request's prompt ends, on its op. SGLang shortens the op's span
+    to a hit it knows the end of (``storage_hit_end``); the gate needs the suffix computed after the tail."""
+    def note() -> None:
+        info = cache.ongoing_prefetch.get(request) if active(cache) is not None else None
+        if info is not None:
+            matched = kwargs.get("matched_prefix_tokens", args[2] if len(args) > 2 else None)
+            setattr(info.operation, PROMPT_END, len(matched or ()) + len(new_input_tokens))
+
+    guard(cache, "prompt end", "the gate sees the op's span only", note)
+    return None
+
+
+def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
+    """A hit the bind rule loaded whole, alone, landed: its op's start to now is a sample of W."""
+    backend = backend_of(cache)
+    kv = None if backend is None else backend.kv
+    if backend is not None and kv is not None:
+        backend.stream_costs.record_whole(tokens // kv.pages.page_tokens * kv.pages.page_bytes,
+                                          _clock() - float(operation.start_time))
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    (HCC + "allocate_storage_hit", bind_hit, "AFTER"),
+    (URC + "prefetch_from_storage", note_prompt, "AFTER"),
+]

@@ -1,0 +1,86 @@
+"""The bind-time rule of a streamed tail: stream only where the overlap is predicted to pay, learned figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sgl_kvtier.policy.stream_bind import BindInputs, BindVerdict, StreamCosts, decide
+
+MB = 1_000_000
+HIT = 200 * MB  # the benchmark's hit: 201 MB of KV
+
+
+def inputs(read_s: float | None, c: float | None = 0.5, whole: float | None = None, k_per_mb: float | None = 0.0,
+           groups: int = 4) -> BindInputs:
+    return BindInputs(HIT, groups, read_s, c, whole, None if k_per_mb is None else k_per_mb / MB)
+
+
+def test_unmeasured_inputs_stream_as_before_the_rule():
+    assert decide(inputs(None)).verdict is BindVerdict.STREAM
+    assert decide(inputs(0.5, c=None)).verdict is BindVerdict.STREAM
+    assert decide(inputs(0.5, k_per_mb=None)).reason == "calibrating: streamed"  # how k gets measured
+
+
+def test_a_slow_device_streams_and_a_fast_one_on_a_busy_cpu_loads_whole():
+    # the benchmark's two devices, k as measured on the 2-core CPU (~1.6 ms of forward per MB of tail)
+    slow = decide(inputs(0.54, whole=0.77, k_per_mb=1.6e-3))
+    fast = decide(inputs(0.15, whole=0.36, k_per_mb=1.6e-3))
+    assert slow.verdict is BindVerdict.STREAM and slow.gain_s == pytest.approx(0.77 - 0.165 - 0.32)
+    assert fast.verdict is BindVerdict.WHOLE and fast.gain_s == pytest.approx(0.36 - 0.0375 - 0.32)
+    # on a GPU the copies are DMA (k ~ 0): a fast device's read still hides under the suffix
+    assert decide(inputs(0.15, whole=0.2, k_per_mb=0.0)).verdict is BindVerdict.STREAM
+
+
+def test_the_gain_must_be_a_share_of_the_whole_load_ttft():
+    # W = R = 0.1 s, the gate waits R / G = 0.025 s: gain 0.075 s of a 0.6 s TTFT (12.5%)
+    assert decide(inputs(0.1, whole=0.1), min_gain_share=0.10).verdict is BindVerdict.STREAM
+    assert decide(inputs(0.1, whole=0.1), min_gain_share=0.15).verdict is BindVerdict.WHOLE
+
+
+def test_without_a_learned_whole_wait_the_predicted_read_stands_in():
+    assert decide(inputs(0.54, k_per_mb=1.6e-3)).gain_s == pytest.approx(0.54 - 0.165 - 0.32)
+
+
+def test_bad_inputs_are_refused_and_nan_is_unmeasured():
+    with pytest.raises(ValueError, match="groups"):
+        BindInputs(HIT, 0, 0.1, 0.1)
+    with pytest.raises(ValueError, match="hit_bytes"):
+        BindInputs(-1, 4, 0.1, 0.1)
+    assert decide(inputs(math.nan)).verdict is BindVerdict.STREAM
+
+
+def test_costs_learn_whole_wait_and_interference():
+    costs = StreamCosts(explore_every=0)
+    assert costs.whole_wait_s(HIT) is None and costs.interference_s_per_byte() is None
+    for mb, s in ((100, 0.2), (200, 0.36), (300, 0.52)):  # 0.04 s + 1.6 ms / MB
+        costs.record_whole(mb * MB, s)
+    assert costs.whole_wait_s(HIT) == pytest.approx(0.36)
+    costs.record_interference(100 * MB, 0.16)
+    assert costs.interference_s_per_byte() is None  # one sample is not enough
+    costs.record_interference(200 * MB, 0.32)
+    assert costs.interference_s_per_byte() == pytest.approx(1.6e-3 / MB)
+    costs.record_interference(0, 5.0)  # no bytes: ignored
+    costs.record_whole(HIT, math.inf)  # not finite: ignored
+    snap = costs.snapshot()
+    assert snap["whole_samples"] == 3 and snap["interference_samples"] == 2
+    assert costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5).verdict is BindVerdict.WHOLE
+
+
+def test_forwards_no_slower_than_predicted_learn_no_interference():
+    costs = StreamCosts(explore_every=0)
+    for mb in (100, 200):
+        costs.record_interference(mb * MB, -0.01)  # a little faster than the model: no fit >= 0
+    assert costs.interference_s_per_byte() == 0.0
+
+
+def test_every_nth_decided_hit_takes_the_other_path():
+    costs = StreamCosts(explore_every=4)
+    for mb in (100, 200):
+        costs.record_interference(mb * MB, 1.6e-3 * mb)
+    verdicts = [costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5) for _ in range(8)]
+    assert [d.verdict for d in verdicts].count(BindVerdict.STREAM) == 2  # the 4th and the 8th
+    assert verdicts[3].reason == "re-measuring: streamed" and verdicts[3].gain_s is not None
+    undecided = StreamCosts(explore_every=1)  # a verdict without a prediction is never flipped
+    assert undecided.decide(HIT, 4, read_s=None, suffix_compute_s=0.5).verdict is BindVerdict.STREAM
