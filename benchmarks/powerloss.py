@@ -208,6 +208,18 @@ def summarize(results: list[CutResult]) -> dict[str, Any]:
             "first_findings": [dataclasses.asdict(r) for r in results if r.refused or r.acked_lost or r.wrong_bytes][:5]}
 
 
+@contextlib.contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """``name``'s logger at CRITICAL inside the block, its own level again after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cuts", type=int, default=1000, help="cuts per durability mode (each half one, half two writers)")
@@ -218,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=REPO / ".bench-powerloss", help="scratch directory (removed afterwards)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory of powerloss.json")
     args = p.parse_args(argv)
-    logging.getLogger("sgl_kvtier").setLevel(logging.CRITICAL)  # torn pages dropped on reopen are expected
     console = make_console()
     by_layout: dict[str, dict[str, dict[str, Any]]] = {layout: {} for layout in args.layouts}
     start = time.monotonic()
-    with scratch_dir(args.dir, "powerloss-") as work, progress(console) as bars:
+    # torn pages dropped on reopen are expected: quiet for the run, the caller's level restored after (tests)
+    with quiet_logger("sgl_kvtier"), scratch_dir(args.dir, "powerloss-") as work, progress(console) as bars:
         for layout, rows in by_layout.items():
             for mode in args.modes:
                 task = bars.add_task(f"cuts ({layout} {mode})", total=args.cuts)
