@@ -68,12 +68,3 @@ def test_helpers_and_validation():
         inputs(groups=0)
     with pytest.raises(ValueError):
         inputs(remaining_bytes=-1)
-
-
-def test_a_tail_sharing_the_device_waits_for_the_other_loads_for_half_its_deadline():
-    ready = dict(read_rate_Bps=1e7, suffix_compute_s=0.2, full_compute_s=1.0)
-    assert decide(inputs(**ready, shared=True)) is Verdict.WAIT  # READY alone: admitted with the others' loads
-    assert decide(inputs(**ready, shared=True, waited_s=5.0)) is Verdict.READY  # half the deadline: no longer
-    assert decide(inputs(**ready, shared=True, remaining_bytes=0)) is Verdict.READY  # landed whole: nothing to share
-    assert decide(inputs(group0_landed=True, shared=True)) is Verdict.WAIT  # the safe minimum waits too
-    assert decide(inputs(**ready, shared=True, failed=True)) is Verdict.DROP  # a failure still drops at once

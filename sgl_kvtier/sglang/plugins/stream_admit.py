@@ -218,8 +218,7 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     return stream_gate.decide(stream_gate.GateInputs(
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
-        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full,
-        shared=len(cache.ongoing_prefetch) > 0))  # a REGISTERED tail's own op has left it (its result was handled)
+        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full))
 
 
 # ---------------------------------------------------------------------------------------------- 6. virtual hit

@@ -20,11 +20,6 @@ DROP (the request computes the tail itself; its host slots are freed once their 
 - the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
   never parks a request for longer than SGLang itself would have waited on it).
 
-SHARED (another request's prefetch is in flight on the same device): a tail READY by the rule above still
-WAITs, until it landed whole or the other loads ended, for at most half its deadline. Measured (break-even
-device, C = 2): a tail admitted while a hit loaded whole shared the device with it ran its forward alone,
-and the other request's forward after it: two forwards where loading both whole gives one batch.
-
 Every caller MIN-reduces the flags over the ranks before acting (``ready`` and ``keep`` are ANDed), so the
 rule may read local clocks and rates.
 """
@@ -55,7 +50,6 @@ class GateInputs:
     read_rate_Bps: float | None = None  # measured on this stream (None: too early)
     suffix_compute_s: float | None = None  # predicted prefill of the tokens after the tail (None: no model)
     full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model, or no cost policy)
-    shared: bool = False  # another request's prefetch is in flight (it shares the device with this tail)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -83,13 +77,6 @@ def hide_budget_s(inputs: GateInputs) -> float | None:
 
 def decide(inputs: GateInputs) -> Verdict:
     """The local verdict for one tail (the caller MIN-reduces ``ready`` / ``keep`` over the ranks)."""
-    verdict = _decide(inputs)
-    if verdict is Verdict.READY and inputs.shared and inputs.remaining_bytes and inputs.waited_s < inputs.deadline_s / 2:
-        return Verdict.WAIT  # admitted with the loads it shares the device with, not before them (docstring)
-    return verdict
-
-
-def _decide(inputs: GateInputs) -> Verdict:
     if inputs.failed:
         return Verdict.DROP
     if inputs.remaining_bytes == 0:
