@@ -99,9 +99,8 @@ def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int) -> BindDeci
     prompt_end = getattr(operation, PROMPT_END, None)
     compute = None if model is None or prompt_end is None else model.time(max(1, int(prompt_end) + 1 - hit_end),
                                                                           hit_end)
-    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, kv.pages.plan.group_count,
-                                           None if read is None else read.device.load_time(pages, page_bytes),
-                                           compute)
+    read_s = None if read is None else read.device.load_time(pages, page_bytes)
+    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, kv.pages.plan.group_count, read_s, compute)
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
