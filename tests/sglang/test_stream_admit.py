@@ -56,7 +56,14 @@ from stream_kit import (  # noqa: E402
     tree_device_tokens,
 )
 
-from sgl_kvtier.sglang.plugins import prefetch, stream, stream_admit, stream_bind, stream_core, stream_slots  # noqa: E402
+from sgl_kvtier.sglang.plugins import (  # noqa: E402
+    prefetch,
+    stream,
+    stream_admit,
+    stream_bind,
+    stream_core,
+    stream_slots,
+)
 from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

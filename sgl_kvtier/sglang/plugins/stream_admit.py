@@ -106,7 +106,8 @@ def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> A
     completed = int(operation.completed_tokens)
     with counting_releases() as releases:
         result = original(cache, operation)
-    if getattr(operation, stream_bind.WHOLE_ALONE, False) and host_indices is not None and completed == host_indices.numel():
+    landed_whole = host_indices is not None and completed == host_indices.numel()
+    if landed_whole and getattr(operation, stream_bind.WHOLE_ALONE, False):  # the bind rule's sample of W
         guard(cache, "bind rule sample", "not sampled", lambda: stream_bind.sample_whole(cache, operation, completed))
     taken: list[Any] = []
 
