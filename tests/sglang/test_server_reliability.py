@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
+from stream_server_kit import FaultControl  # noqa: E402
+
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
@@ -62,7 +64,7 @@ def test_salts_faults_and_admin_clear(tmp_path: Path) -> None:
     model = make_model(tmp_path / "model", "tiny")
     store, control = tmp_path / "flash", tmp_path / "faults.json"
     store.mkdir()
-    control.write_text("{}")
+    faults_file = FaultControl(control)  # atomic renames, a new mtime each time: the engine sees every change
     prompt = make_prompt(600, seed=5, model_dir=model)
     hit = (600 - 1) // PAGE * PAGE
     with SGLangServer(model, extra_args=args_for(store, control), log_path=tmp_path / "s.log",
@@ -82,7 +84,7 @@ def test_salts_faults_and_admin_clear(tmp_path: Path) -> None:
         timings = {}
         for name, faults in (("eio", {"read_error_rate": 1.0}), ("gone", {"down": [0]}),
                              ("stall", {"stall_rate": 1.0, "stall_s": 1.5})):
-            control.write_text(json.dumps(faults))
+            faults_file.set(**faults)
             srv.flush_cache()
             sick = srv.generate(prompt, cache_salt="tenant-a")
             assert sick["output_ids"] == a_cold["output_ids"], name
@@ -90,7 +92,7 @@ def test_salts_faults_and_admin_clear(tmp_path: Path) -> None:
             opened = time.monotonic()
             again = srv.generate(prompt, cache_salt="tenant-a")  # circuit open: no IO, a plain miss
             assert again["output_ids"] == a_cold["output_ids"] and storage_hit(again) == 0, name
-            control.write_text("{}")  # the device heals; after the cool-down a probe succeeds
+            faults_file.set()  # the device heals; after the cool-down a probe succeeds
             healed = None
             while time.monotonic() < opened + COOLDOWN_S + 120:
                 srv.flush_cache()
@@ -101,10 +103,10 @@ def test_salts_faults_and_admin_clear(tmp_path: Path) -> None:
             assert healed["output_ids"] == a_cold["output_ids"], name
             timings[name] = time.monotonic() - opened
         # A full device: writes fail with ENOSPC; new prompts are still answered.
-        control.write_text(json.dumps({"enospc_rate": 1.0}))
+        faults_file.set(enospc_rate=1.0)
         fresh = make_prompt(500, seed=6, model_dir=model)
         assert srv.generate(fresh)["output_ids"] == srv.generate(fresh)["output_ids"]
-        control.write_text("{}")
+        faults_file.set()
 
         # Admin clear: refused without the admin key, done with it.
         status, _ = srv.request("POST", "/hicache/storage-backend/clear", headers={})
