@@ -198,3 +198,10 @@ def test_prefill_estimator_seed_until_enough_samples_and_never_negative():
     assert m is not seed and est.samples == 4
     assert min(m.per_token_s, m.per_token_kctx_s, m.fixed_s) >= 0
     assert m.time(2500, 0) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_a_batch_pays_the_fixed_cost_once():
+    model = PrefillModel(1e-3, 2e-3, 0.05)
+    reqs = [(64, 1536), (32, 0), (0, 99)]  # a request with no new tokens adds nothing
+    assert model.batch_time(reqs) == pytest.approx(model.time(64, 1536) + model.time(32, 0) - 0.05)
+    assert model.batch_time([]) == pytest.approx(0.05)
