@@ -8,6 +8,8 @@ measures what the policy consumes without either importing the other.
 - ``DecayingLeastSquares``: non-negative least squares over samples whose weights halve every
   ``half_life`` samples (a moving average of a linear model). Not thread-safe: each estimator built on it
   holds its own lock.
+- ``TransferEstimator``: ``seconds ~= batch_latency + bytes / bandwidth`` over recent transfers, published
+  as a ``DeviceModel`` (thread-safe): the store's read rates, and the stream bind rule's whole-load wait.
 
 Invariant: a fit never has a negative coefficient (exact NNLS over the candidate subsets given); a
 degenerate sample set falls back to fewer coefficients, never to a negative speed.
@@ -16,8 +18,10 @@ degenerate sample set falls back to fewer coefficients, never to a negative spee
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 STORAGE_BATCH_PAGES = 128  # SGLang 0.5.23's STORAGE_BATCH_SIZE: pages per L3 batch (one ack)
 
@@ -102,4 +106,38 @@ class DecayingLeastSquares:
         return best
 
 
-__all__ = ["STORAGE_BATCH_PAGES", "DeviceModel", "DecayingLeastSquares"]
+class TransferEstimator:
+    """seconds ~= batch_latency + bytes / bandwidth, fitted over recent real transfers (moving average)."""
+
+    def __init__(self, half_life: float = 32.0):
+        self._ls = DecayingLeastSquares(2, half_life, ((0, 1), (0,), (1,)))
+        self._lock = threading.Lock()
+        self._model: DeviceModel | None = None
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """One transfer of ``nbytes`` that took ``seconds``; empty or untimed transfers are ignored."""
+        if nbytes <= 0 or not 0 < seconds < math.inf:
+            return
+        with self._lock:
+            self._ls.add((nbytes / 1e6, 1.0), seconds)
+            theta = self._ls.solve()
+            if theta is not None:
+                self._model = DeviceModel(1e6 / theta[0] if theta[0] > 0 else math.inf, theta[1])
+
+    @property
+    def samples(self) -> int:
+        """How many transfers were recorded."""
+        return self._ls.count
+
+    def model(self) -> DeviceModel | None:
+        """The current fit, or None before the first sample."""
+        return self._model
+
+    def snapshot(self) -> dict[str, Any]:
+        """The fit as JSON-ready figures (None where not measured yet)."""
+        m = self._model
+        return {"bandwidth_Bps": None if m is None else m.bandwidth_Bps,
+                "batch_latency_s": None if m is None else m.batch_latency_s, "samples": self.samples}
+
+
+__all__ = ["STORAGE_BATCH_PAGES", "DeviceModel", "DecayingLeastSquares", "TransferEstimator"]

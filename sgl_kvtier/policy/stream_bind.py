@@ -13,8 +13,9 @@ model) and ``B = (1 - 1/G) * c``:
     STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + c)        (else WHOLE: today's path)
 
 Learned figures (``StreamCosts``, thread-safe, weights halving every ``HALF_LIFE`` samples):
-- ``W(bytes) ~= a + bytes / bw``, from hits that loaded whole while no other prefetch ran (their op's
-  start to SGLang's handling of its result); until ``MIN_SAMPLES`` were seen, ``W`` is taken as ``R``.
+- ``W(bytes) ~= a + bytes / bw`` (the store's own read fit, ``estimation.TransferEstimator``), from hits
+  that loaded whole while no other prefetch ran (their op's start to SGLang's handling of its result);
+  until ``MIN_SAMPLES`` were seen, ``W`` is taken as ``R``.
 - ``k``, from the forwards that ran with streamed tails and never waited on one of their groups: the
   forward's measured time minus the prefill model's prediction, per tail byte (least squares through 0);
   until ``MIN_SAMPLES`` were seen, ``k`` is unknown and the hit streams (that is how ``k`` is measured).
@@ -34,7 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_kvtier.estimation import DecayingLeastSquares
+from sgl_kvtier.estimation import DecayingLeastSquares, TransferEstimator
 
 MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT
 MIN_SAMPLES = 2  # samples of a learned figure before it is used
@@ -96,55 +97,38 @@ def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDe
     return BindDecision(BindVerdict.WHOLE, "predicted no faster: loaded whole", gain)
 
 
-class _Fit:
-    """y ~= theta . x by decaying non-negative least squares (``estimation.DecayingLeastSquares``)."""
-
-    def __init__(self, n: int, subsets: tuple[tuple[int, ...], ...]):
-        self._ls = DecayingLeastSquares(n, HALF_LIFE, subsets)
-        self.theta: list[float] | None = None
-
-    def add(self, x: tuple[float, ...], y: float) -> None:
-        self._ls.add(x, y)
-        self.theta = self._ls.solve()
-
-    @property
-    def count(self) -> int:
-        return self._ls.count
-
-
 class StreamCosts:
     """The two learned figures of one backend and its exploration counter (module docstring)."""
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, min_samples: int = MIN_SAMPLES):
-        self._lock = threading.Lock()
-        self._whole = _Fit(2, ((0, 1), (0,), (1,)))  # seconds ~= a + MB * s_per_MB
-        self._k = _Fit(1, ((0,),))  # excess seconds ~= k * MB
+        self._lock = threading.Lock()  # guards the k fit and the counter (the W estimator has its own)
+        self._whole = TransferEstimator(HALF_LIFE)  # W: seconds ~= fixed + bytes / rate, as the store's reads
+        self._k = DecayingLeastSquares(1, HALF_LIFE, ((0,),))  # excess seconds ~= k * MB
+        self._k_theta: list[float] | None = None
         self._explore_every = explore_every
         self._min = max(1, min_samples)
         self._decided = 0
 
     def record_whole(self, nbytes: int, seconds: float) -> None:
         """A hit of ``nbytes`` loaded whole, alone, in ``seconds`` (op start to its handled result)."""
-        if nbytes > 0 and 0 <= seconds < math.inf:
-            with self._lock:
-                self._whole.add((1.0, nbytes / 1e6), seconds)
+        self._whole.record(nbytes, seconds)  # ignores an empty or untimed one
 
     def record_interference(self, nbytes: int, excess_s: float) -> None:
         """A forward with ``nbytes`` of streamed tails took ``excess_s`` longer than predicted (may be < 0)."""
         if nbytes > 0 and math.isfinite(excess_s):
             with self._lock:
                 self._k.add((nbytes / 1e6,), excess_s)
+                self._k_theta = self._k.solve()
 
     def whole_wait_s(self, nbytes: int) -> float | None:
-        with self._lock:
-            t = self._whole.theta if self._whole.count >= self._min else None
-        return None if t is None else t[0] + t[1] * nbytes / 1e6
+        model = self._whole.model() if self._whole.samples >= self._min else None
+        return None if model is None else model.batch_latency_s + nbytes / model.bandwidth_Bps
 
     def interference_s_per_byte(self) -> float | None:
         with self._lock:
             if self._k.count < self._min:
                 return None
-            t = self._k.theta
+            t = self._k_theta
         return 0.0 if t is None else t[0] / 1e6  # no fit >= 0: forwards with tails ran no slower than predicted
 
     def decide(self, hit_bytes: int, groups: int, read_s: float | None,
@@ -165,12 +149,13 @@ class StreamCosts:
 
     def snapshot(self) -> dict[str, Any]:
         """The learned figures (None: not learned) and their sample counts, JSON-ready."""
+        whole = self._whole.model()
         with self._lock:
-            whole, k = self._whole.theta, self._k.theta
-            counts = (self._whole.count, self._k.count)
-        return {"whole_wait_fixed_s": None if whole is None else whole[0],
-                "whole_wait_s_per_MB": None if whole is None else whole[1], "whole_samples": counts[0],
-                "interference_s_per_MB": None if k is None else k[0], "interference_samples": counts[1]}
+            k, k_samples = self._k_theta, self._k.count
+        return {"whole_wait_fixed_s": None if whole is None else whole.batch_latency_s,
+                "whole_wait_s_per_MB": None if whole is None else 1e6 / whole.bandwidth_Bps,
+                "whole_samples": self._whole.samples,
+                "interference_s_per_MB": None if k is None else k[0], "interference_samples": k_samples}
 
 
 __all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]

@@ -40,6 +40,7 @@ import torch
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import DeviceError, KVTierError
+from sgl_kvtier.estimation import TransferEstimator
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.keys import Namespace, PageKey, valid_runs
 from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
@@ -49,7 +50,6 @@ from sgl_kvtier.store.lifecycle import release_all
 from sgl_kvtier.store.liveness import Verdict
 from sgl_kvtier.store.pool import SharedPool
 from sgl_kvtier.store.pool_view import lease_age
-from sgl_kvtier.store.read_rates import TransferEstimator
 from sgl_kvtier.telemetry.snapshot import (
     SHARING_COUNTERS,
     Breaker,

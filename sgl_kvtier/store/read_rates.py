@@ -1,6 +1,6 @@
 """The store's measured read path: bandwidth and per-batch latency, fitted over its real ``get`` batches.
 
-``TransferEstimator`` fits ``seconds ~= batch_latency + bytes / bandwidth`` (moving least squares, weights
+``TransferEstimator`` (``sgl_kvtier.estimation``, shared with the stream bind rule) fits ``seconds ~= batch_latency + bytes / bandwidth`` (moving least squares, weights
 halving every ``half_life`` samples) and publishes an immutable ``DeviceModel`` after every sample.
 ``ReadRates`` keeps one for all devices of a shard together and one per device:
 
@@ -15,47 +15,10 @@ Thread-safe: each estimator has its own lock. The cost model (``policy.cost_mode
 
 from __future__ import annotations
 
-import math
-import threading
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
-from sgl_kvtier.estimation import DecayingLeastSquares, DeviceModel
-
-
-class TransferEstimator:
-    """seconds ~= batch_latency + bytes / bandwidth, fitted over recent real transfers (moving average)."""
-
-    def __init__(self, half_life: float = 32.0):
-        self._ls = DecayingLeastSquares(2, half_life, ((0, 1), (0,), (1,)))
-        self._lock = threading.Lock()
-        self._model: DeviceModel | None = None
-
-    def record(self, nbytes: int, seconds: float) -> None:
-        """One transfer of ``nbytes`` that took ``seconds``; empty or untimed transfers are ignored."""
-        if nbytes <= 0 or not 0 < seconds < math.inf:
-            return
-        with self._lock:
-            self._ls.add((nbytes / 1e6, 1.0), seconds)
-            theta = self._ls.solve()
-            if theta is not None:
-                self._model = DeviceModel(1e6 / theta[0] if theta[0] > 0 else math.inf, theta[1])
-
-    @property
-    def samples(self) -> int:
-        """How many transfers were recorded."""
-        return self._ls.count
-
-    def model(self) -> DeviceModel | None:
-        """The current fit, or None before the first sample."""
-        return self._model
-
-    def snapshot(self) -> dict[str, Any]:
-        """The fit as JSON-ready figures (None where not measured yet)."""
-        m = self._model
-        return {"bandwidth_Bps": None if m is None else m.bandwidth_Bps,
-                "batch_latency_s": None if m is None else m.batch_latency_s, "samples": self.samples}
+from sgl_kvtier.estimation import DeviceModel, TransferEstimator
 
 
 class ReadRates:
