@@ -71,6 +71,10 @@ class HostPages:
         hp.plan = plan_for(hp)
         return hp
 
+    def bytes_of(self, tokens: int) -> int:
+        """Bytes of the whole pages in ``tokens`` slots (a hit or a tail: whole pages)."""
+        return tokens // self.page_tokens * self.page_bytes
+
     @property
     def layout(self) -> str:
         """The pool layout (``mla:`` prefixed for MLA pools), part of the namespace."""

@@ -130,8 +130,7 @@ def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
     backend = backend_of(cache)
     kv = None if backend is None else backend.kv
     if backend is not None and kv is not None:
-        backend.stream_costs.record_whole(tokens // kv.pages.page_tokens * kv.pages.page_bytes,
-                                          _clock() - float(operation.start_time))
+        backend.stream_costs.record_whole(kv.pages.bytes_of(tokens), _clock() - float(operation.start_time))
 
 
 HOOKS: list[tuple[str, Any, str]] = [

@@ -196,18 +196,18 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
             copies = [tc for load in loads for tc in load.tails]
             waits = sum(load.job.blocked_waits for load in loads) or int(any(tc.failed for tc in copies))
             stall_marks.note_batch(scheduler, batch, waits, sum(load.job.blocked_s for load in loads),
-                                   sum(tc.tail.tokens for tc in copies) * _token_bytes(scheduler))
+                                   _bytes_of(scheduler, sum(tc.tail.tokens for tc in copies)))
             verdict(scheduler, batch, loads)
     except Exception as exc:
         boundary_of(scheduler.tree_cache).fail("stream verdict", exc, outcome="verdict skipped")
     return None
 
 
-def _token_bytes(scheduler: Any) -> int:
-    """Bytes of one token of the KV pool our backend serves (0: none)."""
+def _bytes_of(scheduler: Any, tokens: int) -> int:
+    """Bytes of ``tokens`` (whole pages) of the KV pool our backend serves (0: none)."""
     backend = backend_of(scheduler.tree_cache)
     kv = None if backend is None else backend.kv
-    return 0 if kv is None else kv.pages.page_bytes // max(1, kv.pages.page_tokens)
+    return 0 if kv is None else kv.pages.bytes_of(tokens)
 
 
 def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:
