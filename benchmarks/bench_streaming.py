@@ -5,7 +5,9 @@ Each (device setting, streaming mode) pair gets its own real ``sglang.launch_ser
 a fresh L3 directory, ``streaming`` set in the L3 config) serving the same prompts: a write round puts D
 document prefixes in L3, then every later round waits for the L3 write-back, flushes L1 + L2 and drops the
 page cache, and asks one new question per document, so each prefix is in L3 only when its request arrives
-(bench_policy's rounds). The first server also measures the references: device (L1/L2) hits and recompute.
+(bench_policy's rounds). A device's ``off`` and ``on`` servers are up at once and take turns round by round
+(``--schedule interleaved``, ``streaming.servers``), so each measured round is a paired on/off comparison
+(``streaming.paired``). The first server also measures the references: device (L1/L2) hits and recompute.
 Its device-hit TTFT is the suffix's compute time, from which the break-even device's read rate is derived
 (prefix KV bytes / compute seconds) before the break-even servers start. See benchmarks/README.md, section
 bench_streaming.
@@ -21,25 +23,21 @@ environment), <out>/report.md and <out>/ttft_streaming.png.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import itertools
 import json
-import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import page_cache_policy, progress
-from benchmarks.serving import client, configs, report, session, workloads
+from benchmarks.serving import configs, session, workloads
 from benchmarks.serving.models import run_model
-from benchmarks.serving.policies import DeviceSetting, unique_tokens
-from benchmarks.serving.probes import prebuild_hash_extension, store_summary
-from benchmarks.serving.settle import settle
-from benchmarks.streaming import counters, outputs, plan, plot, rounds
+from benchmarks.serving.policies import DeviceSetting
+from benchmarks.serving.probes import prebuild_hash_extension
+from benchmarks.streaming import outputs, paired, plan, plot, rounds, servers
 from benchmarks.streaming import report as stream_report
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
-KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every cell runs
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
 SMOKE = {"model": "tiny", "devices": ["fast"], "concurrency": [1], "documents": 1, "doc_tokens": 512,
          "question_tokens": 32, "rounds": 2, "prime_rounds": 0, "reference_rounds": 1, "backup_wait": 120.0}
@@ -62,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="write cap of the break-even device (the write-back is not what is measured)")
     p.add_argument("--slow-latency-ms", type=float, default=2.0, help="latency added per IO on throttled devices")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--schedule", type=servers.Schedule, default=servers.Schedule.INTERLEAVED,
+                   choices=list(servers.Schedule),
+                   help="interleaved: a device's off and on servers up at once, rounds alternating between them; "
+                        "sequential: one server at a time")
     p.add_argument("--out", type=Path, help="default benchmarks/results/streaming-<timestamp>/")
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="GPU flags (default: auto-detect)")
@@ -106,55 +108,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.server_runs = plan.plan_servers(args.devices, args.modes, not args.no_references,
                                          args.breakeven_mbps is not None)
     return args
-
-
-def run_server(args: argparse.Namespace, run_spec: plan.ServerRun, device: DeviceSetting, base_plan: configs.ServerPlan,
-               model_dir: Path, server_rounds: list[Any], drop: bool, kvbpt: int, bars: Any, task: Any,
-               console: Any) -> dict[str, Any]:
-    """One server: start it, serve ``server_rounds`` (settling before each L3 round), summarize, stop."""
-    from sgl_kvtier.serving.server import SGLangServer
-
-    tag = f"{device.name}-{run_spec.streaming.value}"
-    extra = plan.server_extra(device, args.kvtier_extra, run_spec.streaming)
-    splan = dataclasses.replace(base_plan, l3_root=base_plan.l3_root / tag, kvtier_extra=extra,
-                                extra_args=("--hicache-storage-prefetch-policy", args.prefetch_policy,
-                                            *base_plan.extra_args))
-    l3 = KVTIER.l3_dir(splan)
-    shutil.rmtree(l3, ignore_errors=True)
-    l3.mkdir(parents=True, mode=0o700)
-    srv = SGLangServer(model_dir, extra_args=KVTIER.args(splan), env=dict(args.env),
-                       log_path=args.out / "logs" / f"{tag}.log", cpu=not splan.gpu,
-                       startup_timeout_s=args.startup_timeout)
-    res: dict[str, Any] = {"command": srv.command, "command_str": shlex.join(srv.command), "env": dict(args.env),
-                           "log": str(srv.log_path), "references": run_spec.references, "rounds": [], "levels": {}}
-    bars.update(task, description=f"{tag}: starting server")
-    srv.start()
-    res["startup_s"] = srv.startup_s
-    unique = unique_tokens(server_rounds, splan.page_size)
-    try:
-        base = client.counters(client.scrape(srv.url))["backuped_tokens"]
-        for i, rnd in enumerate(server_rounds):
-            pre = settle(args, srv, unique, i, base, drop, console) if i and rounds.settles(rnd.kind) else {}
-            bars.update(task, description=f"{tag}: {rnd.kind} round {i} (C={rnd.concurrency})")
-            before = counters.read(client.scrape(srv.url))
-            m = session.measure_phase(srv, rnd.requests, rnd.concurrency, lambda _r: bars.advance(task))
-            moved = counters.delta(counters.read(client.scrape(srv.url)), before)
-            res["rounds"].append({"index": i, "kind": rnd.kind, "concurrency": rnd.concurrency,
-                                  "measured": rnd.kind in rounds.LEVEL_OF, "settle": pre, "stream_counters": moved, **m})
-        for kind, level in rounds.LEVEL_OF.items():
-            for c in sorted({r["concurrency"] for r in res["rounds"] if r["kind"] == kind}):
-                phases = [r for r in res["rounds"] if r["kind"] == kind and r["concurrency"] == c]
-                s = report.summarize(phases, kvbpt) | {"stream": counters.total(phases)}
-                res["levels"].setdefault(level, {})[str(c)] = s
-                console.log(f"{tag:28s} {level:9s} C={c}: TTFT p50 {s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s, "
-                            f"L3 tokens {s['cached_tokens']['storage']} of {s['prompt_tokens']}, {s['errors']} errors")
-    finally:
-        res["exit_code"] = srv.stop()
-        res["l3_store"] = store_summary(KVTIER, l3)
-        res["log_counts"] = counters.log_counts(srv.log_path.read_text(errors="replace"))
-        if not args.keep_l3:
-            shutil.rmtree(l3, ignore_errors=True)
-    return res
 
 
 def derive_breakeven(args: argparse.Namespace, ref: dict[str, Any] | None, nbytes: int) -> dict[str, Any]:
@@ -209,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,
         "args": {k: v for k, v in vars(args).items() if k not in ("modes", "server_runs")},
         "model": served.record(), "machine": session.machine(model, server_args), "page_cache": cache_policy,
-        "prefetch_policy": args.prefetch_policy,
+        "prefetch_policy": args.prefetch_policy, "schedule": args.schedule.value,
         "sizing": {"page_size": args.page_size, "device_tokens": device_tokens,
                    "host_tokens": base_plan.host_tokens(kvbpt), "host_ratio": ratio, "longest_request_tokens": longest},
         "workload": {"description": description, **shape},
@@ -224,39 +177,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with progress(console, disable=args.no_progress) as bars:
             task = bars.add_task("starting", total=total)
-            for spec in args.server_runs:
-                if spec.device == plan.BREAKEVEN and breakeven is None:
-                    if run["breakeven"] is not None:  # derived once already, and failed: said so then
-                        continue
+            for spec_device, group in itertools.groupby(args.server_runs, key=lambda r: r.device):
+                if spec_device == plan.BREAKEVEN and breakeven is None:
                     ref = next((r for d in run["servers"].values() for r in d.values() if r.get("references")), None)
                     derived = run["breakeven"] = derive_breakeven(args, ref, nbytes)
-                    if "error" not in derived:
-                        breakeven = plan.breakeven_device(derived["mbps"], args.breakeven_write_mbps,
-                                                          args.slow_latency_ms)
-                        console.print(f"[bold]{stream_report.breakeven_line(run)}[/]")
-                    else:
+                    if "error" in derived:
                         console.print(f"[red]break-even device skipped: {derived['error']}[/]")
                         failed += 1
                         continue
-                device = plan.resolve_device(spec.device, args.slow_latency_ms, breakeven)
-                if device.name not in run["devices"]:
-                    run["devices"][device.name] = {"spec": spec.device, "description": device.describe(),
-                                                   "throttle": device.throttle}
-                    run["device_order"].append(device.name)
+                    breakeven = plan.breakeven_device(derived["mbps"], args.breakeven_write_mbps, args.slow_latency_ms)
+                    console.print(f"[bold]{stream_report.breakeven_line(run)}[/]")
+                device = plan.resolve_device(spec_device, args.slow_latency_ms, breakeven)
+                run["devices"][device.name] = {"spec": spec_device, "description": device.describe(),
+                                               "throttle": device.throttle}
+                run["device_order"].append(device.name)
                 slot = run["servers"].setdefault(device.name, {})
-                try:
-                    slot[spec.streaming.value] = run_server(args, spec, device, base_plan, model.path,
-                                                            by_refs[spec.references], drop, kvbpt, bars, task, console)
-                except Exception as exc:  # noqa: BLE001 - one broken server must not lose the others
-                    failed += 1
-                    slot[spec.streaming.value] = {"error": session.failure(console, f"{device.name} / {spec.streaming.value}", exc),
-                                                  "levels": {}, "references": spec.references}
-                if spec.references:
-                    run["references"] = {"device": device.name, "streaming": spec.streaming.value}
+                made = [servers.BenchServer(args, spec, device, base_plan, model.path, by_refs[spec.references],
+                                            drop, kvbpt) for spec in group]
+                for batch in servers.batches(args.schedule, made):
+                    servers.run_batch(batch, console, bars, task)
+                    for s in batch:
+                        slot[s.spec.streaming.value] = s.res
+                        failed += s.failed
+                        if s.spec.references:
+                            run["references"] = {"device": device.name, "streaming": s.spec.streaming.value}
+                    session.save(run, args.out)
                 if {"off", "on"} <= slot.keys():
                     run["identical"][device.name] = outputs.compare(slot["off"], slot["on"])
                     run.setdefault("identical_control", {})[device.name] = outputs.compare(
                         slot["off"], slot["on"], outputs.CONTROL)
+                    run.setdefault("paired", {})[device.name] = paired.compare(slot["off"], slot["on"])
                 session.save(run, args.out)
     finally:
         session.finish(run, args.out, stream_report.markdown, plot.plot, console)

@@ -2,8 +2,9 @@
 streaming counters, the on/off output comparison, the report, and a smoke run on real servers.
 
 The smoke run (`--smoke`) starts two real SGLang servers on the CPU (tiny model, HiCache + sgl-kvtier L3 on the
-fast device), `streaming = "off"` and `"on"`, each serving a write round and two measured L3 rounds of one
-request (L1 + L2 flushed before each), the first also a device-hit and a recompute round. About 2-3 minutes:
+fast device), `streaming = "off"` and `"on"`, up at once and taking turns (the interleaved schedule), each
+serving a write round and two measured L3 rounds of one request (L1 + L2 flushed before each), the first
+also a device-hit and a recompute round. About 2-3 minutes:
 two start-ups dominate.
 """
 
@@ -17,7 +18,7 @@ import pytest
 from benchmarks import bench_streaming as bench
 from benchmarks.serving import report, workloads
 from benchmarks.serving.policies import parse_device, prefix_rounds
-from benchmarks.streaming import counters, outputs, plan, plot, rounds
+from benchmarks.streaming import counters, outputs, paired, plan, plot, rounds, servers
 from benchmarks.streaming import report as stream_report
 from sgl_kvtier.config import Streaming
 
@@ -157,6 +158,39 @@ def test_the_write_round_is_the_control_of_the_comparison() -> None:
     assert outputs.attributable(outputs.compare(*at_two), control) == []
 
 
+def test_schedule_alternates_who_serves_a_round_first() -> None:
+    group = ["off", "on"]
+    assert servers.batches(servers.Schedule.INTERLEAVED, group) == [["off", "on"]]
+    assert servers.batches(servers.Schedule.SEQUENTIAL, group) == [["off"], ["on"]]
+    assert [servers.order(group, i) for i in range(4)] == [["off", "on"], ["on", "off"]] * 2
+    assert servers.Schedule("interleaved") is servers.Schedule.INTERLEAVED and str(servers.Schedule.SEQUENTIAL) == \
+        "sequential"
+    assert bench.parse_args([]).schedule is servers.Schedule.INTERLEAVED
+    assert bench.parse_args(["--schedule", "sequential"]).schedule is servers.Schedule.SEQUENTIAL
+
+
+def _timed(rounds_: dict[int, dict[str, float | None]], c: int = 1) -> dict:
+    """A server record whose measured round i has requests rid -> TTFT (None: the request failed)."""
+    return {"rounds": [{"index": i, "kind": "measured", "concurrency": c,
+                        "requests": [{"rid": rid, "error": "x"} if t is None else {"rid": rid, "ttft_s": t}
+                                     for rid, t in reqs.items()]} for i, reqs in rounds_.items()]}
+
+
+def test_paired_ratios_compare_the_same_request_on_both_servers() -> None:
+    off = _timed({2: {"a": 1.0, "b": 2.0, "c": 1.0}, 3: {"a": 1.0, "b": 1.0}})
+    on = _timed({2: {"a": 0.8, "b": 1.0, "c": None}, 3: {"a": 0.9, "b": 0.9}})
+    got = paired.compare(off, on)
+    # c failed on the on server: left out of both figures. Ratios per request: 0.8, 0.5, 0.9, 0.9.
+    assert got == {"1": {"requests": 4, "median_ratio": pytest.approx(0.85),
+                         "round_ratios": [pytest.approx(0.9 / 1.5), pytest.approx(0.9)]}}
+    assert paired.compare(off, _timed({}, 1)) == {}
+    mixed = _timed({2: {"a": 1.0}}) | {"rounds": _timed({2: {"a": 1.0}})["rounds"] + _timed({5: {"x": 2.0}}, 2)["rounds"]}
+    assert set(paired.compare(mixed, mixed)) == {"1", "2"}
+    run = {"paired": {"fast": got}}
+    assert stream_report.paired_text(run, "fast", 1) == "0.85 (rounds 0.60-0.90)"
+    assert stream_report.paired_text(run, "fast", 2) == "-"
+
+
 def _summary(ttft: float, storage: int, unfulfilled: float = 0.0) -> dict:
     reqs = [{"rid": f"r{i}", "ttft_s": ttft * (1 + i / 10), "latency_s": ttft, "prompt_tokens": 1600,
              "cached_device": 0, "cached_host": 0, "cached_storage": storage} for i in range(5)]
@@ -196,7 +230,15 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     fast = md.split("## fast")[1].split("## breakeven")[0]
     on1 = next(line for line in fast.splitlines() if line.startswith("| on | 1 |"))
     assert "| 0.88 | 0.88 |" in on1 and "| 5/5 |" in on1 and "stream_pages=40" not in on1 and "pages=40" in on1
-    assert "| 640 |" in on1
+    assert "| 640 |" in on1 and "| 0.88 | 0.88 | - |" in on1  # no paired figures in this run
+    assert "Schedule: sequential" in md
+    run["paired"] = {"fast": {"1": {"requests": 10, "median_ratio": 0.87, "round_ratios": [0.85, 0.9]}}}
+    run["schedule"] = "interleaved"
+    md = stream_report.markdown(run)
+    assert "| 0.88 | 0.88 | 0.87 (rounds 0.85-0.90) |" in md and "Schedule: interleaved" in md
+    assert "fast C=1: MET (on 0.53 s / off 0.60 s = 0.88; paired 0.87 (rounds 0.85-0.90))" in \
+        stream_report.targets(run)[1]
+    del run["paired"]
     assert "| device hit (L1/L2) | 1 | 0.43 |" in md and "| recompute | 1 | 3.48 |" in md  # p50 = 1.2 x base
     assert "Break-even read rate 559.2 MB/s, derived: 201.3 MB of KV per prefix / suffix compute 0.360 s" in md
     lines = stream_report.targets(run)
@@ -260,6 +302,15 @@ def test_smoke_run(tmp_path: Path) -> None:
     assert off["levels"]["device"]["1"]["cached_tokens"]["device"] == 1024  # both of the pair hit L1
     assert off["levels"]["recompute"]["1"]["computed_tokens"] == 544
     assert run["identical"]["fast"] == {"1": {"compared": 2, "identical": 2, "missing": 0, "different": []}}
+    # Interleaved (the default): both servers up at once, round i served by one then the other, the first
+    # alternating; each round records its peer's CPU seconds meanwhile and its own write-back drained.
+    on = run["servers"]["fast"]["on"]
+    assert run["schedule"] == "interleaved"
+    assert [o["started"] < n["started"] for o, n in zip(off["rounds"], on["rounds"])] == [True, False, True]
+    for rnd in off["rounds"] + on["rounds"]:
+        assert len(rnd["peer_cpu_s"]) == 1 and rnd["peer_cpu_s"][0] >= 0 and rnd["drained"]["settled"]
+    assert "--sleep-on-idle" in off["command"] and "--sleep-on-idle" in on["command"]
+    assert run["paired"]["fast"]["1"]["requests"] == 2 and len(run["paired"]["fast"]["1"]["round_ratios"]) == 2
     md = (out / "report.md").read_text()
     assert "## fast" in md and "| off | 1 |" in md and "| on | 1 |" in md and "| device hit (L1/L2) | 1 |" in md
     assert "outputs identical on/off (greedy): fast: yes" in md

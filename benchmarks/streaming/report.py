@@ -104,8 +104,18 @@ def _counter(c: Cell, key: str) -> str:
     return "-" if v is None else f"{v:g}"
 
 
+def paired_text(run: Mapping[str, Any], device: str, c: int) -> str:
+    """``median (rounds a-b)`` of the paired on/off ratios (``streaming.paired``), ``-`` when none."""
+    got = run.get("paired", {}).get(device, {}).get(str(c))
+    if not got:
+        return "-"
+    rr = got["round_ratios"]
+    spread = f" (rounds {min(rr):.2f}-{max(rr):.2f})" if len(rr) > 1 else ""
+    return f"{got['median_ratio']:.2f}{spread}"
+
+
 def table(run: Mapping[str, Any], device: str) -> str:
-    head = ["streaming", "C", "TTFT p50 s", "p99 s", "on/off p50", "on/off p99", "L3 tokens", "unfulfilled L3 tokens",
+    head = ["streaming", "C", "TTFT p50 s", "p99 s", "on/off p50", "on/off p99", "paired on/off", "L3 tokens", "unfulfilled L3 tokens",
             "computed tokens", "identical outputs", "stream counters", "parts read", "parts failed", "retracted",
             "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -118,6 +128,7 @@ def table(run: Mapping[str, Any], device: str) -> str:
             lines.append("| " + " | ".join([
                 mode, str(c), f"{x['ttft_p50_s']:.2f}", f"{x['ttft_p99_s']:.2f}",
                 _fmt(ratio(run, device, c)) if on else "-", _fmt(ratio(run, device, c, "ttft_p99_s")) if on else "-",
+                paired_text(run, device, c) if on else "-",
                 str(x["cached_tokens"]["storage"]), f"{unfulfilled(x):.0f}", str(x["computed_tokens"]),
                 _identical(run, device, c) if on else "-", _stream(x), _counter(x, "parts_read"),
                 _counter(x, "parts_failed"), _counter(x, "retracted_requests"), str(x["errors"])]) + " |")  # fmt: skip
@@ -163,8 +174,10 @@ def targets(run: Mapping[str, Any]) -> list[str]:
                 assert off is not None and on is not None
                 fell = " [on recomputed L3 hits: see the warning]" if on["cached_tokens"]["storage"] < \
                     off["cached_tokens"]["storage"] else ""
+                pair = paired_text(run, device, c)
                 judged.append(f"{device} C={c}: {'MET' if r <= t.bound else 'NOT MET'} (on {on['ttft_p50_s']:.2f} s "
-                              f"/ off {off['ttft_p50_s']:.2f} s = {r:.2f}){fell}")
+                              f"/ off {off['ttft_p50_s']:.2f} s = {r:.2f}"
+                              + (f"; paired {pair}" if pair != "-" else "") + f"){fell}")
         out.append(f"- {t.words}: " + ("; ".join(judged) if judged else "not measured in this run"))
     same = {d: all_identical(run.get("identical", {}).get(d, {})) for d in run["device_order"]}
     words = "; ".join(f"{d}: {'yes' if v else 'NO' if v is False else 'not compared'}" for d, v in same.items())
@@ -192,6 +205,13 @@ def control_lines(run: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def schedule_line(run: Mapping[str, Any]) -> str:
+    if run.get("schedule", "sequential") == "sequential":
+        return "Schedule: sequential (one server at a time, each serving all its rounds)."
+    return ("Schedule: interleaved (a device's off and on servers up at once, serving each round in turn, the first "
+            "alternating; a server's write-back drained before its peer measures; every server --sleep-on-idle).")
+
+
 def breakeven_line(run: Mapping[str, Any]) -> str:
     b = run.get("breakeven")
     if not b:
@@ -211,9 +231,11 @@ def markdown(run: Mapping[str, Any]) -> str:
               f"bytes/token), {'GPU' if run['gpu'] else 'CPU'}, page {s['page_size']} tokens, device pool "
               f"{s['device_tokens']} tokens, host pool {s['host_tokens']} tokens; prefetch policy "
               f"{run['prefetch_policy']}; page cache: {run['page_cache']}."), "",
-             f"Workload: {w['description']}", "", breakeven_line(run), "",
+             f"Workload: {w['description']}", "", schedule_line(run), "", breakeven_line(run), "",
              ("`on/off`: the L3-hit TTFT with streaming on over the same with it off, same device and C (lower is "
-              "better). `identical outputs`: measured requests whose greedy output on the `on` server equals the "
+              "better). `paired on/off`: the median over the measured requests of each one's on/off TTFT, the same "
+              "request on both servers (interleaved schedule: the rounds alternate between them), and the range of "
+              "the per-round p50 ratios. `identical outputs`: measured requests whose greedy output on the `on` server equals the "
               "`off` server's. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
     for device in run["device_order"]:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
