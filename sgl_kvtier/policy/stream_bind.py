@@ -33,9 +33,9 @@ import enum
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from sgl_kvtier.estimation import DecayingLeastSquares, TransferEstimator
+from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot
 
 MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT
 MIN_SAMPLES = 2  # samples of a learned figure before it is used
@@ -147,15 +147,16 @@ class StreamCosts:
         return BindDecision(other, f"re-measuring: {'streamed' if other is BindVerdict.STREAM else 'loaded whole'}",
                             decision.gain_s)
 
-    def snapshot(self) -> dict[str, Any]:
-        """The learned figures (None: not learned) and their sample counts, JSON-ready."""
+    def snapshot(self) -> StreamBindSnapshot:
+        """The learned figures (None: not learned) and their sample counts."""
         whole = self._whole.model()
         with self._lock:
             k, k_samples = self._k_theta, self._k.count
-        return {"whole_wait_fixed_s": None if whole is None else whole.batch_latency_s,
-                "whole_wait_s_per_MB": None if whole is None else 1e6 / whole.bandwidth_Bps,
-                "whole_samples": self._whole.samples,
-                "interference_s_per_MB": None if k is None else k[0], "interference_samples": k_samples}
+        return StreamBindSnapshot(
+            whole_wait_fixed_s=None if whole is None else whole.batch_latency_s,
+            whole_wait_s_per_mb=None if whole is None else 1e6 / whole.bandwidth_Bps,
+            whole_samples=self._whole.samples,
+            interference_s_per_mb=None if k is None else k[0], interference_samples=k_samples)
 
 
 __all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from sgl_kvtier.sglang.stream.binding import StreamCounters
-from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, StreamSnapshot
+from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot, StreamHookSnapshot, StreamSnapshot
 
 
 @dataclass
@@ -48,10 +48,12 @@ class TransferStats:
         return out
 
 
-def stream_snapshot(counts: StreamCounters, hooks: StreamHookSnapshot | None) -> StreamSnapshot:
-    """The binder's counters (``StreamBinder.counts``) and the stream plugin's (None: not active), typed."""
+def stream_snapshot(counts: StreamCounters, hooks: StreamHookSnapshot | None,
+                    bind: StreamBindSnapshot | None = None) -> StreamSnapshot:
+    """The binder's counters (``StreamBinder.counts``), the stream plugin's (None: not active) and the bind
+    rule's learned figures, typed."""
     return StreamSnapshot(
         bound_hits=counts.streams_bound, head_pages=counts.head_pages, streamed_pages=counts.streamed_pages,
         staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
         cancelled=counts.cancelled_streams, read_errors=counts.stream_errors,
-        withheld_pages=counts.withheld_pages, mismatches=counts.mismatches, hooks=hooks)
+        withheld_pages=counts.withheld_pages, mismatches=counts.mismatches, hooks=hooks, bind=bind)

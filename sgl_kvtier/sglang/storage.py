@@ -321,7 +321,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
                 hooks = self._stream_hooks()
             except Exception as exc:  # the rest of the snapshot stands
                 self.boundary.fail("telemetry (stream plugin counters)", exc, outcome="reported without them")
-        return stream_snapshot(self.binder.counts(), hooks)
+        return stream_snapshot(self.binder.counts(), hooks, self.stream_costs.snapshot())
 
     def cost_inputs(self) -> dict[str, Any]:
         """The cost policy's measured inputs: read bandwidth / batch latency per pool and device, prefill speed."""

@@ -33,7 +33,10 @@ plus ``device`` (index) and ``path`` for per-device series):
   process (``StreamHookSnapshot``: ``kvtier_stream_tails`` registered, ``_gate_waits``, ``_zero_filled_groups``,
   ``_retracts``, ``_dropped`` and ``_not_streamed`` by ``reason``, ...; a field in seconds is exported as
   ``_seconds``: ``kvtier_stream_stall_seconds``, the time forward reads waited on tail layers, and
-  ``kvtier_stream_gate_wait_seconds``).
+  ``kvtier_stream_gate_wait_seconds``); the bind rule's learned figures (``StreamBindSnapshot``, as they
+  are now, no series until learned): ``kvtier_stream_bind_whole_wait_fixed_seconds`` and
+  ``_whole_wait_seconds_per_megabyte`` (W), ``_interference_seconds_per_megabyte`` (k), and their
+  ``_samples``.
 
 Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
 (SGLang calls it on every scheduler step, and only with ``--enable-metrics``:
@@ -97,7 +100,19 @@ def _stream_gauge(field: str) -> str:
 
 
 # The numeric fields of the stream snapshots (the by-reason mappings and ``hooks`` are exported apart).
-STREAM_READS = tuple(f.name for f in dataclasses.fields(StreamSnapshot) if f.name != "hooks")
+STREAM_READS = tuple(f.name for f in dataclasses.fields(StreamSnapshot) if f.name not in ("hooks", "bind"))
+# The bind rule's learned figures: StreamBindSnapshot field -> (gauge, help).
+STREAM_BIND = {
+    "whole_wait_fixed_s": ("stream_bind_whole_wait_fixed_seconds",
+                           "Bind rule: fixed seconds of an L3 hit loaded whole (fitted on hits loaded whole alone)"),
+    "whole_wait_s_per_mb": ("stream_bind_whole_wait_seconds_per_megabyte",
+                            "Bind rule: seconds per MB of an L3 hit loaded whole (the same fit)"),
+    "whole_samples": ("stream_bind_whole_samples", "Bind rule: hits loaded whole alone that the wait was fitted on"),
+    "interference_s_per_mb": ("stream_bind_interference_seconds_per_megabyte",
+                              "Bind rule: seconds a forward ran over the prefill model per MB of streamed tail"),
+    "interference_samples": ("stream_bind_interference_samples",
+                             "Bind rule: forwards with streamed tails (not stalled) the interference was fitted on"),
+}
 STREAM_HOOKS = tuple(f.name for f in dataclasses.fields(StreamHookSnapshot) if f.name not in ("dropped", "not_streamed"))
 
 # name, help, labels
@@ -148,6 +163,7 @@ _GAUGES = (
     *((_stream_gauge(f), f"StreamSnapshot.{f}: the backend's tail streams, running total", RANKS) for f in STREAM_READS),
     *((_stream_gauge(f), f"StreamHookSnapshot.{f}: the stream plugin in this process, running total", RANKS)
       for f in STREAM_HOOKS),
+    *((gauge, text, RANKS) for gauge, text in STREAM_BIND.values()),
     ("stream_dropped", "Streamed tails given up before their forward (the request computed them), by reason: "
      "running total", REASON),
     ("stream_not_streamed", "Hits whose unlanded part was not registered as a streamed tail (loaded as today), "
@@ -195,6 +211,9 @@ class Exporter:
     def _update_stream(self, ranks: tuple[object, ...], stream: StreamSnapshot) -> None:
         for f in STREAM_READS:
             self._set(_stream_gauge(f), ranks, getattr(stream, f))
+        if stream.bind is not None:
+            for f, (gauge, _) in STREAM_BIND.items():
+                self._set(gauge, ranks, getattr(stream.bind, f))
         hooks = stream.hooks
         if hooks is None:
             return  # the plugin never decided on for this backend: its figures were not measured

@@ -186,10 +186,25 @@ class StreamHookSnapshot:
 
 
 @dataclass(frozen=True)
+class StreamBindSnapshot:
+    """The bind rule's learned figures of one backend (``policy.stream_bind.StreamCosts``; None: not learned
+    yet): the whole-load wait W = fixed + bytes x per-MB, fitted on hits loaded whole alone, and the
+    interference k (seconds a forward ran over the prefill model per MB of streamed tail), with the sample
+    counts of each (the rule uses a figure from its second sample on)."""
+
+    whole_wait_fixed_s: float | None = None
+    whole_wait_s_per_mb: float | None = None
+    whole_samples: int = 0
+    interference_s_per_mb: float | None = None
+    interference_samples: int = 0
+
+
+@dataclass(frozen=True)
 class StreamSnapshot:
     """Streamed L3 tails of one backend (``streaming = "on"`` on a layout that streams): its binder's reads
     (``binding.StreamCounters``, running totals) and, once the stream plugin is active for it, the
-    plugin's counters (``hooks``; None: the plugin never decided on for this backend)."""
+    plugin's counters (``hooks``; None: the plugin never decided on for this backend), and the bind rule's
+    learned figures (``bind``)."""
 
     bound_hits: int = 0  # hits bound to a tail stream
     head_pages: int = 0  # pages answered True to SGLang's IO thread from a stream (inserted as today)
@@ -202,6 +217,7 @@ class StreamSnapshot:
     withheld_pages: int = 0  # released pages kept back until their stream ended (then freed)
     mismatches: int = 0  # answers or binds that found a stream where none was expected (bugs)
     hooks: StreamHookSnapshot | None = None
+    bind: StreamBindSnapshot | None = None  # None: no bind rule (a backend that does not stream)
 
 
 @dataclass(frozen=True)

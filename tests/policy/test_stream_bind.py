@@ -64,7 +64,11 @@ def test_costs_learn_whole_wait_and_interference():
     costs.record_interference(0, 5.0)  # no bytes: ignored
     costs.record_whole(HIT, math.inf)  # not finite: ignored
     snap = costs.snapshot()
-    assert snap["whole_samples"] == 3 and snap["interference_samples"] == 2
+    assert snap.whole_samples == 3 and snap.interference_samples == 2
+    assert snap.whole_wait_fixed_s == pytest.approx(0.04) and snap.whole_wait_s_per_mb == pytest.approx(1.6e-3)
+    assert snap.interference_s_per_mb == pytest.approx(1.6e-3)
+    fresh = StreamCosts().snapshot()
+    assert (fresh.whole_wait_fixed_s, fresh.interference_s_per_mb, fresh.whole_samples) == (None, None, 0)
     assert costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5).verdict is BindVerdict.WHOLE
 
 

@@ -519,6 +519,6 @@ def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_lo
     registry = registered(env, req, head=3)
     assert env.backend.binder.streams == [] and len(registry) == 0
     assert stream_admit.STATS.not_registered[reason] == before + 1
-    assert costs.snapshot()["whole_samples"] == 1  # the load from its op's start to its handled result
+    assert costs.snapshot().whole_samples == 1  # the load from its op's start to its handled result
     admit(env, req)
     assert req.prefix_len == N_TOKENS and req.host_hit_length == N_TOKENS  # the whole hit, from L3 via L2

@@ -53,7 +53,7 @@ from sgl_kvtier.sglang.plugins import (  # noqa: E402
 )
 from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
 from sgl_kvtier.telemetry import prometheus  # noqa: E402
-from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, StreamSnapshot  # noqa: E402
+from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot, StreamHookSnapshot, StreamSnapshot  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 RANKS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
@@ -71,7 +71,8 @@ def gauges(backend):
 def test_the_backends_tail_reads_are_in_its_telemetry_and_gauges(tmp_path) -> None:
     backend, pool, keys, _ = streamed(tmp_path)
     try:
-        assert backend.telemetry().stream == StreamSnapshot()  # streaming on, nothing bound yet, no plugin
+        # Streaming on, nothing bound yet, no plugin; the bind rule has learned nothing.
+        assert backend.telemetry().stream == StreamSnapshot(bind=StreamBindSnapshot())
         value = gauges(backend)
         assert value("kvtier_streaming_enabled", RANKS) == 1 and value("kvtier_stream_bound_hits", RANKS) == 0
         assert value("kvtier_stream_tails", RANKS) is None  # the plugin never decided on here: not measured
@@ -100,7 +101,7 @@ def test_the_backends_tail_reads_are_in_its_telemetry_and_gauges(tmp_path) -> No
             bound_hits=counts.streams_bound, head_pages=counts.head_pages, streamed_pages=counts.streamed_pages,
             staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
             cancelled=counts.cancelled_streams, read_errors=counts.stream_errors, withheld_pages=counts.withheld_pages,
-            mismatches=counts.mismatches)
+            mismatches=counts.mismatches, bind=backend.stream_costs.snapshot())
         value = gauges(backend)
         assert {f: value(f"kvtier_stream_{f}", RANKS) for f in prometheus.STREAM_READS} == {
             f: getattr(snap, f) for f in prometheus.STREAM_READS}
@@ -231,7 +232,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     stream_sample.record_prefill(None, scheduler, stalled.copy())  # the overlap loop processes a copy
     assert sampler.estimator.samples == 4 and not scheduler.__dict__[stall_marks.MARKS_ATTR]  # mark taken
     costs = env.backend.stream_costs
-    assert costs.snapshot()["interference_samples"] == 0  # a stalled forward is no sample of either kind
+    assert costs.snapshot().interference_samples == 0  # a stalled forward is no sample of either kind
     stream_sample.record_prefill(None, scheduler, batch("MIXED", 200, 0.2, 92))
     assert sampler.estimator.samples == 5
     for i, mb in enumerate((1, 2)):  # ran beside 1 / 2 MB of tails, never waited: 0.1 s / 0.2 s over the model

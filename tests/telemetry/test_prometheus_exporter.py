@@ -27,6 +27,7 @@ from sgl_kvtier.telemetry.snapshot import (
     RateSnapshot,
     ReadAheadSnapshot,
     StoreSnapshot,
+    StreamBindSnapshot,
     StreamHookSnapshot,
     StreamSnapshot,
     TelemetrySnapshot,
@@ -57,6 +58,8 @@ NAMES = {
     "writer_lease_unchanged_seconds",
     # streamed L3 tails (issue #13)
     "streaming_enabled", "stream_dropped", "stream_not_streamed",
+    "stream_bind_whole_wait_fixed_seconds", "stream_bind_whole_wait_seconds_per_megabyte", "stream_bind_whole_samples",
+    "stream_bind_interference_seconds_per_megabyte", "stream_bind_interference_samples",
     *(f"stream_{c}" for c in ("bound_hits", "head_pages", "streamed_pages", "staged_pages", "failed_pages",
                               "failed_groups", "cancelled", "read_errors", "withheld_pages", "mismatches",
                               "bind_calls", "tails", "ready", "admitted", "gate_waits", "gate_wait_seconds",
@@ -214,6 +217,17 @@ def test_streamed_tails_have_series_only_when_the_backend_streams():
     assert value("kvtier_stream_not_streamed", {**RANKS, "reason": "withheld cap"}) == 1
     assert set(prometheus.STREAM_HOOKS) | {"dropped", "not_streamed"} == {
         f.name for f in dataclasses.fields(StreamHookSnapshot)}
+    assert value("kvtier_stream_bind_whole_samples", RANKS) is None  # no bind rule in this snapshot
+    # The bind rule's learned figures: one gauge each, none for a figure not learned yet.
+    bind = StreamBindSnapshot(whole_wait_fixed_s=0.04, whole_wait_s_per_mb=1.6e-3, whole_samples=3,
+                              interference_samples=1)
+    exporter.update(dataclasses.replace(snap, stream=dataclasses.replace(streamed, bind=bind)))
+    assert value("kvtier_stream_bind_whole_wait_fixed_seconds", RANKS) == 0.04
+    assert value("kvtier_stream_bind_whole_wait_seconds_per_megabyte", RANKS) == 1.6e-3
+    assert value("kvtier_stream_bind_whole_samples", RANKS) == 3
+    assert value("kvtier_stream_bind_interference_samples", RANKS) == 1
+    assert value("kvtier_stream_bind_interference_seconds_per_megabyte", RANKS) is None
+    assert set(prometheus.STREAM_BIND) == {f.name for f in dataclasses.fields(StreamBindSnapshot)}
 
 
 class Snapshots:

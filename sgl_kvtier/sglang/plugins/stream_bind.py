@@ -26,6 +26,7 @@ Nothing raises into SGLang: a failure is counted on the backend's ``ErrorBoundar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -104,7 +105,8 @@ def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int) -> BindDeci
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
-                    "-" if decision.gain_s is None else f"{decision.gain_s:.3f}s", backend.stream_costs.snapshot())
+                    "-" if decision.gain_s is None else f"{decision.gain_s:.3f}s",
+                    dataclasses.asdict(backend.stream_costs.snapshot()))
     return decision
 
 
