@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from hook_kit import keep_hooks  # noqa: E402
 
 from sgl_kvtier.sglang.plugins import layer_loader  # noqa: E402
-from sgl_kvtier.sglang.plugins.layer_gate import LayerGate, LayerLoad  # noqa: E402
+from sgl_kvtier.sglang.plugins.layer_gate import THREAD_NAME, LayerGate, LayerLoad  # noqa: E402
 
 BOUND_S = 60.0  # upper bound on any join: reaching it is a failure, never a synchronisation
 # The loader acts only where SGLang's device module is torch.cpu (on GPUs SGLang pipelines natively).
@@ -180,6 +180,22 @@ def test_join_finishes_a_failed_load_nobody_waited_for() -> None:
     job.start()
     job.join()
     assert job.complete and copy.copied == [0, 1, 2] and job.sync_layers == 3
+
+
+def test_inline_waiters_copy_up_to_their_layer_in_their_own_thread() -> None:
+    where: list[tuple[int, int]] = []
+    done: list[int] = []
+    job = LayerLoad(5, lambda layer: where.append((layer, threading.get_ident())), done.append, inline=True)
+    job.start()  # no thread
+    assert where == [] and not any(t.name == THREAD_NAME for t in threading.enumerate())
+    job.wait(2)
+    assert where == [(0, threading.get_ident()), (1, threading.get_ident()), (2, threading.get_ident())]
+    job.wait(1)  # already copied: nothing
+    t, out = start(job.wait, 3)  # another reader copies layer 3 in its thread
+    assert finished(t) and out == [None] and where[3][0] == 3 and where[3][1] != threading.get_ident()
+    job.join()  # the layer nobody read
+    assert job.complete and [w[0] for w in where] == done == list(range(5))
+    assert job.inline_layers == 5 and job.sync_layers == 0 and job.blocked_waits == 0
 
 
 # ------------------------------------------------------------------------------------------ (b) real SGLang

@@ -134,6 +134,8 @@ class TailCopy:
         self._cc = cc
         self.transfers: list[Any] = []
         self.failed = False  # a group of this tail was zero-filled: its forward's output must be discarded
+        self.blocked_waits = 0  # group waits that found the group not landed yet (the copier blocked)
+        self.blocked_s = 0.0  # time those waits blocked
         self._copy: Callable[[int], None] | None = None
         try:
             self._prepare(num_layers)
@@ -203,7 +205,15 @@ class TailCopy:
         # Poisoned already: only look (its output is discarded); else wait up to the tail's deadline.
         timeout = 0.0 if self.failed else max(0.0, self.deadline - time.monotonic())
         try:
-            return self.tail.stream.wait_group(g, self.tail.first_page, timeout)
+            verdict = self.tail.stream.wait_group(g, self.tail.first_page, 0.0)  # a look: landed already?
+            if verdict is not GroupVerdict.TIMEOUT or timeout <= 0.0:
+                return verdict
+            t0 = time.monotonic()
+            try:
+                return self.tail.stream.wait_group(g, self.tail.first_page, timeout)
+            finally:
+                self.blocked_waits += 1
+                self.blocked_s += time.monotonic() - t0
         except Exception as exc:
             self.boundary.fail(f"streamed tail {self.tail.rid}: wait for group {g}", exc, outcome="zeros")
             return GroupVerdict.FAILED
@@ -239,7 +249,8 @@ class StreamLoad:
     """The streamed tails of one batch, loaded layer by layer (``job``: the gate the forward waits on)."""
 
     def __init__(self, cache: Any, registry: StreamRegistry, tails: list[TailCopy], num_layers: int,
-                 on_layer_done: Callable[[int], None] | None, boundary: ErrorBoundary = BOUNDARY) -> None:
+                 on_layer_done: Callable[[int], None] | None, boundary: ErrorBoundary = BOUNDARY,
+                 inline: bool = False) -> None:
         self.cache = cache
         self.boundary = boundary
         self.registry = registry
@@ -247,7 +258,7 @@ class StreamLoad:
         self._on_layer_done = on_layer_done
         tokens = sum(len(tc.tail.host_indices) for tc in tails)
         self.job = LayerLoad(num_layers, self._load_layer, self._layer_done, label=f"{len(tails)} streamed "
-                             f"tail(s), {tokens} tokens", tokens=tokens, on_block=ON_BLOCK)
+                             f"tail(s), {tokens} tokens", tokens=tokens, on_block=ON_BLOCK, inline=inline)
 
     def _load_layer(self, layer: int) -> None:
         for tc in self.tails:
@@ -260,9 +271,17 @@ class StreamLoad:
             except Exception as exc:
                 self.boundary.fail(f"layer event {layer}", exc, outcome="ignored")
 
+    def blocked(self) -> tuple[int, float]:
+        """(waits, seconds) the forward waited for tail bytes: on the loader (thread), or, inline, the copies'
+        own waits for groups not landed yet."""
+        if self.job.inline:
+            return sum(tc.blocked_waits for tc in self.tails), sum(tc.blocked_s for tc in self.tails)
+        return self.job.blocked_waits, self.job.blocked_s
+
     def join(self) -> None:
         self.job.join()
-        add_stats(blocked_waits=self.job.blocked_waits, blocked_s=self.job.blocked_s)
+        waits, seconds = self.blocked()
+        add_stats(blocked_waits=waits, blocked_s=seconds)
 
 
 def slow_io_of(cache: Any) -> float:

@@ -6,7 +6,10 @@ The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
   called by ``_get_new_batch_prefill_raw`` for the batch being built, ``scheduler.py:4351-4355``):
   ``p = original()`` (HiCache's own load-backs, ``start_loading``). If ``active(cache)`` gives a registry
   with queued tails (``take_queued``: LOADING), a ``stream_copy.StreamLoad`` starts for them: on a loader
-  thread where SGLang's device module is ``torch.cpu`` (``l2_transfer.py:15``); on any other device the
+  thread where SGLang's device module is ``torch.cpu`` (``l2_transfer.py:15``), or with
+  ``KVTIER_STREAM_COPY=inline`` on no thread: the forward's gate copies each layer itself just before it
+  reads it (``layer_gate.LayerLoad``'s inline mode: no second thread shares the cores with the forward's
+  OpenMP team; its waits for groups not landed yet are the batch's stalls); on any other device the
   same loop runs here, its copies on SGLang's H2D stream (not this version's route: untested). With no
   load of SGLang's in this batch (``p < 0``) it first takes a producer of the device pool's layer counter,
   records its start event and fences the H2D stream, as ``start_loading`` does
@@ -94,6 +97,8 @@ class InFlight:
 
 
 IN_FLIGHT = InFlight()
+ENV_COPY = "KVTIER_STREAM_COPY"  # where a CPU engine copies tail layers: "thread" (default) or "inline"
+INLINE_COPIES = os.environ.get(ENV_COPY, "thread").strip().lower() == "inline"  # read once, at import
 _ordinal = 0  # streamed tails started in this process (KVTIER_STREAM_FAULT counts them)
 _said_first = False
 
@@ -146,13 +151,14 @@ def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: in
         _ordinal += 1
         copies.append(TailCopy(tail, cc, counter.num_layers, now + deadline_s(tail, slow_io_s, boundary),
                                fault_group(_ordinal), boundary))
+    on_cpu = l2_transfer.device_module is torch.cpu
     load = StreamLoad(cache, registry, copies, counter.num_layers, counter.events[p].complete if p >= 0 else None,
-                      boundary)
+                      boundary, inline=on_cpu and INLINE_COPIES)
     IN_FLIGHT.add(load)
     add_stats(loads=1, tails=len(tails))
     try:
-        if l2_transfer.device_module is torch.cpu:
-            load.job.start()  # the loader thread (or, without a thread, every layer here and now)
+        if on_cpu:
+            load.job.start()  # the loader thread (or, without a thread, every layer here and now); inline: none
         else:  # not this version's route (CUDA): the same loop here, its copies on SGLang's H2D stream
             with l2_transfer.device_module.stream(cc.l2_transfer_engine.host_to_device_stream):
                 load.job.finish()
@@ -161,8 +167,8 @@ def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: in
         load.job.finish()  # never raises: each layer's copy catches its own failures
     if not _said_first:
         _said_first = True
-        logger.info("kvtier stream: first streamed load: %s, %d layers (pid %d)", load.job.label,
-                    load.job.num_layers, os.getpid())
+        logger.info("kvtier stream: first streamed load: %s, %d layers, copies %s (pid %d)", load.job.label,
+                    load.job.num_layers, "inline" if load.job.inline else "on a loader thread", os.getpid())
     return p
 
 
@@ -194,8 +200,9 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
             # Before the verdict: a batch that ran with tails is no prefill sample (a stall, or interference);
             # one with a failed tail (zeros, a retract) is no sample of either kind: marked as if it stalled.
             copies = [tc for load in loads for tc in load.tails]
-            waits = sum(load.job.blocked_waits for load in loads) or int(any(tc.failed for tc in copies))
-            stall_marks.note_batch(scheduler, batch, waits, sum(load.job.blocked_s for load in loads),
+            blocked = [load.blocked() for load in loads]
+            waits = sum(w for w, _ in blocked) or int(any(tc.failed for tc in copies))
+            stall_marks.note_batch(scheduler, batch, waits, sum(s for _, s in blocked),
                                    _bytes_of(scheduler, sum(tc.tail.tokens for tc in copies)))
             verdict(scheduler, batch, loads)
     except Exception as exc:
