@@ -143,6 +143,15 @@ def test_pool_sizing_and_kv_bytes(tmp_path: Path) -> None:
     assert workloads.token_range(tmp_path) == (3, 1024)
 
 
+def test_the_first_token_is_the_first_chunk_with_output() -> None:
+    """SGLang streams an empty chunk when it retracts a request (seen on a real server: output_ids [],
+    completion_tokens 0, 0.06 s in, before the first token): it is not the first token."""
+    assert not client.carries_tokens({"text": "", "output_ids": [], "meta_info": {"completion_tokens": 0}})
+    assert client.carries_tokens({"text": " kome", "output_ids": [1005], "meta_info": {"completion_tokens": 1}})
+    assert client.carries_tokens({"text": "x", "meta_info": {"completion_tokens": 1}})  # no ids: the count says
+    assert not client.carries_tokens({"text": "", "meta_info": {}}) and client.carries_tokens({"text": "a"})
+
+
 def test_metrics_parsing() -> None:
     text = [
         ("sglang:cached_tokens_total", {"cache_source": "storage", "tp_rank": "0"}, 5.0),

@@ -31,6 +31,18 @@ COUNTERS = {
 }
 
 
+def carries_tokens(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed /generate chunk holds generated output. SGLang streams an empty chunk (no output
+    ids, ``completion_tokens`` 0) when it retracts a request, e.g. sgl-kvtier's retract of a request whose
+    streamed L3 tail failed (measured: a chunk at the retract, 0.06 s in, before the first real token):
+    the TTFT is the first chunk with a token, not the first chunk."""
+    ids = chunk.get("output_ids")
+    if ids is not None:
+        return len(ids) > 0
+    completion = chunk.get("meta_info", {}).get("completion_tokens")
+    return bool(completion) if completion is not None else bool(chunk.get("text"))
+
+
 def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str | None = None) -> dict[str, Any]:
     """One streamed /generate with `input_ids`; returns the per-request record (never raises).
 
@@ -55,9 +67,9 @@ def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str 
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
-                if first is None:
-                    first = time.perf_counter() - t0
                 last = json.loads(line[5:])
+                if first is None and carries_tokens(last):
+                    first = time.perf_counter() - t0
     except (urllib.error.URLError, OSError, ValueError) as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"
     rec["latency_s"] = time.perf_counter() - t0
