@@ -106,6 +106,16 @@ def test_counters_from_metrics_and_log() -> None:
     got = counters.read(samples)
     assert got == {"stream_pages": 15.0, "stream_retracted_requests": 1.0, "parts_read": 64.0,
                    "retracted_requests": 2.0}
+    # By reason: the sum and one figure per reason; the bind rule's levels are no running totals.
+    why = [("kvtier_stream_not_streamed", {"tp_rank": "0", "reason": "busy: loaded whole"}, 3.0),
+           ("kvtier_stream_not_streamed", {"tp_rank": "0", "reason": "streaming not faster"}, 2.0),
+           ("kvtier_stream_bind_whole_samples", {"tp_rank": "0"}, 7.0),
+           ("kvtier_stream_bind_whole_samples", {"tp_rank": "1"}, 6.0),
+           ("kvtier_stream_bind_interference_seconds_per_megabyte", {"tp_rank": "0"}, 0.002),
+           ("kvtier_stream_bind_calls", {"tp_rank": "0"}, 4.0)]  # a hook counter, not a learned figure
+    assert counters.read(why) == {"stream_not_streamed": 5.0, "stream_not_streamed[busy: loaded whole]": 3.0,
+                                  "stream_not_streamed[streaming not faster]": 2.0, "stream_bind_calls": 4.0}
+    assert counters.bind(why) == {"bind_whole_samples": 7.0, "bind_interference_seconds_per_megabyte": 0.002}
     moved = counters.delta(got, {"stream_pages": 5.0, "parts_failed": 1.0})
     assert moved["stream_pages"] == 10.0 and moved["parts_failed"] == -1.0 and moved["parts_read"] == 64.0
     assert counters.total([{"stream_counters": {"a": 1.0}}, {"stream_counters": {"a": 2.0, "b": 1.0}}, {}]) == \
@@ -239,6 +249,13 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     assert "fast C=1: MET (on 0.53 s / off 0.60 s = 0.88; paired 0.87 (rounds 0.85-0.90))" in \
         stream_report.targets(run)[1]
     del run["paired"]
+    run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["bind"] = {
+        "bind_whole_wait_fixed_seconds": 0.04, "bind_whole_wait_seconds_per_megabyte": 0.0016,
+        "bind_whole_samples": 9.0, "bind_interference_samples": 1.0}
+    assert stream_report.bind_lines(run, "fast") == [
+        "- C=1, bind rule after the last round: whole-load wait W = 0.040 s + 1.60 ms/MB (9 samples); "
+        "interference k = not learned (1 samples)"]
+    assert "whole-load wait W = 0.040 s" in stream_report.markdown(run)
     assert "| device hit (L1/L2) | 1 | 0.43 |" in md and "| recompute | 1 | 3.48 |" in md  # p50 = 1.2 x base
     assert "Break-even read rate 559.2 MB/s, derived: 201.3 MB of KV per prefix / suffix compute 0.360 s" in md
     lines = stream_report.targets(run)

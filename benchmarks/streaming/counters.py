@@ -5,7 +5,9 @@ plugin names them (streamed pages, gate waits, failed groups, retracted requests
 as the backend's other ``kvtier_`` gauges), the store's part counters (``kvtier_store_parts_read`` /
 ``_parts_failed``: parts read group-major and verified / failed), the adapter's caught exceptions, and
 SGLang's own ``sglang:num_retracted_requests_total``. A phase's figure is after - before; a name absent on
-both sides is absent (never a made-up 0). From the log: tracebacks through sgl_kvtier (a bug), lines
+both sides is absent (never a made-up 0). A figure by ``reason`` (``kvtier_stream_not_streamed``,
+``_dropped``) is also kept per reason (``stream_not_streamed[busy: loaded whole]``). The bind rule's
+learned figures (``BIND``) are levels, not totals: ``bind`` reads them as they are. From the log: tracebacks through sgl_kvtier (a bug), lines
 naming a retract, and lines of the stream plugin.
 """
 
@@ -15,6 +17,10 @@ from collections.abc import Iterable
 from typing import Any
 
 STREAM_PREFIX = "kvtier_stream"
+# The bind rule's learned figures (``kvtier_stream_bind_calls`` is a hook counter, a running total).
+BIND = ("kvtier_stream_bind_whole_wait_fixed_seconds", "kvtier_stream_bind_whole_wait_seconds_per_megabyte",
+        "kvtier_stream_bind_whole_samples", "kvtier_stream_bind_interference_seconds_per_megabyte",
+        "kvtier_stream_bind_interference_samples")
 NAMED = {
     "parts_read": "kvtier_store_parts_read",
     "parts_failed": "kvtier_store_parts_failed",
@@ -28,14 +34,28 @@ def read(samples: Iterable[Sample]) -> dict[str, float]:
     """The streaming figures of one ``/metrics`` scrape (``client.scrape``'s samples)."""
     by_name = {v: k for k, v in NAMED.items()}
     out: dict[str, float] = {}
-    for name, _labels, value in samples:
+    for name, labels, value in samples:
+        if name in BIND:
+            continue  # levels, not running totals: ``bind`` reads them
         if name.startswith(STREAM_PREFIX):
             key = name.removeprefix("kvtier_")
+            if "reason" in labels:  # by reason: a figure each (why hits were not streamed, tails dropped)
+                out[f"{key}[{labels['reason']}]"] = out.get(f"{key}[{labels['reason']}]", 0.0) + value
         elif name in by_name:
             key = by_name[name]
         else:
             continue
         out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def bind(samples: Iterable[Sample]) -> dict[str, float]:
+    """The bind rule's learned figures now (``kvtier_stream_bind_*`` gauges, ``bind_`` + the rest of the name;
+    rank 0's, where there are several ranks): levels, reported as they are at the end of a phase."""
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name in BIND and labels.get("tp_rank", "0") == "0":
+            out[name.removeprefix("kvtier_stream_")] = value
     return out
 
 

@@ -135,6 +135,24 @@ def table(run: Mapping[str, Any], device: str) -> str:
     return "\n".join(lines)
 
 
+def bind_lines(run: Mapping[str, Any], device: str) -> list[str]:
+    """The on server's bind rule figures after its last measured round of each C (``counters.bind``)."""
+    out = []
+    for c in levels(run, device):
+        x = cell(run, device, "on", "l3", c)
+        b = (x or {}).get("bind") or {}
+        if not b:
+            continue
+        fixed, per_mb = b.get("bind_whole_wait_fixed_seconds"), b.get("bind_whole_wait_seconds_per_megabyte")
+        k = b.get("bind_interference_seconds_per_megabyte")
+        w = "not learned" if fixed is None or per_mb is None else f"{fixed:.3f} s + {per_mb * 1e3:.2f} ms/MB"
+        out.append(f"- C={c}, bind rule after the last round: whole-load wait W = {w} "
+                   f"({b.get('bind_whole_samples', 0):.0f} samples); interference k = "
+                   + ("not learned" if k is None else f"{k * 1e3:.2f} ms/MB")
+                   + f" ({b.get('bind_interference_samples', 0):.0f} samples)")
+    return out
+
+
 def reference_table(run: Mapping[str, Any]) -> str:
     ref = run.get("references")
     if not ref:
@@ -239,6 +257,8 @@ def markdown(run: Mapping[str, Any]) -> str:
               "`off` server's. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
     for device in run["device_order"]:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
+        bind = bind_lines(run, device)
+        parts += [*bind, ""] if bind else []
     parts += ["## References (device hit, recompute)", "", reference_table(run), "",
               "## Targets (issue #13)", "", *targets(run), "", "## Server commands", ""]
     for device in run["device_order"]:

@@ -109,9 +109,10 @@ class BenchServer:
         peer0 = [p.cpu_s() for p in peers]
         m = session.measure_phase(srv, rnd.requests, rnd.concurrency, on_request)
         peer = [round(p.cpu_s() - c0, 2) for p, c0 in zip(peers, peer0)]
-        moved = counters.delta(counters.read(client.scrape(srv.url)), before)
+        after = client.scrape(srv.url)
+        moved = counters.delta(counters.read(after), before)
         rec = {"index": i, "kind": rnd.kind, "concurrency": rnd.concurrency, "measured": rnd.kind in rounds.LEVEL_OF,
-               "started": started, "settle": pre, "stream_counters": moved, **m}
+               "started": started, "settle": pre, "stream_counters": moved, "bind": counters.bind(after), **m}
         if peers:
             rec["peer_cpu_s"] = peer
             rec["drained"] = wait_l3(srv.url, self.base + self.unique[i], self.args.backup_wait, self.args.backup_stall)
@@ -143,7 +144,8 @@ class BenchServer:
         for kind, level in rounds.LEVEL_OF.items():
             for c in sorted({r["concurrency"] for r in done if r["kind"] == kind}):
                 phases = [r for r in done if r["kind"] == kind and r["concurrency"] == c]
-                s = report.summarize(phases, self.kvbpt) | {"stream": counters.total(phases)}
+                s = report.summarize(phases, self.kvbpt) | {"stream": counters.total(phases),
+                                                             "bind": phases[-1].get("bind", {})}
                 self.res["levels"].setdefault(level, {})[str(c)] = s
                 console.log(f"{self.tag:28s} {level:9s} C={c}: TTFT p50 {s['ttft_p50_s']:.2f} s p99 "
                             f"{s['ttft_p99_s']:.2f} s, L3 tokens {s['cached_tokens']['storage']} of "

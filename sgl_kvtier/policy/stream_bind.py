@@ -156,7 +156,10 @@ class StreamCosts:
             whole_wait_fixed_s=None if whole is None else whole.batch_latency_s,
             whole_wait_s_per_mb=None if whole is None else 1e6 / whole.bandwidth_Bps,
             whole_samples=self._whole.samples,
-            interference_s_per_mb=None if k is None else k[0], interference_samples=k_samples)
+            # No fit >= 0 over some samples: forwards with tails ran no slower than predicted (k = 0, as
+            # ``interference_s_per_byte``); no samples: not learned.
+            interference_s_per_mb=(None if not k_samples else 0.0) if k is None else k[0],
+            interference_samples=k_samples)
 
 
 __all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]

@@ -77,6 +77,7 @@ def test_forwards_no_slower_than_predicted_learn_no_interference():
     for mb in (100, 200):
         costs.record_interference(mb * MB, -0.01)  # a little faster than the model: no fit >= 0
     assert costs.interference_s_per_byte() == 0.0
+    assert costs.snapshot().interference_s_per_mb == 0.0  # learned: 0, not "unknown"
 
 
 def test_every_nth_decided_hit_takes_the_other_path():
