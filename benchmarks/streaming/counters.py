@@ -20,7 +20,8 @@ STREAM_PREFIX = "kvtier_stream"
 # The bind rule's learned figures (``kvtier_stream_bind_calls`` is a hook counter, a running total).
 BIND = ("kvtier_stream_bind_whole_wait_fixed_seconds", "kvtier_stream_bind_whole_wait_seconds_per_megabyte",
         "kvtier_stream_bind_whole_samples", "kvtier_stream_bind_interference_seconds_per_megabyte",
-        "kvtier_stream_bind_interference_samples")
+        "kvtier_stream_bind_interference_samples", "kvtier_stream_bind_load_back_fixed_seconds",
+        "kvtier_stream_bind_load_back_seconds_per_megabyte", "kvtier_stream_bind_load_back_samples")
 NAMED = {
     "parts_read": "kvtier_store_parts_read",
     "parts_failed": "kvtier_store_parts_failed",

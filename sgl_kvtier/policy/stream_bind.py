@@ -2,20 +2,26 @@
 figures it learns on the running server. Pure Python: no clock, no SGLang; callers pass measurements in.
 
 A hit loaded whole costs its request ``W`` (SGLang's prefetch, from the op's start to its result) before
-the suffix's compute ``c`` starts. A streamed hit waits at the gate until the rest of its read hides under
+the suffix's compute ``c`` starts, plus ``X``, the host -> device copy of the hit that SGLang makes when it
+admits the request (on a CPU engine a synchronous copy before the forward's clock starts; 0 where it
+is asynchronous). A streamed hit waits at the gate until the rest of its read hides under
 the first ``(1 - 1/G)`` of ``c`` (``stream_gate``), at least for group 0, and its forward then runs while
 the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take the cores
 the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on a GPU
 the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
 model) and ``B = (1 - 1/G) * c``:
 
-    gain  =  W  -  max(R / G, R - B)  -  k * bytes
+    gain  =  W + X  -  max(R / G, R - B)  -  k * bytes
     STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + c)        (else WHOLE: today's path)
 
 Learned figures (``StreamCosts``, thread-safe, weights halving every ``HALF_LIFE`` samples):
 - ``W(bytes) ~= a + bytes / bw`` (the store's own read fit, ``estimation.TransferEstimator``), from hits
   that loaded whole while no other prefetch ran (their op's start to SGLang's handling of its result);
   until ``MIN_SAMPLES`` were seen, ``W`` is taken as ``R``.
+- ``X(bytes) ~= a + bytes / bw``, from SGLang's own load-backs (the time of its ``start_loading``, any host
+  hit's): ``k`` counts the tail's copy in the forward, so without ``X`` the rule would charge a stream
+  for a copy the whole load makes too (measured: k = 2.8 ms/MB with the copies inline, 0.57 s per 201 MB
+  hit, most of it that copy). Until learned, 0.
 - ``k``, from the forwards that ran with streamed tails and never waited on one of their groups: the
   forward's measured time minus the prefill model's prediction, per tail byte (least squares through 0);
   until ``MIN_SAMPLES`` were seen, ``k`` is unknown and the hit streams (that is how ``k`` is measured).
@@ -58,6 +64,7 @@ class BindInputs:
     suffix_compute_s: float | None  # predicted prefill of the tokens after the hit (None: no prefill model)
     whole_wait_s: float | None = None  # learned W for this hit (None: not learned yet, R stands in)
     interference_s_per_byte: float | None = None  # learned k (None: not learned yet)
+    load_back_s: float | None = None  # learned X for this hit (None: not learned yet, taken as 0)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -89,6 +96,9 @@ def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDe
     assert k is not None
     whole = inputs.whole_wait_s if _known(inputs.whole_wait_s) else read
     assert whole is not None
+    if _known(inputs.load_back_s):
+        assert inputs.load_back_s is not None
+        whole += inputs.load_back_s
     g = inputs.groups
     gate = max(read / g, read - (1.0 - 1.0 / g) * c)
     gain = whole - gate - k * inputs.hit_bytes
@@ -98,12 +108,13 @@ def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDe
 
 
 class StreamCosts:
-    """The two learned figures of one backend and its exploration counter (module docstring)."""
+    """The learned figures of one backend (W, k, X) and its exploration counter (module docstring)."""
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, min_samples: int = MIN_SAMPLES):
         self._lock = threading.Lock()  # guards the k fit and the counter (the W estimator has its own)
         self._whole = TransferEstimator(HALF_LIFE)  # W: seconds ~= fixed + bytes / rate, as the store's reads
         self._k = DecayingLeastSquares(1, HALF_LIFE, ((0,),))  # excess seconds ~= k * MB
+        self._load_back = TransferEstimator(HALF_LIFE)  # X: SGLang's own host -> device copies
         self._k_theta: list[float] | None = None
         self._explore_every = explore_every
         self._min = max(1, min_samples)
@@ -112,6 +123,14 @@ class StreamCosts:
     def record_whole(self, nbytes: int, seconds: float) -> None:
         """A hit of ``nbytes`` loaded whole, alone, in ``seconds`` (op start to its handled result)."""
         self._whole.record(nbytes, seconds)  # ignores an empty or untimed one
+
+    def record_load_back(self, nbytes: int, seconds: float) -> None:
+        """SGLang's own load-back of ``nbytes`` (host -> device, before a forward) took ``seconds``."""
+        self._load_back.record(nbytes, seconds)
+
+    def load_back_s(self, nbytes: int) -> float | None:
+        model = self._load_back.model() if self._load_back.samples >= self._min else None
+        return None if model is None else model.batch_latency_s + nbytes / model.bandwidth_Bps
 
     def record_interference(self, nbytes: int, excess_s: float) -> None:
         """A forward with ``nbytes`` of streamed tails took ``excess_s`` longer than predicted (may be < 0)."""
@@ -135,7 +154,7 @@ class StreamCosts:
                suffix_compute_s: float | None) -> BindDecision:
         """``decide`` with the learned figures; every ``explore_every``-th decided hit takes the other path."""
         decision = decide(BindInputs(hit_bytes, groups, read_s, suffix_compute_s, self.whole_wait_s(hit_bytes),
-                                     self.interference_s_per_byte()))
+                                     self.interference_s_per_byte(), self.load_back_s(hit_bytes)))
         if decision.gain_s is None or self._explore_every <= 0:
             return decision
         with self._lock:
@@ -149,7 +168,7 @@ class StreamCosts:
 
     def snapshot(self) -> StreamBindSnapshot:
         """The learned figures (None: not learned) and their sample counts."""
-        whole = self._whole.model()
+        whole, copy = self._whole.model(), self._load_back.model()
         with self._lock:
             k, k_samples = self._k_theta, self._k.count
         return StreamBindSnapshot(
@@ -159,7 +178,10 @@ class StreamCosts:
             # No fit >= 0 over some samples: forwards with tails ran no slower than predicted (k = 0, as
             # ``interference_s_per_byte``); no samples: not learned.
             interference_s_per_mb=(None if not k_samples else 0.0) if k is None else k[0],
-            interference_samples=k_samples)
+            interference_samples=k_samples,
+            load_back_fixed_s=None if copy is None else copy.batch_latency_s,
+            load_back_s_per_mb=None if copy is None else 1e6 / copy.bandwidth_Bps,
+            load_back_samples=self._load_back.samples)
 
 
 __all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]

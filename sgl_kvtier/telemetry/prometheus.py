@@ -35,8 +35,8 @@ plus ``device`` (index) and ``path`` for per-device series):
   ``_seconds``: ``kvtier_stream_stall_seconds``, the time forward reads waited on tail layers, and
   ``kvtier_stream_gate_wait_seconds``); the bind rule's learned figures (``StreamBindSnapshot``, as they
   are now, no series until learned): ``kvtier_stream_bind_whole_wait_fixed_seconds`` and
-  ``_whole_wait_seconds_per_megabyte`` (W), ``_interference_seconds_per_megabyte`` (k), and their
-  ``_samples``.
+  ``_whole_wait_seconds_per_megabyte`` (W), ``_interference_seconds_per_megabyte`` (k),
+  ``_load_back_fixed_seconds`` and ``_load_back_seconds_per_megabyte`` (X), and their ``_samples``.
 
 Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
 (SGLang calls it on every scheduler step, and only with ``--enable-metrics``:
@@ -112,6 +112,11 @@ STREAM_BIND = {
                               "Bind rule: seconds a forward ran over the prefill model per MB of streamed tail"),
     "interference_samples": ("stream_bind_interference_samples",
                              "Bind rule: forwards with streamed tails (not stalled) the interference was fitted on"),
+    "load_back_fixed_s": ("stream_bind_load_back_fixed_seconds",
+                          "Bind rule: fixed seconds of SGLang's host -> device load-back before a forward"),
+    "load_back_s_per_mb": ("stream_bind_load_back_seconds_per_megabyte",
+                           "Bind rule: seconds per MB of SGLang's host -> device load-back before a forward"),
+    "load_back_samples": ("stream_bind_load_back_samples", "Bind rule: load-backs the copy time was fitted on"),
 }
 STREAM_HOOKS = tuple(f.name for f in dataclasses.fields(StreamHookSnapshot) if f.name not in ("dropped", "not_streamed"))
 

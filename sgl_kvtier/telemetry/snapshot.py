@@ -189,14 +189,18 @@ class StreamHookSnapshot:
 class StreamBindSnapshot:
     """The bind rule's learned figures of one backend (``policy.stream_bind.StreamCosts``; None: not learned
     yet): the whole-load wait W = fixed + bytes x per-MB, fitted on hits loaded whole alone, and the
-    interference k (seconds a forward ran over the prefill model per MB of streamed tail), with the sample
-    counts of each (the rule uses a figure from its second sample on)."""
+    interference k (seconds a forward ran over the prefill model per MB of streamed tail) and the load-back
+    copy X a whole load makes before its forward, with the sample counts of each (the rule uses a figure
+    from its second sample on)."""
 
     whole_wait_fixed_s: float | None = None
     whole_wait_s_per_mb: float | None = None
     whole_samples: int = 0
     interference_s_per_mb: float | None = None
     interference_samples: int = 0
+    load_back_fixed_s: float | None = None  # X: SGLang's own host -> device load-backs, fixed + per MB
+    load_back_s_per_mb: float | None = None
+    load_back_samples: int = 0
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,24 @@ def test_costs_learn_whole_wait_and_interference():
     assert costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5).verdict is BindVerdict.WHOLE
 
 
+def test_the_load_back_a_whole_load_makes_counts_on_its_side():
+    """k holds the tail's host -> device copy; a whole load makes the same copy before its forward (X)."""
+    base = dict(hit_bytes=HIT, groups=8, read_s=0.8, suffix_compute_s=0.8, whole_wait_s=0.9,
+                interference_s_per_byte=0.5 / HIT)  # gate 0.1, k x bytes 0.5: gain 0.3 >= 5% of 1.7 (0.085)
+    assert decide(BindInputs(**base)).verdict is BindVerdict.STREAM
+    heavy = base | {"interference_s_per_byte": 0.75 / HIT}  # gain 0.05 < 0.085: loaded whole ...
+    assert decide(BindInputs(**heavy)).verdict is BindVerdict.WHOLE
+    assert decide(BindInputs(**heavy, load_back_s=0.4)).verdict is BindVerdict.STREAM  # ... X: 0.45 >= 0.105
+    costs = StreamCosts(explore_every=0)
+    assert costs.load_back_s(HIT) is None
+    for mb, s in ((50, 0.12), (100, 0.22), (200, 0.42)):  # 0.02 s + 2 ms / MB
+        costs.record_load_back(mb * MB, s)
+    assert costs.load_back_s(100 * MB) == pytest.approx(0.22)
+    snap = costs.snapshot()
+    assert snap.load_back_samples == 3 and snap.load_back_s_per_mb == pytest.approx(2e-3)
+    assert snap.load_back_fixed_s == pytest.approx(0.02)
+
+
 def test_forwards_no_slower_than_predicted_learn_no_interference():
     costs = StreamCosts(explore_every=0)
     for mb in (100, 200):

@@ -27,6 +27,7 @@ from sgl_kvtier.sglang.plugins import (  # noqa: E402
     layer_gate,
     layer_loader,
     stream,
+    stream_bind,
     stream_copy,
     stream_core,
     stream_load,
@@ -306,9 +307,11 @@ def test_inline_copies_run_in_the_reading_thread_layer_by_layer(env, monkeypatch
     env.registry().reap()
 
 
-def test_sglangs_own_load_back_keeps_its_producer(env) -> None:
+def test_sglangs_own_load_back_keeps_its_producer(env, monkeypatch) -> None:
     """With a HiCache load-back in the same batch, ``start_loading`` took the producer: the tail rides on
-    it (no second producer) and both land before the reads."""
+    it (no second producer) and both land before the reads. The load-back is timed: the bind rule's X."""
+    samples: list[tuple[object, int, float]] = []
+    monkeypatch.setattr(stream_bind, "sample_load_back", lambda cache, tokens, s: samples.append((cache, tokens, s)))
     k = env.k
     counter = k.cc.layer_done_counter
     host_idx = k.host.alloc(PS)
@@ -321,6 +324,7 @@ def test_sglangs_own_load_back_keeps_its_producer(env) -> None:
     before = counter.producer_index
     p = begin(env)
     assert p == counter.producer_index == (before + 1) % counter.num_counters  # one producer, SGLang's
+    assert len(samples) == 1 and samples[0][:2] == (k.cache, PS) and samples[0][2] >= 0  # its one op, timed
     k.device.get_key_buffer(LAYERS - 1)
     assert torch.equal(k.device.k_buffer[0][dev_idx], k.host.k_buffer[0][host_idx])
     assert all(layer_is(env, tail, layer, "host") for layer in range(LAYERS))

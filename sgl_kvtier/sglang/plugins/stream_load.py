@@ -4,7 +4,8 @@ The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
 
 - **Start**, AROUND ``UnifiedRadixCache.ready_to_load_host_cache`` (``unified_radix_cache.py:3715-3721``,
   called by ``_get_new_batch_prefill_raw`` for the batch being built, ``scheduler.py:4351-4355``):
-  ``p = original()`` (HiCache's own load-backs, ``start_loading``). If ``active(cache)`` gives a registry
+  ``p = original()`` (HiCache's own load-backs, ``start_loading``; timed, with the tokens its
+  ``load_queue`` held, as the bind rule's sample of X, ``stream_bind.sample_load_back``). If ``active(cache)`` gives a registry
   with queued tails (``take_queued``: LOADING), a ``stream_copy.StreamLoad`` starts for them: on a loader
   thread where SGLang's device module is ``torch.cpu`` (``l2_transfer.py:15``), or with
   ``KVTIER_STREAM_COPY=inline`` on no thread: the forward's gate copies each layer itself just before it
@@ -43,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stall_marks, stream_retract
+from sgl_kvtier.sglang.plugins import stall_marks, stream_bind, stream_retract
 from sgl_kvtier.sglang.plugins.stream_copy import (
     StreamLoad,
     TailCopy,
@@ -104,10 +105,15 @@ _said_first = False
 
 
 def ready_to_load_host_cache(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook: SGLang's load-backs, then this batch's streamed tails on the loader (start)."""
+    """AROUND hook: SGLang's load-backs (timed: the bind rule's X), then this batch's streamed tails on the
+    loader (start)."""
+    queued, t0 = _load_back_tokens(cache), time.monotonic()
     p = original(cache, *args, **kwargs)
+    seconds = time.monotonic() - t0
     try:
         registry = active(cache)
+        if registry is not None and queued:
+            stream_bind.sample_load_back(cache, queued, seconds)
         tails = registry.take_queued() if registry is not None else []
     except Exception as exc:
         boundary_of(cache).fail("stream: taking the queued tails", exc, outcome="none loaded")
@@ -124,6 +130,15 @@ def ready_to_load_host_cache(original: Callable[..., Any], cache: Any, *args: An
             copies = [TailCopy(t, None, 0, 0.0, None, boundary) for t in tails]
             IN_FLIGHT.add(StreamLoad(cache, registry, copies, 0, None, boundary))
         return p
+
+
+def _load_back_tokens(cache: Any) -> int:
+    """Tokens SGLang's ``start_loading`` is about to copy host -> device (its ``load_queue``); 0 if unknown."""
+    try:
+        queue = getattr(getattr(cache, "cache_controller", None), "load_queue", None) or ()
+        return sum(int(op.host_indices.numel()) for op in queue)
+    except Exception:  # noqa: BLE001 - a timing sample must never break the scheduler: no sample
+        return 0
 
 
 def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: int) -> int:
