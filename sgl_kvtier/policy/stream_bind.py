@@ -22,9 +22,14 @@ Learned figures (``StreamCosts``, thread-safe, weights halving every ``HALF_LIFE
   hit's): ``k`` counts the tail's copy in the forward, so without ``X`` the rule would charge a stream
   for a copy the whole load makes too (measured: k = 2.8 ms/MB with the copies inline, 0.57 s per 201 MB
   hit, most of it that copy). Until learned, 0.
-- ``k``, from the forwards that ran with streamed tails and never waited on one of their groups: the
-  forward's measured time minus the prefill model's prediction, per tail byte (least squares through 0);
-  until ``MIN_SAMPLES`` were seen, ``k`` is unknown and the hit streams (that is how ``k`` is measured).
+- ``k``, from the forwards that ran with streamed tails and never waited on one of their groups (the last
+  ``K_WINDOW`` kept raw: tail bytes, the batch's shape, its seconds): each one's time minus the prefill
+  model's prediction *now* for its shape, per tail byte (least squares through 0, at least 0), evaluated
+  at every decision (the caller passes the model's ``batch_time``). Evaluated at record time instead, the
+  first samples (the first streamed hits, right after a server's first computed prompts) were judged by a
+  model that had seen no hit-shaped batch: measured 3.8 ms/MB, 0.76 s per 201 MB hit, where the streamed
+  hits ran 0.05 s faster than whole loads. Until ``MIN_SAMPLES`` were seen, or without a prefill model,
+  ``k`` is unknown and the hit streams (that is how ``k`` is measured).
 Each choice feeds only its own figure, so every ``EXPLORE_EVERY``-th decided hit takes the other path
 (re-measuring it: a device that changed speed is seen). Unknown ``R`` or ``c``: the hit streams, as before
 this rule (the gate's safe minimum then decides when to admit).
@@ -38,15 +43,20 @@ from __future__ import annotations
 import enum
 import math
 import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sgl_kvtier.estimation import DecayingLeastSquares, TransferEstimator
+from sgl_kvtier.estimation import TransferEstimator
 from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot
 
 MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT
 MIN_SAMPLES = 2  # samples of a learned figure before it is used
 HALF_LIFE = 16.0  # samples
 EXPLORE_EVERY = 16  # every n-th decided hit takes the other path (0: never)
+K_WINDOW = 16  # streamed forwards kept for k
+Shape = tuple[tuple[int, int], ...]  # a batch: (new tokens, cached tokens) per request
+Predict = Callable[[list[tuple[int, int]]], float]  # the prefill model's batch time for a shape
 
 
 class BindVerdict(enum.Enum):
@@ -111,11 +121,10 @@ class StreamCosts:
     """The learned figures of one backend (W, k, X) and its exploration counter (module docstring)."""
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, min_samples: int = MIN_SAMPLES):
-        self._lock = threading.Lock()  # guards the k fit and the counter (the W estimator has its own)
+        self._lock = threading.Lock()  # guards k's samples and the counter (the estimators have their own)
         self._whole = TransferEstimator(HALF_LIFE)  # W: seconds ~= fixed + bytes / rate, as the store's reads
-        self._k = DecayingLeastSquares(1, HALF_LIFE, ((0,),))  # excess seconds ~= k * MB
+        self._forwards: deque[tuple[int, Shape, float]] = deque(maxlen=K_WINDOW)  # k's raw samples
         self._load_back = TransferEstimator(HALF_LIFE)  # X: SGLang's own host -> device copies
-        self._k_theta: list[float] | None = None
         self._explore_every = explore_every
         self._min = max(1, min_samples)
         self._decided = 0
@@ -132,29 +141,35 @@ class StreamCosts:
         model = self._load_back.model() if self._load_back.samples >= self._min else None
         return None if model is None else model.batch_latency_s + nbytes / model.bandwidth_Bps
 
-    def record_interference(self, nbytes: int, excess_s: float) -> None:
-        """A forward with ``nbytes`` of streamed tails took ``excess_s`` longer than predicted (may be < 0)."""
-        if nbytes > 0 and math.isfinite(excess_s):
+    def record_stream_forward(self, nbytes: int, shape: Sequence[tuple[int, int]], seconds: float) -> None:
+        """A forward of batch ``shape`` with ``nbytes`` of streamed tails took ``seconds`` (never waited on one)."""
+        if nbytes > 0 and shape and math.isfinite(seconds) and seconds >= 0:
             with self._lock:
-                self._k.add((nbytes / 1e6,), excess_s)
-                self._k_theta = self._k.solve()
+                self._forwards.append((nbytes, tuple((int(e), int(p)) for e, p in shape), float(seconds)))
 
     def whole_wait_s(self, nbytes: int) -> float | None:
         model = self._whole.model() if self._whole.samples >= self._min else None
         return None if model is None else model.batch_latency_s + nbytes / model.bandwidth_Bps
 
-    def interference_s_per_byte(self) -> float | None:
+    def interference_s_per_byte(self, predict: Predict | None) -> float | None:
+        """k against ``predict`` (the prefill model's batch time now); None: too few samples or no model."""
         with self._lock:
-            if self._k.count < self._min:
-                return None
-            t = self._k_theta
-        return 0.0 if t is None else t[0] / 1e6  # no fit >= 0: forwards with tails ran no slower than predicted
+            samples = list(self._forwards)
+        if predict is None or len(samples) < self._min:
+            return None
+        num = den = 0.0
+        for nbytes, shape, seconds in samples:
+            excess, mb = seconds - predict(list(shape)), nbytes / 1e6
+            if math.isfinite(excess):
+                num, den = num + mb * excess, den + mb * mb
+        return None if den <= 0 else max(0.0, num / den) / 1e6  # no fit >= 0: no slower than predicted
 
-    def decide(self, hit_bytes: int, groups: int, read_s: float | None,
-               suffix_compute_s: float | None) -> BindDecision:
-        """``decide`` with the learned figures; every ``explore_every``-th decided hit takes the other path."""
+    def decide(self, hit_bytes: int, groups: int, read_s: float | None, suffix_compute_s: float | None,
+               predict: Predict | None = None) -> BindDecision:
+        """``decide`` with the learned figures (k against ``predict``); every ``explore_every``-th decided hit
+        takes the other path."""
         decision = decide(BindInputs(hit_bytes, groups, read_s, suffix_compute_s, self.whole_wait_s(hit_bytes),
-                                     self.interference_s_per_byte(), self.load_back_s(hit_bytes)))
+                                     self.interference_s_per_byte(predict), self.load_back_s(hit_bytes)))
         if decision.gain_s is None or self._explore_every <= 0:
             return decision
         with self._lock:
@@ -166,18 +181,17 @@ class StreamCosts:
         return BindDecision(other, f"re-measuring: {'streamed' if other is BindVerdict.STREAM else 'loaded whole'}",
                             decision.gain_s)
 
-    def snapshot(self) -> StreamBindSnapshot:
-        """The learned figures (None: not learned) and their sample counts."""
+    def snapshot(self, predict: Predict | None = None) -> StreamBindSnapshot:
+        """The learned figures (None: not learned; k against ``predict``) and their sample counts."""
         whole, copy = self._whole.model(), self._load_back.model()
         with self._lock:
-            k, k_samples = self._k_theta, self._k.count
+            k_samples = len(self._forwards)
+        k = self.interference_s_per_byte(predict)
         return StreamBindSnapshot(
             whole_wait_fixed_s=None if whole is None else whole.batch_latency_s,
             whole_wait_s_per_mb=None if whole is None else 1e6 / whole.bandwidth_Bps,
             whole_samples=self._whole.samples,
-            # No fit >= 0 over some samples: forwards with tails ran no slower than predicted (k = 0, as
-            # ``interference_s_per_byte``); no samples: not learned.
-            interference_s_per_mb=(None if not k_samples else 0.0) if k is None else k[0],
+            interference_s_per_mb=None if k is None else k * 1e6,
             interference_samples=k_samples,
             load_back_fixed_s=None if copy is None else copy.batch_latency_s,
             load_back_s_per_mb=None if copy is None else 1e6 / copy.bandwidth_Bps,

@@ -321,7 +321,9 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
                 hooks = self._stream_hooks()
             except Exception as exc:  # the rest of the snapshot stands
                 self.boundary.fail("telemetry (stream plugin counters)", exc, outcome="reported without them")
-        return stream_snapshot(self.binder.counts(), hooks, self.stream_costs.snapshot())
+        model = self.cost.prefill.model()
+        return stream_snapshot(self.binder.counts(), hooks,
+                               self.stream_costs.snapshot(None if model is None else model.batch_time))
 
     def cost_inputs(self) -> dict[str, Any]:
         """The cost policy's measured inputs: read bandwidth / batch latency per pool and device, prefill speed."""

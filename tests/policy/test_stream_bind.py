@@ -10,6 +10,11 @@ from sgl_kvtier.policy.stream_bind import BindInputs, BindVerdict, StreamCosts, 
 
 MB = 1_000_000
 HIT = 200 * MB  # the benchmark's hit: 201 MB of KV
+SHAPE = [(64, 1536)]  # a streamed hit's batch: 64 new tokens over 1,536 cached
+
+
+def PREDICT(shape: list[tuple[int, int]]) -> float:  # noqa: N802 - a constant-like prefill model
+    return 0.5  # the prefill model's batch time for SHAPE
 
 
 def inputs(read_s: float | None, c: float | None = 0.5, whole: float | None = None, k_per_mb: float | None = 0.0,
@@ -53,23 +58,39 @@ def test_bad_inputs_are_refused_and_nan_is_unmeasured():
 
 def test_costs_learn_whole_wait_and_interference():
     costs = StreamCosts(explore_every=0)
-    assert costs.whole_wait_s(HIT) is None and costs.interference_s_per_byte() is None
+    assert costs.whole_wait_s(HIT) is None and costs.interference_s_per_byte(PREDICT) is None
     for mb, s in ((100, 0.2), (200, 0.36), (300, 0.52)):  # 0.04 s + 1.6 ms / MB
         costs.record_whole(mb * MB, s)
     assert costs.whole_wait_s(HIT) == pytest.approx(0.36)
-    costs.record_interference(100 * MB, 0.16)
-    assert costs.interference_s_per_byte() is None  # one sample is not enough
-    costs.record_interference(200 * MB, 0.32)
-    assert costs.interference_s_per_byte() == pytest.approx(1.6e-3 / MB)
-    costs.record_interference(0, 5.0)  # no bytes: ignored
+    costs.record_stream_forward(100 * MB, SHAPE, 0.5 + 0.16)  # the model says 0.5 s for this batch
+    assert costs.interference_s_per_byte(PREDICT) is None  # one sample is not enough
+    costs.record_stream_forward(200 * MB, SHAPE, 0.5 + 0.32)
+    assert costs.interference_s_per_byte(PREDICT) == pytest.approx(1.6e-3 / MB)
+    assert costs.interference_s_per_byte(None) is None  # no prefill model: k cannot be judged
+    costs.record_stream_forward(0, SHAPE, 5.0)  # no bytes: ignored
     costs.record_whole(HIT, math.inf)  # not finite: ignored
-    snap = costs.snapshot()
+    snap = costs.snapshot(PREDICT)
     assert snap.whole_samples == 3 and snap.interference_samples == 2
     assert snap.whole_wait_fixed_s == pytest.approx(0.04) and snap.whole_wait_s_per_mb == pytest.approx(1.6e-3)
-    assert snap.interference_s_per_mb == pytest.approx(1.6e-3)
+    assert snap.interference_s_per_mb == pytest.approx(1.6e-3) and costs.snapshot().interference_s_per_mb is None
     fresh = StreamCosts().snapshot()
     assert (fresh.whole_wait_fixed_s, fresh.interference_s_per_mb, fresh.whole_samples) == (None, None, 0)
-    assert costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5).verdict is BindVerdict.WHOLE
+    assert costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5, predict=PREDICT).verdict is BindVerdict.WHOLE
+
+
+def test_k_is_judged_against_the_prefill_model_of_the_moment():
+    """The first streamed forwards come right after the server's first computed prompts: judged then, by a
+    model that has seen no hit-shaped batch, they read as slow; judged again once the model knows such
+    batches, the same samples give the true k."""
+    costs = StreamCosts(explore_every=0)
+    for mb in (100, 200):
+        costs.record_stream_forward(mb * MB, SHAPE, 0.9 + 0.1e-3 * mb)  # 0.9 s of compute + 0.1 ms/MB
+    early = lambda shape: 0.2  # noqa: E731 - a model fitted on other shapes underpredicts this batch
+    assert costs.interference_s_per_byte(early) > 2e-3 / MB  # 0.7 s over 200 MB: "never stream"
+    assert costs.interference_s_per_byte(lambda shape: 0.9) == pytest.approx(0.1e-3 / MB)
+    assert costs.decide(HIT, 8, read_s=0.8, suffix_compute_s=0.8, predict=early).verdict is BindVerdict.WHOLE
+    later = costs.decide(HIT, 8, read_s=0.8, suffix_compute_s=0.8, predict=lambda shape: 0.9)
+    assert later.verdict is BindVerdict.STREAM
 
 
 def test_the_load_back_a_whole_load_makes_counts_on_its_side():
@@ -93,16 +114,16 @@ def test_the_load_back_a_whole_load_makes_counts_on_its_side():
 def test_forwards_no_slower_than_predicted_learn_no_interference():
     costs = StreamCosts(explore_every=0)
     for mb in (100, 200):
-        costs.record_interference(mb * MB, -0.01)  # a little faster than the model: no fit >= 0
-    assert costs.interference_s_per_byte() == 0.0
-    assert costs.snapshot().interference_s_per_mb == 0.0  # learned: 0, not "unknown"
+        costs.record_stream_forward(mb * MB, SHAPE, 0.49)  # a little faster than the model: no fit >= 0
+    assert costs.interference_s_per_byte(PREDICT) == 0.0
+    assert costs.snapshot(PREDICT).interference_s_per_mb == 0.0  # learned: 0, not "unknown"
 
 
 def test_every_nth_decided_hit_takes_the_other_path():
     costs = StreamCosts(explore_every=4)
     for mb in (100, 200):
-        costs.record_interference(mb * MB, 1.6e-3 * mb)
-    verdicts = [costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5) for _ in range(8)]
+        costs.record_stream_forward(mb * MB, SHAPE, 0.5 + 1.6e-3 * mb)
+    verdicts = [costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5, predict=PREDICT) for _ in range(8)]
     assert [d.verdict for d in verdicts].count(BindVerdict.STREAM) == 2  # the 4th and the 8th
     assert verdicts[3].reason == "re-measuring: streamed" and verdicts[3].gain_s is not None
     undecided = StreamCosts(explore_every=1)  # a verdict without a prediction is never flipped

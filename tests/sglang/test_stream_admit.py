@@ -511,8 +511,8 @@ def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_lo
                                                                         DeviceModel(1e9, 1e-3)))
     env.backend.cost.prefill.estimator.seed = PrefillModel(1e-3, 0.0, 0.0)
     costs = env.backend.stream_costs
-    for n in (1, 2):
-        costs.record_interference(n * 1_000_000, n * 1.0)  # 1 s of forward per MB of tail: never worth it
+    for n in (1, 2):  # 1 s of forward over the model per MB of tail: never worth it
+        costs.record_stream_forward(n * 1_000_000, [(8, 8)], 8e-3 + n * 1.0)
     reason = "predicted no faster: loaded whole"
     before = stream_admit.STATS.not_registered[reason]
     req = new_req("r-whole")

@@ -240,7 +240,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
         stall_marks.note_batch(scheduler, streamed, waits=0, seconds=0.0, tail_bytes=mb * 1_000_000)
         stream_sample.record_prefill(None, scheduler, streamed)
     assert sampler.estimator.samples == 5  # compute + interference: not a prefill sample
-    assert costs.interference_s_per_byte() == pytest.approx(0.1 / 1e6, rel=1e-6)  # the bind rule's k
+    assert costs.interference_s_per_byte(sampler.model().batch_time) == pytest.approx(0.1 / 1e6, rel=1e-6)  # k
 
     monkeypatch.setattr(prefetch, "_loaded", True)  # the cost plugin is on too: both hooks run on each batch
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):

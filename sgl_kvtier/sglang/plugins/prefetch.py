@@ -171,10 +171,9 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
         if mark is None:
             backend.cost.prefill.record_batch(list(batch.extend_lens), list(batch.prefix_lens), seconds)
             return
-        # Compute + the interference of its tails' landing and copies: the bind rule's sample, not a prefill one.
-        model = backend.cost.prefill.model()
-        if model is not None:
-            predicted = model.batch_time(list(zip(batch.extend_lens, batch.prefix_lens)))
-            backend.stream_costs.record_interference(mark.tail_bytes, seconds - predicted)
+        # Compute + the interference of its tails' landing and copies: the bind rule's sample, not a prefill
+        # one (kept raw: judged against the prefill model of the moment it is used, ``StreamCosts``).
+        backend.stream_costs.record_stream_forward(mark.tail_bytes, list(zip(batch.extend_lens, batch.prefix_lens)),
+                                                   seconds)
     except Exception as exc:  # a timing sample must never break the scheduler loop
         backend.boundary.fail("prefill timing", exc, outcome="sample skipped")

@@ -102,12 +102,14 @@ def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int) -> BindDeci
     compute = None if model is None or prompt_end is None else model.time(max(1, int(prompt_end) + 1 - hit_end),
                                                                           hit_end)
     read_s = None if read is None else read.device.load_time(pages, page_bytes)
-    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, kv.pages.plan.group_count, read_s, compute)
+    predict = None if model is None else model.batch_time
+    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, kv.pages.plan.group_count, read_s, compute,
+                                                         predict)
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
                     "-" if decision.gain_s is None else f"{decision.gain_s:.3f}s",
-                    dataclasses.asdict(backend.stream_costs.snapshot()))
+                    dataclasses.asdict(backend.stream_costs.snapshot(predict)))
     return decision
 
 
