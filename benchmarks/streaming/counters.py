@@ -7,8 +7,8 @@ as the backend's other ``kvtier_`` gauges), the store's part counters (``kvtier_
 SGLang's own ``sglang:num_retracted_requests_total``. A phase's figure is after - before; a name absent on
 both sides is absent (never a made-up 0). A figure by ``reason`` (``kvtier_stream_not_streamed``,
 ``_dropped``) is also kept per reason (``stream_not_streamed[busy: loaded whole]``). The bind rule's
-learned figures (``BIND``) are levels, not totals: ``bind`` reads them as they are. From the log: tracebacks through sgl_kvtier (a bug), lines
-naming a retract, and lines of the stream plugin.
+learned figures (``BIND``) are levels, not totals: ``bind`` reads them as they are. From the log:
+tracebacks through sgl_kvtier (a bug), lines naming a retract, and lines of the stream plugin.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from sgl_kvtier.telemetry.prometheus import STREAM_BIND
+
 STREAM_PREFIX = "kvtier_stream"
-# The bind rule's learned figures (``kvtier_stream_bind_calls`` is a hook counter, a running total).
-BIND = ("kvtier_stream_bind_whole_wait_fixed_seconds", "kvtier_stream_bind_whole_wait_seconds_per_megabyte",
-        "kvtier_stream_bind_whole_samples", "kvtier_stream_bind_interference_seconds_per_megabyte",
-        "kvtier_stream_bind_interference_samples", "kvtier_stream_bind_load_back_fixed_seconds",
-        "kvtier_stream_bind_load_back_seconds_per_megabyte", "kvtier_stream_bind_load_back_samples")
+# The bind rule's learned figures, as the exporter names them (``kvtier_stream_bind_calls`` is not one:
+# a hook counter, a running total).
+BIND = frozenset(f"kvtier_{gauge}" for gauge, _help in STREAM_BIND.values())
 NAMED = {
     "parts_read": "kvtier_store_parts_read",
     "parts_failed": "kvtier_store_parts_failed",
@@ -41,7 +41,8 @@ def read(samples: Iterable[Sample]) -> dict[str, float]:
         if name.startswith(STREAM_PREFIX):
             key = name.removeprefix("kvtier_")
             if "reason" in labels:  # by reason: a figure each (why hits were not streamed, tails dropped)
-                out[f"{key}[{labels['reason']}]"] = out.get(f"{key}[{labels['reason']}]", 0.0) + value
+                by_reason = f"{key}[{labels['reason']}]"
+                out[by_reason] = out.get(by_reason, 0.0) + value
         elif name in by_name:
             key = by_name[name]
         else:

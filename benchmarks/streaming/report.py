@@ -143,17 +143,20 @@ def bind_lines(run: Mapping[str, Any], device: str) -> list[str]:
         b = (x or {}).get("bind") or {}
         if not b:
             continue
-        fixed, per_mb = b.get("bind_whole_wait_fixed_seconds"), b.get("bind_whole_wait_seconds_per_megabyte")
         k = b.get("bind_interference_seconds_per_megabyte")
-        w = "not learned" if fixed is None or per_mb is None else f"{fixed:.3f} s + {per_mb * 1e3:.2f} ms/MB"
-        x_fixed, x_mb = b.get("bind_load_back_fixed_seconds"), b.get("bind_load_back_seconds_per_megabyte")
-        x = "not learned" if x_fixed is None or x_mb is None else f"{x_fixed:.3f} s + {x_mb * 1e3:.2f} ms/MB"
+        w, x = _fit_text(b, "whole_wait"), _fit_text(b, "load_back")
         out.append(f"- C={c}, bind rule after the last round: whole-load wait W = {w} "
                    f"({b.get('bind_whole_samples', 0):.0f} samples); interference k = "
                    + ("not learned" if k is None else f"{k * 1e3:.2f} ms/MB")
                    + f" ({b.get('bind_interference_samples', 0):.0f} samples); load-back X = {x} "
                    f"({b.get('bind_load_back_samples', 0):.0f} samples)")
     return out
+
+
+def _fit_text(bind: Mapping[str, float], name: str) -> str:
+    """``fixed s + per-MB ms/MB`` of the bind rule's fit ``name`` (``whole_wait``, ``load_back``)."""
+    fixed, per_mb = bind.get(f"bind_{name}_fixed_seconds"), bind.get(f"bind_{name}_seconds_per_megabyte")
+    return "not learned" if fixed is None or per_mb is None else f"{fixed:.3f} s + {per_mb * 1e3:.2f} ms/MB"
 
 
 def reference_table(run: Mapping[str, Any]) -> str:

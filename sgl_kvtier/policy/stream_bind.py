@@ -12,16 +12,17 @@ the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the h
 model) and ``B = (1 - 1/G) * c``:
 
     gain  =  W + X  -  max(R / G, R - B)  -  k * bytes
-    STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + c)        (else WHOLE: today's path)
+    STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + X + c)    (else WHOLE: today's path)
 
-Learned figures (``StreamCosts``, thread-safe, weights halving every ``HALF_LIFE`` samples):
+Learned figures (``StreamCosts``, thread-safe; W and X weighted halving every ``HALF_LIFE`` samples, k over
+the last ``K_WINDOW``):
 - ``W(bytes) ~= a + bytes / bw`` (the store's own read fit, ``estimation.TransferEstimator``), from hits
   that loaded whole while no other prefetch ran (their op's start to SGLang's handling of its result);
   until ``MIN_SAMPLES`` were seen, ``W`` is taken as ``R``.
 - ``X(bytes) ~= a + bytes / bw``, from SGLang's own load-backs (the time of its ``start_loading``, any host
   hit's): ``k`` counts the tail's copy in the forward, so without ``X`` the rule would charge a stream
-  for a copy the whole load makes too (measured: k = 2.8 ms/MB with the copies inline, 0.57 s per 201 MB
-  hit, most of it that copy). Until learned, 0.
+  for a copy the whole load makes too (measured on a 2-core CPU: 0.36-0.41 ms/MB, 0.08 s per 201 MB hit).
+  Until learned, 0.
 - ``k``, from the forwards that ran with streamed tails and never waited on one of their groups (the last
   ``K_WINDOW`` kept raw: tail bytes, the batch's shape, its seconds): each one's time minus the prefill
   model's prediction *now* for its shape, per tail byte (least squares through 0, at least 0), evaluated
@@ -138,8 +139,7 @@ class StreamCosts:
         self._load_back.record(nbytes, seconds)
 
     def load_back_s(self, nbytes: int) -> float | None:
-        model = self._load_back.model() if self._load_back.samples >= self._min else None
-        return None if model is None else model.batch_latency_s + nbytes / model.bandwidth_Bps
+        return self._predicted(self._load_back, nbytes)
 
     def record_stream_forward(self, nbytes: int, shape: Sequence[tuple[int, int]], seconds: float) -> None:
         """A forward of batch ``shape`` with ``nbytes`` of streamed tails took ``seconds`` (never waited on one)."""
@@ -148,7 +148,11 @@ class StreamCosts:
                 self._forwards.append((nbytes, tuple((int(e), int(p)) for e, p in shape), float(seconds)))
 
     def whole_wait_s(self, nbytes: int) -> float | None:
-        model = self._whole.model() if self._whole.samples >= self._min else None
+        return self._predicted(self._whole, nbytes)
+
+    def _predicted(self, fit: TransferEstimator, nbytes: int) -> float | None:
+        """``fit``'s seconds for ``nbytes`` once it has ``min_samples``; None before."""
+        model = fit.model() if fit.samples >= self._min else None
         return None if model is None else model.batch_latency_s + nbytes / model.bandwidth_Bps
 
     def interference_s_per_byte(self, predict: Predict | None) -> float | None:
@@ -183,19 +187,20 @@ class StreamCosts:
 
     def snapshot(self, predict: Predict | None = None) -> StreamBindSnapshot:
         """The learned figures (None: not learned; k against ``predict``) and their sample counts."""
-        whole, copy = self._whole.model(), self._load_back.model()
         with self._lock:
             k_samples = len(self._forwards)
         k = self.interference_s_per_byte(predict)
+        (whole_fixed, whole_mb), (copy_fixed, copy_mb) = _fixed_per_mb(self._whole), _fixed_per_mb(self._load_back)
         return StreamBindSnapshot(
-            whole_wait_fixed_s=None if whole is None else whole.batch_latency_s,
-            whole_wait_s_per_mb=None if whole is None else 1e6 / whole.bandwidth_Bps,
-            whole_samples=self._whole.samples,
-            interference_s_per_mb=None if k is None else k * 1e6,
-            interference_samples=k_samples,
-            load_back_fixed_s=None if copy is None else copy.batch_latency_s,
-            load_back_s_per_mb=None if copy is None else 1e6 / copy.bandwidth_Bps,
-            load_back_samples=self._load_back.samples)
+            whole_wait_fixed_s=whole_fixed, whole_wait_s_per_mb=whole_mb, whole_samples=self._whole.samples,
+            interference_s_per_mb=None if k is None else k * 1e6, interference_samples=k_samples,
+            load_back_fixed_s=copy_fixed, load_back_s_per_mb=copy_mb, load_back_samples=self._load_back.samples)
+
+
+def _fixed_per_mb(fit: TransferEstimator) -> tuple[float | None, float | None]:
+    """(fixed seconds, seconds per MB) of ``fit``'s model; (None, None) before it has one."""
+    model = fit.model()
+    return (None, None) if model is None else (model.batch_latency_s, 1e6 / model.bandwidth_Bps)
 
 
 __all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]

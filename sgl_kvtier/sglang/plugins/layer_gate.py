@@ -7,8 +7,8 @@ waiter. Layers complete in order, so "layer ``i`` done" means "layers ``0..i`` d
 ``LayerLoad`` runs ``copy_layer(0) .. copy_layer(n - 1)`` on a thread of its own, advancing its gate after
 each layer; or, ``inline``, on no thread: ``wait(i)`` copies the layers up to ``i`` not yet copied in the
 waiting thread itself, just before it reads them (on a CPU engine the forward's OpenMP team then never
-shares the cores with a loader's copies). ``wait(i)`` is the consumer's side: it returns once layer ``i`` is complete. If the loader
-failed, the waiting thread copies the remaining layers itself, synchronously (``finish``), so a waiter
+shares the cores with a loader's copies). ``wait(i)`` is the consumer's side: it returns once layer ``i``
+is complete. If the loader failed, the waiting thread copies the remaining layers itself, synchronously (``finish``), so a waiter
 never returns before its layer is there, whatever happened to the loader. ``join()`` (the end of a step)
 waits for the loader and finishes a failed load the same way. A failure of that synchronous copy is raised
 to the caller: it is the same copy, in the same thread, that would have run without the loader.
@@ -107,8 +107,8 @@ class LayerLoad:
 
     ``copy_layer(i)`` copies layer ``i``; ``on_layer_done(i)`` (optional) is called after it, before the
     gate releases the layer. Both run on the loader thread, or on a waiting thread that finishes a failed
-    load (``inline``: always on the waiting thread, module docstring). ``label`` names the load in logs, ``tokens`` is its size for reports; ``on_block`` is passed to
-    the gate.
+    load (``inline``: always on the waiting thread, module docstring). ``label`` names the load in logs,
+    ``tokens`` is its size for reports; ``on_block`` is passed to the gate.
     """
 
     def __init__(self, num_layers: int, copy_layer: Callable[[int], None],
@@ -177,9 +177,7 @@ class LayerLoad:
             return
         if self.inline:
             with self._lock:
-                for i in range(self.gate.done, layer + 1):
-                    self._copy_one(i)
-                    self.inline_layers += 1
+                self._copy_through(layer + 1)
             return
         t0 = time.monotonic()
         self.blocked_waits += 1
@@ -203,12 +201,16 @@ class LayerLoad:
         otherwise wait for the loader to end. Raises what the copy raises.
         """
         with self._lock:
-            for layer in range(self.gate.done, self.num_layers):
-                self._copy_one(layer)
-                if self.inline:
-                    self.inline_layers += 1
-                else:
-                    self.sync_layers += 1
+            self._copy_through(self.num_layers)
+
+    def _copy_through(self, end: int) -> None:
+        """Copy layers ``[done, end)`` in this thread (the lock held), counted as inline or synchronous."""
+        for layer in range(self.gate.done, end):
+            self._copy_one(layer)
+            if self.inline:
+                self.inline_layers += 1
+            else:
+                self.sync_layers += 1
 
     def join(self) -> None:
         """Wait for the loader thread; finish its layers here if it failed. Every layer is complete after."""

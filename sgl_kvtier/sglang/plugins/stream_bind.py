@@ -9,12 +9,12 @@ The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_ad
    Not for a request blocked after a failed tail (it loads whole), an op with side pools, a hit another
    request's L3 work overlaps (busy), one over the withheld cap, nor one the bind rule loads whole:
    ``policy.stream_bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
-   (the backend's prefill model) against the two figures it learns here: a hit it loads whole, alone, is
+   (the backend's prefill model) against the figures it learns here: a hit it loads whole, alone, is
    timed from its op's start to SGLang's handling of its result (``sample_whole``, called by
    ``stream_admit.register_tail``), SGLang's own load-backs are timed (``sample_load_back``, called by
    ``stream_load``'s start hook around ``start_loading``), and a forward that ran with tails is timed by
-   the prefill samplers (``stall_marks``). The rule's verdict is logged when it changes; every hit it loads whole is counted
-   by its reason (``STATS.not_registered``).
+   the prefill samplers (``stall_marks``). The rule's verdict is logged when it changes; every hit it
+   loads whole is counted by its reason (``STATS.not_registered``).
    ``allocate_storage_hit`` runs in a drain after the op's storage query: ``note_prompt`` has run.
 2. **Prompt end** (AFTER ``prefetch_from_storage``, ``:2081``): the op is told where the request's prompt
    ends: SGLang spans an op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``); the
@@ -132,19 +132,22 @@ def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, n
 
 def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
     """A hit the bind rule loaded whole, alone, landed: its op's start to now is a sample of W."""
-    backend = backend_of(cache)
-    kv = None if backend is None else backend.kv
-    if backend is not None and kv is not None:
-        backend.stream_costs.record_whole(kv.pages.bytes_of(tokens), _clock() - float(operation.start_time))
+    _record(cache, "record_whole", tokens, _clock() - float(operation.start_time))
 
 
 def sample_load_back(cache: Any, tokens: int, seconds: float) -> None:
     """SGLang's own load-back of ``tokens`` (``start_loading``, timed by ``stream_load``) took ``seconds``: a
     sample of X, the host -> device copy a hit loaded whole makes before its forward."""
+    if tokens > 0:
+        _record(cache, "record_load_back", tokens, seconds)
+
+
+def _record(cache: Any, method: str, tokens: int, seconds: float) -> None:
+    """``backend.stream_costs.<method>(bytes of tokens, seconds)`` for the backend behind ``cache``, if any."""
     backend = backend_of(cache)
     kv = None if backend is None else backend.kv
-    if backend is not None and kv is not None and tokens > 0:
-        backend.stream_costs.record_load_back(kv.pages.bytes_of(tokens), seconds)
+    if backend is not None and kv is not None:
+        getattr(backend.stream_costs, method)(kv.pages.bytes_of(tokens), seconds)
 
 
 HOOKS: list[tuple[str, Any, str]] = [

@@ -5,8 +5,8 @@ The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
 - **Start**, AROUND ``UnifiedRadixCache.ready_to_load_host_cache`` (``unified_radix_cache.py:3715-3721``,
   called by ``_get_new_batch_prefill_raw`` for the batch being built, ``scheduler.py:4351-4355``):
   ``p = original()`` (HiCache's own load-backs, ``start_loading``; timed, with the tokens its
-  ``load_queue`` held, as the bind rule's sample of X, ``stream_bind.sample_load_back``). If ``active(cache)`` gives a registry
-  with queued tails (``take_queued``: LOADING), a ``stream_copy.StreamLoad`` starts for them: on a loader
+  ``load_queue`` held, as the bind rule's sample of X, ``stream_bind.sample_load_back``). If
+  ``active(cache)`` gives a registry with queued tails (``take_queued``: LOADING), a ``stream_copy.StreamLoad`` starts for them: on a loader
   thread where SGLang's device module is ``torch.cpu`` (``l2_transfer.py:15``), or with
   ``KVTIER_STREAM_COPY=inline`` on no thread: the forward's gate copies each layer itself just before it
   reads it (``layer_gate.LayerLoad``'s inline mode: no second thread shares the cores with the forward's
