@@ -32,6 +32,7 @@ import os
 import re
 import select
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,17 +61,30 @@ class Watch:
             err = ctypes.get_errno()
             os.close(self.fd)
             raise OSError(err, f"inotify_add_watch {directory}")
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # wake(): a byte, seen by wait
+        self._lock, self._closed = threading.Lock(), False
+
+    def wake(self) -> None:
+        """End the current or next ``wait`` now (True), from any thread; a no-op once closed (its fds are gone,
+        their numbers maybe another file's)."""
+        with self._lock:
+            if not self._closed:
+                os.write(self._wake_w, b"w")
 
     def wait(self, timeout_s: float) -> bool:
-        """True once an event of ``mask`` names the file; False when ``timeout_s`` passed first."""
+        """True once an event of ``mask`` names the file or ``wake`` was called; False when ``timeout_s`` passed
+        first."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            ready, _, _ = select.select([self.fd], [], [], left)
+            ready, _, _ = select.select([self.fd, self._wake_r], [], [], left)
             if not ready:
                 return False
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+                return True
             buf, pos = os.read(self.fd, 65536), 0
             hit = False
             while pos + _EVENT.size <= len(buf):
@@ -82,7 +96,10 @@ class Watch:
                 return True
 
     def close(self) -> None:
-        os.close(self.fd)
+        with self._lock:
+            self._closed = True
+            for fd in (self.fd, self._wake_r, self._wake_w):
+                os.close(fd)
 
 
 class FaultControl:
@@ -126,17 +143,20 @@ class ServerLog:
             return f.read().decode("utf-8", errors="replace")
 
     def wait_for(self, needle: str, since: int, timeout_s: float = 120.0,
-                 stop: Callable[[], bool] | None = None) -> str | None:
-        """The log from ``since`` once it holds ``needle``; None if ``stop()`` said so first (checked at every
-        write to the log); AssertionError after ``timeout_s``."""
+                 stop: Future[Any] | None = None) -> str | None:
+        """The log from ``since`` once it holds ``needle``; None if ``stop`` finished first (looked at each write
+        to the log and when it finishes: its end wakes the wait, as its last log line may come before it);
+        AssertionError after ``timeout_s``."""
         watch = Watch(self.path.parent, self.path.name, IN_MODIFY)  # armed before the first look: no write missed
+        if stop is not None:
+            stop.add_done_callback(lambda _: watch.wake())  # runs at once if it is done already
         try:
             deadline = time.monotonic() + timeout_s
             while True:
                 text = self.since(since)
                 if needle in text:
                     return text
-                if stop is not None and stop():
+                if stop is not None and stop.done():
                     text = self.since(since)
                     return text if needle in text else None
                 if not watch.wait(deadline - time.monotonic()) and needle not in self.since(since):

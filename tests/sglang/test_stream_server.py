@@ -230,7 +230,7 @@ def fail_group1(env: Streamed, name: str, scenario: str, fault: dict[str, Any], 
         rid = f"{scenario}-{env.layout}-{attempt}"
         before = env.counts()
         answer, mark = switch_after_group0(env, name, rid, fault)
-        seen = env.log.wait_for(f"request {rid}: layer group 1 {failure}", mark, stop=answer.done)
+        seen = env.log.wait_for(f"request {rid}: layer group 1 {failure}", mark, stop=answer)
         env.control.set()  # the retry (loaded whole, or computed), its backups, later requests: a healthy device
         if seen is not None and then is not None:
             then(rid)
