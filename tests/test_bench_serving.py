@@ -152,6 +152,19 @@ def test_the_first_token_is_the_first_chunk_with_output() -> None:
     assert not client.carries_tokens({"text": "", "meta_info": {}}) and client.carries_tokens({"text": "a"})
 
 
+def test_phases_cut_the_ttft_at_sglangs_stamps() -> None:
+    meta = {"request_received_ts": 100.01, "queue_time": 0.5, "storage_prefetch_wait": 0.3,
+            "forward_entry_time": 100.6, "prefill_finished_time": 101.4}
+    got = client.phases_of(meta, sent_at=100.0, ttft_s=1.5)
+    assert got == pytest.approx({"received_s": 0.1, "prefetch_wait_s": 0.3, "queued_s": 0.2, "forward_s": 0.8,
+                                 "returned_s": 0.1})
+    assert sum(got.values()) == pytest.approx(1.5) and tuple(got) == client.PHASES
+    assert client.phases_of({**meta, "storage_prefetch_wait": None}, 100.0, 1.5)["queued_s"] == pytest.approx(0.5)
+    assert client.phases_of({k: v for k, v in meta.items() if k != "forward_entry_time"}, 100.0, 1.5) is None
+    recs = [{"phases": got}, {"phases": {k: 3 * v for k, v in got.items()}}, {"phases": got}, {}]
+    assert report.phase_medians(recs) == pytest.approx(got) and report.phase_medians([{}]) == {}
+
+
 def test_metrics_parsing() -> None:
     text = [
         ("sglang:cached_tokens_total", {"cache_source": "storage", "tp_rank": "0"}, 5.0),

@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks import bench_streaming as bench
 from benchmarks.serving import report, workloads
+from benchmarks.serving.client import PHASES
 from benchmarks.serving.policies import parse_device, prefix_rounds
 from benchmarks.streaming import counters, outputs, paired, plan, plot, rounds, servers
 from benchmarks.streaming import report as stream_report
@@ -266,6 +267,16 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     assert "[on recomputed L3 hits" in lines[2]
     assert lines[3] == "- outputs identical on/off (greedy): fast: yes; breakeven-559MBps: NO"
     assert lines[4].startswith("- WARNING") and "breakeven-559MBps C=2: on served 0 L3 tokens" in lines[4]
+    assert "Where the TTFT went" not in md  # no cell has phases
+    phases = dict(zip(PHASES, (0.01, 0.2, 0.02, 0.25, 0.02)))
+    run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["phases_p50_s"] = phases
+    run["servers"]["fast"]["off"]["levels"]["device"]["1"]["phases_p50_s"] = phases
+    table = stream_report.phase_table(run, "fast")
+    assert table.splitlines()[0] == ("| requests | C | TTFT p50 s | received s | prefetch wait s | queued s | "
+                                     "forward s | returned s | sum of p50s |")
+    assert table.splitlines()[2:] == ["| L3 hit, streaming on | 1 | 0.53 | 0.010 | 0.200 | 0.020 | 0.250 | 0.020 | 0.50 |",
+                                      "| device hit (L1/L2) | 1 | 0.43 | 0.010 | 0.200 | 0.020 | 0.250 | 0.020 | 0.50 |"]
+    assert stream_report.phase_table(run, "breakeven-559MBps") == "" and table in stream_report.markdown(run)
     run["servers"]["fast"]["on"]["levels"] = {}
     assert "fast C=1: not measured" in stream_report.targets(run)[1]
     path = plot.plot(run, tmp_path)
@@ -310,6 +321,9 @@ def test_smoke_run(tmp_path: Path) -> None:
                          else ["write", "measured", "measured"])
         for rnd in res["rounds"]:
             assert all("error" not in q and q["ttft_s"] > 0 and q["output_ids"] for q in rnd["requests"])
+            for q in rnd["requests"]:  # SGLang's own stamps cut every TTFT into phases that add up to it
+                assert set(q["phases"]) == set(PHASES) and sum(q["phases"].values()) == pytest.approx(q["ttft_s"])
+                assert q["phases"]["forward_s"] > 0 and q["phases"]["prefetch_wait_s"] >= 0, q["phases"]
             if rnd["kind"] == "measured":
                 assert rnd["settle"]["backups"]["settled"] and rnd["settle"]["flush_s"] >= 0
         assert res["levels"]["l3"]["1"]["requests"] == 2
@@ -330,4 +344,5 @@ def test_smoke_run(tmp_path: Path) -> None:
     assert run["paired"]["fast"]["1"]["requests"] == 2 and len(run["paired"]["fast"]["1"]["round_ratios"]) == 2
     md = (out / "report.md").read_text()
     assert "## fast" in md and "| off | 1 |" in md and "| on | 1 |" in md and "| device hit (L1/L2) | 1 |" in md
+    assert "| L3 hit, streaming on | 1 |" in md and "Where the TTFT went" in md
     assert "outputs identical on/off (greedy): fast: yes" in md

@@ -43,6 +43,36 @@ def carries_tokens(chunk: dict[str, Any]) -> bool:
     return bool(completion) if completion is not None else bool(chunk.get("text"))
 
 
+# Where a TTFT went, from SGLang's own per-request time stats (the last chunk's meta_info, with
+# --enable-metrics; realtime stamps, so comparable with the client's clock on the same host).
+PHASES = ("received_s", "prefetch_wait_s", "queued_s", "forward_s", "returned_s")
+
+
+def phases_of(meta: dict[str, Any], sent_at: float, ttft_s: float) -> dict[str, float] | None:
+    """The TTFT of one request cut at SGLang's stamps, seconds, adding up to ``ttft_s``; None without them.
+
+    - ``received_s``: sent -> SGLang's scheduler put it in its waiting queue (HTTP, tokenizer, IPC);
+    - ``prefetch_wait_s``: of the time in the waiting queue, the polls that found its L3 prefetch not done
+      (SGLang's ``storage_prefetch_wait``: first blocked poll to the ready one);
+    - ``queued_s``: the rest of the waiting queue, up to the batch the request's prefill entered;
+    - ``forward_s``: that batch formed -> its result processed (load-back of host pages, the forward, and
+      with streamed tails their gate and verdict);
+    - ``returned_s``: from there to the first token at the client (detokenizer, HTTP stream).
+
+    SGLang keeps the first forward's stamps across a retract, so a retracted request's retry (its second
+    wait and forward) falls in ``returned_s``.
+    """
+    need = ("request_received_ts", "queue_time", "forward_entry_time", "prefill_finished_time")
+    if any(not isinstance(meta.get(k), (int, float)) for k in need):
+        return None
+    entered = float(meta["forward_entry_time"])
+    queued = float(meta["queue_time"])
+    wait = float(meta.get("storage_prefetch_wait") or 0.0)
+    return {"received_s": entered - queued - sent_at, "prefetch_wait_s": wait, "queued_s": queued - wait,
+            "forward_s": float(meta["prefill_finished_time"]) - entered,
+            "returned_s": sent_at + ttft_s - float(meta["prefill_finished_time"])}
+
+
 def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str | None = None) -> dict[str, Any]:
     """One streamed /generate with `input_ids`; returns the per-request record (never raises).
 
@@ -87,6 +117,9 @@ def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str 
         # the whole output (SGLang's non-incremental stream: the last chunk holds it all), for comparisons
         text=last.get("text"), output_ids=last.get("output_ids"),
     )
+    phases = phases_of(meta, rec["sent_at"], first)
+    if phases is not None:
+        rec["phases"] = phases
     return rec
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.machine import machine_line
+from benchmarks.serving.client import PHASES
 
 BASELINES = ("radix", "recompute", "file-l3")
 TIERS = ("device", "host", "storage")
@@ -39,7 +40,14 @@ def summarize(phases: list[dict[str, Any]], kv_bytes_per_token: int) -> dict[str
         "l3_read_gb": met.get("prefetched_tokens", 0.0) * kv_bytes_per_token / 1e9,
         "l3_written_gb": met.get("backuped_tokens", 0.0) * kv_bytes_per_token / 1e9,
         "l3_written_gb_incl_warmup": all_met.get("backuped_tokens", 0.0) * kv_bytes_per_token / 1e9,
+        "phases_p50_s": phase_medians(ok),
     }  # fmt: skip
+
+
+def phase_medians(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Per phase of ``client.phases_of``, the median over the records that carry phases (empty if none)."""
+    timed = [r["phases"] for r in records if "phases" in r]
+    return {k: float(np.median([ph[k] for ph in timed])) for k in PHASES} if timed else {}
 
 
 def _cells(run: dict[str, Any], workload: str) -> dict[tuple[str, int], dict[str, Any]]:

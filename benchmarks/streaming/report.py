@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
 from benchmarks.streaming.outputs import all_identical, attributable, document
 from benchmarks.streaming.plan import BREAKEVEN
@@ -159,6 +160,27 @@ def _fit_text(bind: Mapping[str, float], name: str) -> str:
     return "not learned" if fixed is None or per_mb is None else f"{fixed:.3f} s + {per_mb * 1e3:.2f} ms/MB"
 
 
+def phase_table(run: Mapping[str, Any], device: str) -> str:
+    """Where the TTFT went (``client.phases_of``, p50 of each phase) for the L3 hits with streaming off and on,
+    and the device hits of the reference server when it ran on this device; "" when no cell has phases."""
+    rows = [(f"L3 hit, streaming {mode}", mode, "l3", c) for c in levels(run, device) for mode in run["modes"]]
+    ref = run.get("references") or {}
+    if ref.get("device") == device:
+        rows += [("device hit (L1/L2)", ref["streaming"], "device", c) for c in levels(run, device, "device")]
+    lines = []
+    for name, mode, level, c in rows:
+        x = cell(run, device, mode, level, c)
+        ph = (x or {}).get("phases_p50_s")
+        if ph:
+            lines.append(f"| {name} | {c} | {x['ttft_p50_s']:.2f} | " + " | ".join(f"{ph[k]:.3f}" for k in PHASES)
+                         + f" | {sum(ph.values()):.2f} |")
+    if not lines:
+        return ""
+    head = ["requests", "C", "TTFT p50 s", *(k.removesuffix("_s").replace("_", " ") + " s" for k in PHASES),
+            "sum of p50s"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines])
+
+
 def reference_table(run: Mapping[str, Any]) -> str:
     ref = run.get("references")
     if not ref:
@@ -265,6 +287,10 @@ def markdown(run: Mapping[str, Any]) -> str:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
         bind = bind_lines(run, device)
         parts += [*bind, ""] if bind else []
+        phases = phase_table(run, device)
+        parts += ["Where the TTFT went, p50 of each phase (SGLang's own request stamps: sent -> waiting queue; of "
+                  "the wait, the L3 prefetch polls; the rest of the wait; batch formed -> result processed, "
+                  "load-back and forward included; -> first token at the client):", "", phases, ""] if phases else []
     parts += ["## References (device hit, recompute)", "", reference_table(run), "",
               "## Targets (issue #13)", "", *targets(run), "", "## Server commands", ""]
     for device in run["device_order"]:
