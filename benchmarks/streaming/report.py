@@ -145,11 +145,11 @@ def bind_lines(run: Mapping[str, Any], device: str) -> list[str]:
         if not b:
             continue
         k = b.get("bind_interference_seconds_per_megabyte")
-        w, x = _fit_text(b, "whole_wait"), _fit_text(b, "load_back")
+        w, xb = _fit_text(b, "whole_wait"), _fit_text(b, "load_back")
         out.append(f"- C={c}, bind rule after the last round: whole-load wait W = {w} "
                    f"({b.get('bind_whole_samples', 0):.0f} samples); interference k = "
                    + ("not learned" if k is None else f"{k * 1e3:.2f} ms/MB")
-                   + f" ({b.get('bind_interference_samples', 0):.0f} samples); load-back X = {x} "
+                   + f" ({b.get('bind_interference_samples', 0):.0f} samples); load-back X = {xb} "
                    f"({b.get('bind_load_back_samples', 0):.0f} samples)")
     return out
 
@@ -170,8 +170,8 @@ def phase_table(run: Mapping[str, Any], device: str) -> str:
     lines = []
     for name, mode, level, c in rows:
         x = cell(run, device, mode, level, c)
-        ph = (x or {}).get("phases_p50_s")
-        if ph:
+        ph = None if x is None else x.get("phases_p50_s")
+        if x is not None and ph:
             lines.append(f"| {name} | {c} | {x['ttft_p50_s']:.2f} | " + " | ".join(f"{ph[k]:.3f}" for k in PHASES)
                          + f" | {sum(ph.values()):.2f} |")
     if not lines:
