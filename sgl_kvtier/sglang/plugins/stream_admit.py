@@ -53,7 +53,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import prefetch, stream_bind, stream_gate
+from sgl_kvtier.policy import stream_gate
+from sgl_kvtier.sglang.plugins import prefetch, stream_bind
 from sgl_kvtier.sglang.plugins.stream_core import (
     STATS,
     URC,
