@@ -1,7 +1,7 @@
 """The machine a benchmark ran on, recorded in every result file and printed in every report header.
 
 ``machine_info`` gathers: CPU model, cores, memory, torch's CPU capability and the CPU flags that decide
-which matmul kernels torch can use, a ~1 s fp32 / bf16 matmul probe (GFLOP/s), the GPU if any, the dtype
+which matmul kernels torch can use, a ~1 s fp32 / bf16 matmul probe (GFLOP/s; the matrices shrink where a dtype is slow), the GPU if any, the dtype
 this CPU computes natively (``sgl_kvtier.serving.hardware.native_dtype``: what ``auto`` picks on CPU), and the
 model dtype the run used with how it was chosen (given by the caller: ``auto: ...`` or ``forced: ...``).
 ``machine_line`` is the one-line form for headers.
@@ -44,17 +44,28 @@ def memory_gib() -> float:
 
 
 def matmul_gflops(dtype_name: str, n: int = PROBE_N, budget_s: float = PROBE_S) -> float:
-    """GFLOP/s of ``n`` x ``n`` matmuls in ``dtype_name`` on the CPU, with torch's default thread count."""
+    """GFLOP/s of square matmuls in ``dtype_name`` on the CPU, with torch's default thread count.
+
+    The side starts at 256 and doubles up to ``n`` while one matmul of the next side (8x the work) is
+    predicted to fit in ``budget_s``: a dtype this CPU has no kernels for (bf16 without AVX512-BF16 / AMX:
+    measured 5-300x slower than fp32) is probed on smaller matrices, never for minutes."""
     import torch
 
     dtype = getattr(torch, dtype_name)
-    torch.ones(256, 256, dtype=dtype) @ torch.ones(256, 256, dtype=dtype)  # start the thread pool, load kernels
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    side = 256
+    while True:
+        a, b = torch.randn(side, side).to(dtype), torch.randn(side, side).to(dtype)
+        t0 = time.perf_counter()
+        a @ b  # the first one also starts the thread pool and loads the kernels
+        one_s = time.perf_counter() - t0
+        if side * 2 > n or one_s * 8 > budget_s:
+            break
+        side *= 2
     done, t0 = 0, time.perf_counter()
     while done == 0 or time.perf_counter() - t0 < budget_s:
         a @ b
         done += 1
-    return round(2 * n**3 * done / (time.perf_counter() - t0) / 1e9, 1)
+    return round(2 * side**3 * done / (time.perf_counter() - t0) / 1e9, 1)
 
 
 def gpus() -> list[dict[str, Any]]:
