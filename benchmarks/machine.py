@@ -1,9 +1,10 @@
 """The machine a benchmark ran on, recorded in every result file and printed in every report header.
 
 ``machine_info`` gathers: CPU model, cores, memory, torch's CPU capability and the CPU flags that decide
-which matmul kernels torch can use, a ~1 s fp32 / bf16 matmul probe (GFLOP/s; the matrices shrink where a dtype is slow), the GPU if any, the dtype
-this CPU computes natively (``sgl_kvtier.serving.hardware.native_dtype``: what ``auto`` picks on CPU), and the
-model dtype the run used with how it was chosen (given by the caller: ``auto: ...`` or ``forced: ...``).
+which matmul kernels torch can use, a ~1 s fp32 / bf16 matmul probe (GFLOP/s; smaller matrices where a
+dtype is slow), the GPU if any, the dtype this CPU computes natively
+(``sgl_kvtier.serving.hardware.native_dtype``: what ``auto`` picks on CPU), and the model dtype the run used
+with how it was chosen (given by the caller: ``auto: ...`` or ``forced: ...``).
 ``machine_line`` is the one-line form for headers.
 """
 
