@@ -62,7 +62,7 @@ def phases_of(meta: dict[str, Any], sent_at: float, ttft_s: float) -> dict[str, 
     SGLang keeps the first forward's stamps across a retract, so a retracted request's retry (its second
     wait and forward) falls in ``returned_s``.
     """
-    need = ("request_received_ts", "queue_time", "forward_entry_time", "prefill_finished_time")
+    need = ("queue_time", "forward_entry_time", "prefill_finished_time")
     if any(not isinstance(meta.get(k), (int, float)) for k in need):
         return None
     entered = float(meta["forward_entry_time"])

@@ -170,10 +170,11 @@ def phase_table(run: Mapping[str, Any], device: str) -> str:
     lines = []
     for name, mode, level, c in rows:
         x = cell(run, device, mode, level, c)
-        ph = None if x is None else x.get("phases_p50_s")
-        if x is not None and ph:
-            lines.append(f"| {name} | {c} | {x['ttft_p50_s']:.2f} | " + " | ".join(f"{ph[k]:.3f}" for k in PHASES)
-                         + f" | {sum(ph.values()):.2f} |")
+        if x is None or not x.get("phases_p50_s"):
+            continue
+        ph = x["phases_p50_s"]
+        lines.append(f"| {name} | {c} | {x['ttft_p50_s']:.2f} | " + " | ".join(f"{ph[k]:.3f}" for k in PHASES)
+                     + f" | {sum(ph.values()):.2f} |")
     if not lines:
         return ""
     head = ["requests", "C", "TTFT p50 s", *(k.removesuffix("_s").replace("_", " ") + " s" for k in PHASES),
