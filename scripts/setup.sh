@@ -45,9 +45,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-# --no-compile: pip byte-compiles every installed module (~30k files, 2 min of one core here); Python compiles
-# the few thousand a process imports on first import instead, into the same __pycache__ (atomic renames).
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if [ "${KVTIER_UNLOCKED:-0}" != 1 ]; then
   PIP+=(-c "$LOCK")
 fi
