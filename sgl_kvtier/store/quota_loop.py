@@ -190,9 +190,12 @@ class QuotaLoop:
             return False  # it beat again (or its lease went): judged afresh on the next step
         config = self.own.config
         try:
-            rt.write_fence(path, incarnation, self.own.wid, host_id(config))
+            fenced = rt.write_fence(path, incarnation, self.own.wid, host_id(config))
         except OSError as exc:
             log.warning("fencing dead writer %s of %s failed: %r", wid, self.ns_meta, exc)
+            return False
+        if not fenced:  # another writer is retiring it and is past its lease: only directories may be left
+            self.continue_retirement(wid)
             return False
         self.retired += 1
         log.info("fenced dead writer %s of %s; deleting its files", wid, self.ns_meta)

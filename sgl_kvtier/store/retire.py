@@ -15,7 +15,8 @@ own clock) retires it when the pool quota needs its bytes or once it has been de
 Every step is idempotent (a file already gone, ``ENOENT``, and a directory not empty or gone, ``ENOTEMPTY``
 / ``ENOENT``, are fine), so a retirer that dies half-way leaves a directory that every observer still judges
 ``RETIRED`` (its fence is the last file to go), and any live writer seeing it continues the deletion; two
-deleting at once only find each other's files gone. A pass finding no FENCE at all only removes the
+deleting at once only find each other's files gone, and a retirer that comes to fence a directory whose
+FENCE and LEASE are gone already (another is at its last steps, or done) writes no fence. A pass finding no FENCE at all only removes the
 (empty) directories: the deletion is at its end, or the directory was made anew by a writer that
 re-registered under the same wid since it was judged, whose files are not to be touched. A crash between
 FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence: nobody's, costs nothing).
@@ -58,12 +59,16 @@ class Deleted:
     finished: bool = False  # the writer directory itself is gone
 
 
-def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> None:
+def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> bool:
     """Fence the writer of ``directory``: its ``FENCE`` names ``incarnation`` (retired by writer ``by`` of
-    host ``by_host``). Raises OSError (nothing is deleted then: the caller tries again on a later step)."""
+    host ``by_host``). True once fenced; False when there is nothing left to fence: the directory is gone, or
+    its deletion is past its LEASE (another retirer is at its last steps). Raises OSError otherwise (nothing
+    is deleted then: the caller tries again on a later step)."""
     block = fmt.pack_fence_block({"incarnation": incarnation, "by": by, "by_host": by_host, "at": time.time()})
     path = directory / FENCE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # never O_TRUNC: its owner holds this very file open
+    fd = _open_fence(path)
+    if fd is None:
+        return False
     try:
         # Crash rule: the fence is durable before any file of the writer is deleted, so a directory with
         # files missing always carries it (and stays RETIRED for every observer until FENCE itself goes).
@@ -72,6 +77,29 @@ def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> N
     finally:
         os.close(fd)
     fsync_dir(directory)  # a FENCE created just now (a writer of an older build had none) survives a power cut
+    return True
+
+
+def _open_fence(path: Path) -> int | None:
+    """``path`` (a FENCE) opened for writing, never truncated (its owner holds this very file open); None
+    when it is not to be written. A deletion unlinks LEASE before FENCE (``delete_writer``): so no FENCE
+    beside no LEASE means another retirer is at its last steps, and creating FENCE again would leave a file
+    in a directory that retirer is about to remove (seen: three retirers at once, one finding the directory
+    gone). Only a directory with a LEASE and no FENCE (a writer of an older build, which had none) gets one
+    created."""
+    try:
+        return os.open(path, os.O_WRONLY)
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise
+    if not (path.parent / LEASE).exists():
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise
+        return None  # the directory went meanwhile
 
 
 def writer_directories(config: StoreConfig, ns_meta: Path, wid: str) -> list[Path]:
@@ -128,9 +156,10 @@ def _remove_dirs(dirs: list[Path], ns_meta: Path, done: Deleted) -> Deleted:
 
 
 def retire(config: StoreConfig, ns_meta: Path, wid: str, incarnation: bytes, by: str, by_host: str) -> Deleted:
-    """Fence dead writer ``wid`` (its last lease's ``incarnation``), then delete its files; what was deleted.
-    Raises OSError (see ``write_fence`` / ``delete_writer``)."""
-    write_fence(ns_meta / writer_dirname(wid), incarnation, by, by_host)
+    """Fence dead writer ``wid`` (its last lease's ``incarnation``), then delete its files; what was deleted
+    (by this call: with another retirer ahead of it, only directories it found empty). Raises OSError (see ``write_fence`` / ``delete_writer``)."""
+    if not write_fence(ns_meta / writer_dirname(wid), incarnation, by, by_host):
+        return delete_writer(config, ns_meta, wid)  # another retirer is ahead: at most its directories remain
     done = delete_writer(config, ns_meta, wid)
     log.info("retired dead writer %s of %s (fenced by %s): %d files, %d segment bytes", wid, ns_meta, by,
              done.files, done.segment_bytes)

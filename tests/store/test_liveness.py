@@ -163,7 +163,9 @@ def test_a_fenced_lease_stops_beating_and_says_so_once(tmp_path):
 
 
 def test_a_fence_block_round_trips_and_a_torn_one_is_none(tmp_path):
-    write_fence(tmp_path, b"i" * 16, "hostb-0", "hostb")
+    assert not write_fence(tmp_path, b"i" * 16, "hostb-0", "hostb")  # no FENCE, no LEASE: nobody to fence
+    (tmp_path / "LEASE").touch()  # a writer of an older build: a lease and no FENCE, which is created
+    assert write_fence(tmp_path, b"i" * 16, "hostb-0", "hostb")
     got = read_fence(tmp_path)
     assert got is not None and got["incarnation"] == b"i" * 16 and got["by"] == "hostb-0"
     data = bytearray((tmp_path / FENCE).read_bytes())

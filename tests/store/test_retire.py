@@ -339,3 +339,22 @@ def test_a_sigkilled_writer_process_of_another_host_is_retired_after_reclaim_aft
         assert beat(b).retired.keys() == {wid} and files_of(tmp_path, wid) == []
         b.refresh(force=True)
         assert read(b, list(range(16))) == ([], list(range(16)), [])
+
+
+def test_a_retirer_behind_another_writes_no_fence_and_finishes(tmp_path):
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), NS) as a:
+        wid, ns_meta = a.wid, a.ns_meta
+        assert wid is not None and put(a, list(range(8))) == [True] * 8
+        assert a.own is not None
+        incarnation = a.own.incarnation
+    cfg = cluster_config(tmp_path, "hostb")
+    directory = ns_meta / f"w-{wid}"
+    for d in files_of(tmp_path, wid):  # the first retirer is between FENCE's unlink and its rmdirs ...
+        for path in d.iterdir():
+            os.unlink(path)
+    assert not rt.write_fence(directory, incarnation, "hostc-0", "hostc")
+    assert not (directory / "FENCE").exists()  # ... and the second does not put a file back into it
+    late = rt.retire(cfg, ns_meta, wid, incarnation, "hostc-0", "hostc")
+    assert late.finished and not directory.exists()
+    gone = rt.retire(cfg, ns_meta, wid, incarnation, "hostd-0", "hostd")  # the directory is gone: still fine
+    assert gone.finished and gone.files == 0 and files_of(tmp_path, wid) == []
