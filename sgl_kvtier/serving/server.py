@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -40,8 +41,25 @@ class ServerError(RuntimeError):
     """The server did not start, died, or answered a request with an error."""
 
 
+# Ports this runner picks: below the kernel's ephemeral range (where bind(0) and every outbound connection
+# take theirs: a port picked by bind(0) was once taken by a client's connection before the server bound it,
+# "address already in use") and below SGLang's own picks (22000-29999, `get_free_port_below_ephemeral`), with
+# room above for the ports SGLang derives from `--port` under DP attention (port + 233 .. + 240).
+PORT_RANGE = range(10000, 21700)
+ADDRESS_IN_USE = re.compile(r"address already in use|Errno 98", re.IGNORECASE)
+START_ATTEMPTS = 3  # start-ups on a fresh port when the picked one was taken meanwhile
+
+
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    """A TCP port of ``PORT_RANGE`` that was free on 127.0.0.1 a moment ago (the OS picks one where 64 tries
+    found none)."""
+    for port in random.sample(PORT_RANGE, 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -83,6 +101,7 @@ class SGLangServer:
         cpu: bool | None = None,
         admin_api_key: str | None = None,
     ) -> None:
+        self._own_port = port is None  # a port this runner picked may be picked again (``start``)
         self.port = port if port is not None else free_port()
         # Sent with every request unless a call passes its own headers (SGLang's admin endpoints need it).
         self.auth = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
@@ -112,9 +131,31 @@ class SGLangServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> SGLangServer:
-        """Launch the server and wait until ``/health`` answers 200 (or raise ``ServerError`` with the log tail)."""
+        """Launch the server and wait until ``/health`` answers 200 (or raise ``ServerError`` with the log tail).
+        A start-up that fails because its port was taken meanwhile, on a port this runner picked, is tried
+        again on a fresh one (``START_ATTEMPTS`` in all)."""
         if self.proc is not None:
             raise ServerError("server already started")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except ServerError:
+                if not (self._own_port and attempt < START_ATTEMPTS and self._port_was_taken()):
+                    raise
+            self.proc = None
+            self._move_to(free_port())
+        raise AssertionError("unreachable")
+
+    def _port_was_taken(self) -> bool:
+        exited = self.proc is not None and self.proc.poll() is not None
+        return exited and bool(ADDRESS_IN_USE.search(_tail(self.log_path)))
+
+    def _move_to(self, port: int) -> None:
+        i = self.command.index("--port")
+        self.command[i + 1] = str(port)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+
+    def _start_once(self) -> SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with self.log_path.open("wb") as log:
