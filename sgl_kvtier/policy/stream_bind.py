@@ -31,12 +31,27 @@ the last ``K_WINDOW``):
   model that had seen no hit-shaped batch: measured 3.8 ms/MB, 0.76 s per 201 MB hit, where the streamed
   hits ran 0.05 s faster than whole loads. Until ``MIN_SAMPLES`` were seen, or without a prefill model,
   ``k`` is unknown and the hit streams (that is how ``k`` is measured).
+Measured, like for like (``begin_hit`` / ``finish_hit``): the model above leaves out what it cannot see (a
+whole load's W is op start to SGLang's handling of its result, not its request's time; a streamed hit's gate
+waits and the stalls of its forward are in no figure; measured in one run: W + X over-predicted a whole
+load by ~0.14 s and the streamed side was under-predicted by ~0.16 s, so the rule streamed where it lost).
+So each hit the rule decided, alone, is also timed end to end: from its op's start to the result of the
+forward that gave its request's first token, minus the prefill model's time for that forward's batch (now),
+is the path's *excess* over a device hit. The last ``HIT_WINDOW`` of each path are kept raw (bytes, batch
+shape, seconds) and fitted per byte through 0, as ``k``. Once both paths have ``min_samples``, they decide:
+
+    STREAM  when  excess_whole - excess_stream  >=  MIN_GAIN_SHARE * (excess_whole + c)
+
+and the model is only the prior. A sample needs its request's first token from a batch of its own
+(``finish_hit``: any other batch drops it); a streamed one needs that batch to have run with its tail,
+unfailed (dropped, refused or retracted tails are no sample), a whole one to have landed whole.
 Each choice feeds only its own figure, so every ``EXPLORE_EVERY``-th decided hit takes the other path
 (re-measuring it: a device that changed speed is seen). Unknown ``R`` or ``c``: the hit streams, as before
 this rule (the gate's safe minimum then decides when to admit).
 
 Invariants: ``decide`` never raises for finite inputs and answers a reason with every verdict; a sample
-that is not finite, or of no bytes, is ignored.
+that is not finite, or of no bytes, is ignored; at most ``MAX_PENDING`` hits are timed at once (the oldest
+is forgotten first: a request aborted before its first token never leaks).
 """
 
 from __future__ import annotations
@@ -44,7 +59,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +71,8 @@ MIN_SAMPLES = 2  # samples of a learned figure before it is used
 HALF_LIFE = 16.0  # samples
 EXPLORE_EVERY = 16  # every n-th decided hit takes the other path (0: never)
 K_WINDOW = 16  # streamed forwards kept for k
+HIT_WINDOW = 16  # hits kept per path for the measured comparison
+MAX_PENDING = 256  # hits being timed (begun, no first token yet)
 Shape = tuple[tuple[int, int], ...]  # a batch: (new tokens, cached tokens) per request
 Predict = Callable[[list[tuple[int, int]]], float]  # the prefill model's batch time for a shape
 
@@ -76,6 +93,8 @@ class BindInputs:
     whole_wait_s: float | None = None  # learned W for this hit (None: not learned yet, R stands in)
     interference_s_per_byte: float | None = None  # learned k (None: not learned yet)
     load_back_s: float | None = None  # learned X for this hit (None: not learned yet, taken as 0)
+    measured_whole_s: float | None = None  # a whole load's measured excess over compute for this hit (None: too few)
+    measured_stream_s: float | None = None  # a streamed hit's measured excess (None: too few)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -98,6 +117,13 @@ def _known(x: float | None) -> bool:
 def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDecision:
     """The rule of the module docstring for one hit."""
     read, c = inputs.read_s, inputs.suffix_compute_s
+    whole_x, stream_x = inputs.measured_whole_s, inputs.measured_stream_s
+    if _known(whole_x) and _known(stream_x):
+        assert whole_x is not None and stream_x is not None
+        gain = whole_x - stream_x
+        if gain >= min_gain_share * (whole_x + (c if c is not None and _known(c) else 0.0)):
+            return BindDecision(BindVerdict.STREAM, "measured faster: streamed", gain)
+        return BindDecision(BindVerdict.WHOLE, "measured no faster: loaded whole", gain)
     if not _known(read) or not _known(c):
         return BindDecision(BindVerdict.STREAM, "unmeasured: streamed")
     assert read is not None and c is not None
@@ -126,6 +152,9 @@ class StreamCosts:
         self._whole = TransferEstimator(HALF_LIFE)  # W: seconds ~= fixed + bytes / rate, as the store's reads
         self._forwards: deque[tuple[int, Shape, float]] = deque(maxlen=K_WINDOW)  # k's raw samples
         self._load_back = TransferEstimator(HALF_LIFE)  # X: SGLang's own host -> device copies
+        self._pending: OrderedDict[str, tuple[BindVerdict, float, int]] = OrderedDict()  # rid -> path, start, bytes
+        self._hits: dict[BindVerdict, deque[tuple[int, Shape, float]]] = {
+            path: deque(maxlen=HIT_WINDOW) for path in BindVerdict}  # the measured comparison's raw samples
         self._explore_every = explore_every
         self._min = max(1, min_samples)
         self._decided = 0
@@ -159,6 +188,10 @@ class StreamCosts:
         """k against ``predict`` (the prefill model's batch time now); None: too few samples or no model."""
         with self._lock:
             samples = list(self._forwards)
+        return self._excess_per_byte(samples, predict)
+
+    def _excess_per_byte(self, samples: list[tuple[int, Shape, float]], predict: Predict | None) -> float | None:
+        """Seconds over ``predict`` per byte, least squares through 0, at least 0; None: too few or no model."""
         if predict is None or len(samples) < self._min:
             return None
         num = den = 0.0
@@ -168,12 +201,56 @@ class StreamCosts:
                 num, den = num + mb * excess, den + mb * mb
         return None if den <= 0 else max(0.0, num / den) / 1e6  # no fit >= 0: no slower than predicted
 
+    # -------------------------------------------------------------------- the measured comparison
+    def begin_hit(self, rid: str, path: BindVerdict, start_s: float, nbytes: int) -> None:
+        """Request ``rid``'s hit of ``nbytes`` takes ``path``; its op started at ``start_s`` (module docstring)."""
+        if nbytes > 0 and math.isfinite(start_s):
+            with self._lock:
+                self._pending.pop(rid, None)
+                self._pending[rid] = (path, float(start_s), int(nbytes))
+                while len(self._pending) > MAX_PENDING:
+                    self._pending.popitem(last=False)
+
+    def forget_hit(self, rid: str) -> None:
+        with self._lock:
+            self._pending.pop(rid, None)
+
+    def timing(self, rid: str) -> BindVerdict | None:
+        """The path of ``rid``'s hit while it is being timed (None: it is not)."""
+        with self._lock:
+            entry = self._pending.get(rid)
+        return None if entry is None else entry[0]
+
+    def finish_hit(self, rid: str, end_s: float, shape: Sequence[tuple[int, int]] | None) -> BindVerdict | None:
+        """Request ``rid``'s first token came from a forward of batch ``shape`` whose result was handled at
+        ``end_s``: the sample of its path, returned (None: it was not timed, or ``shape`` is None: not a
+        valid sample, dropped)."""
+        with self._lock:
+            entry = self._pending.pop(rid, None)
+            if entry is None or not shape:
+                return None
+            path, start, nbytes = entry
+            seconds = end_s - start
+            if not (math.isfinite(seconds) and seconds >= 0):
+                return None
+            self._hits[path].append((nbytes, tuple((int(e), int(p)) for e, p in shape), seconds))
+            return path
+
+    def measured_s(self, path: BindVerdict, nbytes: int, predict: Predict | None) -> float | None:
+        """``path``'s measured excess over compute for a hit of ``nbytes`` (None: too few samples, no model)."""
+        with self._lock:
+            samples = list(self._hits[path])
+        per_byte = self._excess_per_byte(samples, predict)
+        return None if per_byte is None else per_byte * nbytes
+
     def decide(self, hit_bytes: int, groups: int, read_s: float | None, suffix_compute_s: float | None,
                predict: Predict | None = None) -> BindDecision:
         """``decide`` with the learned figures (k against ``predict``); every ``explore_every``-th decided hit
         takes the other path."""
         decision = decide(BindInputs(hit_bytes, groups, read_s, suffix_compute_s, self.whole_wait_s(hit_bytes),
-                                     self.interference_s_per_byte(predict), self.load_back_s(hit_bytes)))
+                                     self.interference_s_per_byte(predict), self.load_back_s(hit_bytes),
+                                     self.measured_s(BindVerdict.WHOLE, hit_bytes, predict),
+                                     self.measured_s(BindVerdict.STREAM, hit_bytes, predict)))
         if decision.gain_s is None or self._explore_every <= 0:
             return decision
         with self._lock:
@@ -189,12 +266,16 @@ class StreamCosts:
         """The learned figures (None: not learned; k against ``predict``) and their sample counts."""
         with self._lock:
             k_samples = len(self._forwards)
+            hits = {path: len(samples) for path, samples in self._hits.items()}
         k = self.interference_s_per_byte(predict)
+        whole_x, stream_x = (self.measured_s(path, 1_000_000, predict) for path in (BindVerdict.WHOLE, BindVerdict.STREAM))
         (whole_fixed, whole_mb), (copy_fixed, copy_mb) = _fixed_per_mb(self._whole), _fixed_per_mb(self._load_back)
         return StreamBindSnapshot(
             whole_wait_fixed_s=whole_fixed, whole_wait_s_per_mb=whole_mb, whole_samples=self._whole.samples,
             interference_s_per_mb=None if k is None else k * 1e6, interference_samples=k_samples,
-            load_back_fixed_s=copy_fixed, load_back_s_per_mb=copy_mb, load_back_samples=self._load_back.samples)
+            load_back_fixed_s=copy_fixed, load_back_s_per_mb=copy_mb, load_back_samples=self._load_back.samples,
+            measured_whole_s_per_mb=whole_x, measured_whole_hits=hits[BindVerdict.WHOLE],
+            measured_stream_s_per_mb=stream_x, measured_stream_hits=hits[BindVerdict.STREAM])
 
 
 def _fixed_per_mb(fit: TransferEstimator) -> tuple[float | None, float | None]:
@@ -203,4 +284,5 @@ def _fixed_per_mb(fit: TransferEstimator) -> tuple[float | None, float | None]:
     return (None, None) if model is None else (model.batch_latency_s, 1e6 / model.bandwidth_Bps)
 
 
-__all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "MIN_GAIN_SHARE", "StreamCosts", "decide"]
+__all__ = ["BindDecision", "BindInputs", "BindVerdict", "EXPLORE_EVERY", "HIT_WINDOW", "MAX_PENDING", "MIN_GAIN_SHARE",
+           "StreamCosts", "decide"]

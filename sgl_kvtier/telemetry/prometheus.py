@@ -117,6 +117,12 @@ STREAM_BIND = {
     "load_back_s_per_mb": ("stream_bind_load_back_seconds_per_megabyte",
                            "Bind rule: seconds per MB of SGLang's host -> device load-back before a forward"),
     "load_back_samples": ("stream_bind_load_back_samples", "Bind rule: load-backs the copy time was fitted on"),
+    "measured_whole_s_per_mb": ("stream_bind_measured_whole_seconds_per_megabyte",
+                                "Bind rule: an L3 hit loaded whole, its request's time over compute per MB"),
+    "measured_whole_hits": ("stream_bind_measured_whole_hits", "Bind rule: hits loaded whole timed end to end"),
+    "measured_stream_s_per_mb": ("stream_bind_measured_stream_seconds_per_megabyte",
+                                 "Bind rule: a streamed L3 hit, its request's time over compute per MB"),
+    "measured_stream_hits": ("stream_bind_measured_stream_hits", "Bind rule: streamed hits timed end to end"),
 }
 STREAM_HOOKS = tuple(f.name for f in dataclasses.fields(StreamHookSnapshot) if f.name not in ("dropped", "not_streamed"))
 

@@ -191,7 +191,8 @@ class StreamBindSnapshot:
     yet): the whole-load wait W = fixed + bytes x per-MB, fitted on hits loaded whole alone, and the
     interference k (seconds a forward ran over the prefill model per MB of streamed tail) and the load-back
     copy X a whole load makes before its forward, with the sample counts of each (the rule uses a figure
-    from its second sample on)."""
+    from its second sample on); and each path's measured excess over compute per MB, from hits timed end to
+    end (once both have samples, they decide)."""
 
     whole_wait_fixed_s: float | None = None
     whole_wait_s_per_mb: float | None = None
@@ -201,6 +202,10 @@ class StreamBindSnapshot:
     load_back_fixed_s: float | None = None  # X: SGLang's own host -> device load-backs, fixed + per MB
     load_back_s_per_mb: float | None = None
     load_back_samples: int = 0
+    measured_whole_s_per_mb: float | None = None  # a hit loaded whole: its request's time over compute, per MB
+    measured_whole_hits: int = 0
+    measured_stream_s_per_mb: float | None = None  # a streamed hit: the same, measured alike
+    measured_stream_hits: int = 0
 
 
 @dataclass(frozen=True)

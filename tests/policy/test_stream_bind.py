@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 
-from sgl_kvtier.policy.stream_bind import BindInputs, BindVerdict, StreamCosts, decide
+from sgl_kvtier.policy.stream_bind import HIT_WINDOW, MAX_PENDING, BindInputs, BindVerdict, StreamCosts, decide
 
 MB = 1_000_000
 HIT = 200 * MB  # the benchmark's hit: 201 MB of KV
 SHAPE = [(64, 1536)]  # a streamed hit's batch: 64 new tokens over 1,536 cached
+RIDS = itertools.count()
 
 
 def PREDICT(shape: list[tuple[int, int]]) -> float:  # noqa: N802 - a constant-like prefill model
@@ -128,3 +130,72 @@ def test_every_nth_decided_hit_takes_the_other_path():
     assert verdicts[3].reason == "re-measuring: streamed" and verdicts[3].gain_s is not None
     undecided = StreamCosts(explore_every=1)  # a verdict without a prediction is never flipped
     assert undecided.decide(HIT, 4, read_s=None, suffix_compute_s=0.5).verdict is BindVerdict.STREAM
+
+
+def timed(costs: StreamCosts, path: BindVerdict, excess_s: float, n: int = 2, nbytes: int = HIT) -> None:
+    """``n`` hits of ``path`` timed end to end: op start to first token = compute (PREDICT) + ``excess_s``."""
+    for _ in range(n):
+        rid = f"{path.value}-{next(RIDS)}"
+        costs.begin_hit(rid, path, 100.0, nbytes)
+        assert costs.timing(rid) is path
+        assert costs.finish_hit(rid, 100.0 + 0.5 + excess_s, SHAPE) is path and costs.timing(rid) is None
+
+
+def test_measured_excess_decides_once_both_paths_have_it():
+    """Session 10's fast device: the model said stream (W + X 0.54 s vs gate + k 0.31 s); timed end to end a
+    whole load cost 0.40 s over a device hit and a streamed one 0.47 s: measured, the hit loads whole."""
+    costs = StreamCosts(explore_every=0)
+    costs.record_whole(100 * MB, 0.25)
+    costs.record_whole(HIT, 0.49)
+    for mb in (100, 200):
+        costs.record_stream_forward(mb * MB, SHAPE, 0.5 + 0.155e-3 * mb)  # k = 0.155 ms/MB: 0.03 s per hit
+    assert costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5, predict=PREDICT).verdict is BindVerdict.STREAM
+    timed(costs, BindVerdict.WHOLE, 0.40)
+    assert costs.measured_s(BindVerdict.STREAM, HIT, PREDICT) is None  # one path alone decides nothing
+    timed(costs, BindVerdict.STREAM, 0.47)
+    assert costs.measured_s(BindVerdict.WHOLE, HIT, PREDICT) == pytest.approx(0.40)
+    decision = costs.decide(HIT, 4, read_s=0.15, suffix_compute_s=0.5, predict=PREDICT)
+    assert decision.verdict is BindVerdict.WHOLE and decision.reason == "measured no faster: loaded whole"
+    assert decision.gain_s == pytest.approx(-0.07)
+    assert costs.decide(HIT, 4, 0.15, 0.5, predict=None).verdict is BindVerdict.STREAM  # no model: unjudged
+    snap = costs.snapshot(PREDICT)
+    assert (snap.measured_whole_hits, snap.measured_stream_hits) == (2, 2)
+    assert snap.measured_whole_s_per_mb == pytest.approx(0.40 / 200) and snap.measured_stream_s_per_mb is not None
+
+
+def test_a_measured_gain_must_be_a_share_of_the_whole_load_ttft():
+    # break-even: a whole load 0.62 s over compute, a streamed hit 0.35 s: gain 0.27 s >= 5% of 1.12 s
+    fast = dict(hit_bytes=HIT, groups=4, read_s=0.5, suffix_compute_s=0.5)
+    assert decide(BindInputs(**fast, measured_whole_s=0.62, measured_stream_s=0.35)).verdict is BindVerdict.STREAM
+    # a gain of 0.04 s is under 5% of 0.92 s: loaded whole, whatever the model says
+    near = decide(BindInputs(**fast, interference_s_per_byte=0.0, measured_whole_s=0.42, measured_stream_s=0.38))
+    assert near.verdict is BindVerdict.WHOLE and near.reason.startswith("measured")
+    # measured figures decide even where the model has no inputs (no read model)
+    assert decide(BindInputs(HIT, 4, None, None, measured_whole_s=0.6, measured_stream_s=0.1)).reason == (
+        "measured faster: streamed")
+
+
+def test_hit_timings_are_dropped_when_invalid_and_bounded():
+    costs = StreamCosts(explore_every=0)
+    costs.begin_hit("r", BindVerdict.STREAM, 10.0, HIT)
+    assert costs.finish_hit("r", 11.0, None) is None and costs.timing("r") is None  # not a valid sample: gone
+    assert costs.finish_hit("never-begun", 11.0, SHAPE) is None
+    costs.begin_hit("late", BindVerdict.WHOLE, 10.0, HIT)
+    assert costs.finish_hit("late", 9.0, SHAPE) is None  # ended before it began: no sample
+    costs.begin_hit("gone", BindVerdict.WHOLE, 10.0, HIT)
+    costs.forget_hit("gone")
+    assert costs.timing("gone") is None
+    costs.begin_hit("empty", BindVerdict.WHOLE, 10.0, 0)  # no bytes: not timed
+    assert costs.timing("empty") is None
+    assert costs.snapshot(PREDICT).measured_whole_hits == costs.snapshot(PREDICT).measured_stream_hits == 0
+    for i in range(MAX_PENDING + 5):  # requests aborted before their first token never pile up
+        costs.begin_hit(f"a{i}", BindVerdict.WHOLE, 1.0, MB)
+    assert costs.timing("a0") is None and costs.timing("a5") is BindVerdict.WHOLE
+    assert costs.timing(f"a{MAX_PENDING + 4}") is BindVerdict.WHOLE
+
+
+def test_each_path_keeps_its_last_hits():
+    costs = StreamCosts(explore_every=0)
+    timed(costs, BindVerdict.WHOLE, 0.9, n=HIT_WINDOW)  # a device that was slow ...
+    timed(costs, BindVerdict.WHOLE, 0.3, n=HIT_WINDOW)  # ... and is fast now: only the last window counts
+    assert costs.measured_s(BindVerdict.WHOLE, HIT, PREDICT) == pytest.approx(0.3)

@@ -56,6 +56,7 @@ from stream_kit import (  # noqa: E402
     tree_device_tokens,
 )
 
+from sgl_kvtier.policy.stream_bind import BindVerdict  # noqa: E402
 from sgl_kvtier.sglang.plugins import (  # noqa: E402
     prefetch,
     stream,
@@ -97,6 +98,7 @@ def test_register_gate_match_load_back_own_and_rows(consumer):
     registry = registered(env, req, head=3)
     tail = registry.get(req.rid)
     assert tail is not None and tail.state is TailState.REGISTERED
+    assert env.backend.stream_costs.timing(req.rid) is BindVerdict.STREAM  # the rule's choice, timed to its token
     assert (tail.first_page, tail.token_start, tail.tokens) == (3, 3 * PS, (N_PAGES - 3) * PS)
     stream_ = tail.stream
     assert torch.equal(tail.host_indices, stream_.host_indices[3 * PS:])
@@ -520,5 +522,6 @@ def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_lo
     assert env.backend.binder.streams == [] and len(registry) == 0
     assert stream_admit.STATS.not_registered[reason] == before + 1
     assert costs.snapshot().whole_samples == 1  # the load from its op's start to its handled result
+    assert costs.timing(req.rid) is BindVerdict.WHOLE  # and its request is timed on to its first token
     admit(env, req)
     assert req.prefix_len == N_TOKENS and req.host_hit_length == N_TOKENS  # the whole hit, from L3 via L2

@@ -254,6 +254,48 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     assert env.backend.telemetry().boundary.total == 0
 
 
+
+def test_hits_the_rule_decided_are_timed_to_their_first_token(sampled) -> None:
+    """The bind rule's measured comparison: a hit's op start to the handled result of the batch that gave its
+    request's first token is a sample of its path when the batch was that request alone and ran as its path
+    says; any other batch drops it (``stall_marks.first_tokens``)."""
+    from sgl_kvtier.policy.stream_bind import BindVerdict
+
+    env = sampled
+    scheduler, costs = scheduler_over(env.cache), env.backend.stream_costs
+    mb = 1_000_000
+
+    def first_token(rid: str, path: BindVerdict, forward_iter: int, *, tails: int = 0, waits: int = 0,
+                    failed: bool = False, first: bool = True, others: int = 0) -> None:
+        costs.begin_hit(rid, path, T0 - 1.0, mb)  # its op started 1 s before the result is handled
+        reqs = [new_req(rid), *(new_req(f"{rid}-other{i}") for i in range(others))]
+        reqs[0].output_ids = [7] if first else []  # no token yet: a chunk of a chunked prefill
+        b = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[64] * len(reqs),
+                          prefix_lens=[1536] * len(reqs), launch_ts=T0 - 0.3)
+        b.forward_iter = forward_iter
+        stall_marks.note_batch(scheduler, b, waits=waits, seconds=0.1 * waits, tail_bytes=tails, failed=failed)
+        stream_sample.record_prefill(None, scheduler, b)
+        assert costs.timing(rid) is None  # sampled or dropped, never left pending
+
+    def hits() -> tuple[int, int]:
+        snap = costs.snapshot()
+        return snap.measured_whole_hits, snap.measured_stream_hits
+
+    first_token("whole", BindVerdict.WHOLE, 1)
+    first_token("stalled", BindVerdict.STREAM, 2, tails=mb, waits=2)  # a stall is the streamed path's own cost
+    assert hits() == (1, 1)
+    first_token("failed", BindVerdict.STREAM, 3, tails=mb, failed=True, waits=1)  # retracted: no sample
+    first_token("not streamed", BindVerdict.STREAM, 4)  # bound, then dropped: its forward ran without a tail
+    first_token("beside a tail", BindVerdict.WHOLE, 5, tails=mb)  # another request's tail in its batch
+    first_token("in company", BindVerdict.WHOLE, 6, others=1)
+    first_token("chunked", BindVerdict.WHOLE, 7, first=False)
+    assert hits() == (1, 1) and env.backend.telemetry().boundary.total == 0
+    for rid, path, it in (("whole2", BindVerdict.WHOLE, 8), ("stream2", BindVerdict.STREAM, 9)):
+        first_token(rid, path, it, tails=mb if path is BindVerdict.STREAM else 0)
+    snap = costs.snapshot(lambda shape: 0.25)  # a prefill model of 0.25 s for the batch: 0.75 s over it per MB
+    assert hits() == (2, 2) and snap.measured_whole_s_per_mb == pytest.approx(0.75)
+    assert snap.measured_stream_s_per_mb == pytest.approx(0.75)
+
 def test_no_sample_when_the_cache_does_not_stream(tmp_path, kit_on_cpu, monkeypatch, cpu_shims) -> None:
     monkeypatch.setattr(prefetch, "_loaded", False)
     caches: list = []

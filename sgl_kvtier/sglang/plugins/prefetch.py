@@ -161,13 +161,18 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
     if batch.forward_mode.name not in PREFILL_MODES or not batch.extend_lens:
         return
     mark = stall_marks.take(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
-    if mark is not None and mark.stalled:  # compute + a wait on streamed tails: fitted, it would be "compute"
-        return
     backend = backend_of(getattr(scheduler, "tree_cache", None))
     if backend is None:
         return
+    now = _clock()
+    try:  # the bind rule's end-to-end hit samples end here, stalled batches included (a stall is the path's cost)
+        stall_marks.first_tokens(backend.stream_costs, batch, mark, now)
+    except Exception as exc:
+        backend.boundary.fail("bind rule hit timing", exc, outcome="sample skipped")
+    if mark is not None and mark.stalled:  # compute + a wait on streamed tails: fitted, it would be "compute"
+        return
     try:
-        seconds = _clock() - batch.launch_ts
+        seconds = now - batch.launch_ts
         if mark is None:
             backend.cost.prefill.record_batch(list(batch.extend_lens), list(batch.prefix_lens), seconds)
             return

@@ -6,14 +6,22 @@ latter is the bind rule's sample instead (``policy.stream_bind``: seconds over t
 
 A mark is ``scheduler.__dict__[MARKS_ATTR][forward_iter] = Mark(...)`` (``forward_iter``: set by SGLang's
 ``run_batch`` and kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``take`` removes it
-when read, and at most ``MAX_MARKS`` are kept per scheduler (the oldest go first). No imports: both
-samplers use it without importing each other.
+when read, and at most ``MAX_MARKS`` are kept per scheduler (the oldest go first). It imports neither
+sampler: both use it without importing each other.
+
+Both samplers also end the bind rule's end-to-end timing of a hit (``first_tokens``; ``policy.stream_bind``,
+the measured comparison): a request the rule is timing gets its first token from an extend batch, which is
+the sample if the batch was that request alone and ran as its path says (a streamed hit: with its tail,
+unfailed; a whole load: without tails); anything else drops it (a tail dropped at the gate, its request
+recomputing it, is no sample either: rare, at the gate's deadline).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from sgl_kvtier.policy.stream_bind import BindVerdict
 
 MARKS_ATTR = "_kvtier_stream_marks"  # on the Scheduler: forward_iter -> Mark
 MAX_MARKS = 64
@@ -24,6 +32,7 @@ class Mark:
     waits: int  # times the forward waited on a tail group
     stall_s: float  # seconds it waited in all
     tail_bytes: int  # bytes of the streamed tails the batch loaded
+    failed: bool = False  # a tail of the batch failed (zeros were loaded; its request is retracted)
 
     @property
     def stalled(self) -> bool:
@@ -31,14 +40,14 @@ class Mark:
         return self.waits > 0
 
 
-def note_batch(scheduler: Any, batch: Any, waits: int, seconds: float, tail_bytes: int) -> None:
+def note_batch(scheduler: Any, batch: Any, waits: int, seconds: float, tail_bytes: int, failed: bool = False) -> None:
     """The forward of ``batch`` loaded ``tail_bytes`` of streamed tails and waited ``waits`` times
-    (``seconds`` in all) on their groups."""
+    (``seconds`` in all) on their groups; ``failed``: one of its tails failed (counted as a wait too)."""
     forward_iter = getattr(batch, "forward_iter", None)
     if (waits <= 0 and tail_bytes <= 0) or not isinstance(forward_iter, int):
         return
     marks: dict[int, Mark] = scheduler.__dict__.setdefault(MARKS_ATTR, {})
-    marks[forward_iter] = Mark(max(waits, 0), seconds, max(tail_bytes, 0))
+    marks[forward_iter] = Mark(max(waits, 0), seconds, max(tail_bytes, 0), failed)
     while len(marks) > MAX_MARKS:
         del marks[next(iter(marks))]  # the oldest first (insertion order)
 
@@ -50,3 +59,20 @@ def take(scheduler: Any, batch: Any) -> Mark | None:
     if not marks or not isinstance(forward_iter, int):
         return None
     return marks.pop(forward_iter, None)
+
+
+def first_tokens(costs: Any, batch: Any, mark: Mark | None, now: float) -> None:
+    """Requests of extend ``batch`` (its result handled at ``now``) that ``costs`` (the backend's
+    ``StreamCosts``) is timing: their sample, or dropped (module docstring). A request still in its prefill
+    (a chunk with no first token yet) is dropped too: its batch is not its whole forward."""
+    reqs = list(getattr(batch, "reqs", None) or ())
+    alone = len(reqs) == 1
+    shape = list(zip(batch.extend_lens, batch.prefix_lens)) if alone else None
+    for req in reqs:
+        rid = getattr(req, "rid", None)
+        path = None if rid is None else costs.timing(rid)
+        if path is None:
+            continue
+        ran_as_its_path = (mark is not None and not mark.failed) if path is BindVerdict.STREAM else mark is None
+        valid = alone and ran_as_its_path and bool(getattr(req, "output_ids", None))
+        costs.finish_hit(rid, now, shape if valid else None)

@@ -82,6 +82,10 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
             return
         backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
         STATS.bind_calls += 1
+        kv = backend.kv
+        if decision is not None and kv is not None:  # the rule's choice: timed to its first token (stall_marks)
+            backend.stream_costs.begin_hit(operation.handle.rid, BindVerdict.STREAM, float(operation.start_time),
+                                           pages * kv.pages.page_bytes)
 
     guard(cache, "bind", "the hit loads whole, as today", bind)
     return None
@@ -131,8 +135,14 @@ def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, n
 
 
 def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
-    """A hit the bind rule loaded whole, alone, landed: its op's start to now is a sample of W."""
-    _record(cache, "record_whole", tokens, _clock() - float(operation.start_time))
+    """A hit the bind rule loaded whole, alone, landed: its op's start to now is a sample of W, and its request
+    is timed on to its first token (``stall_marks.first_tokens``)."""
+    start = float(operation.start_time)
+    _record(cache, "record_whole", tokens, _clock() - start)
+    backend = backend_of(cache)
+    kv = None if backend is None else backend.kv
+    if backend is not None and kv is not None and tokens > 0:
+        backend.stream_costs.begin_hit(operation.handle.rid, BindVerdict.WHOLE, start, kv.pages.bytes_of(tokens))
 
 
 def sample_load_back(cache: Any, tokens: int, seconds: float) -> None:

@@ -216,9 +216,10 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
             # one with a failed tail (zeros, a retract) is no sample of either kind: marked as if it stalled.
             copies = [tc for load in loads for tc in load.tails]
             blocked = [load.blocked() for load in loads]
-            waits = sum(w for w, _ in blocked) or int(any(tc.failed for tc in copies))
+            failed = any(tc.failed for tc in copies)
+            waits = sum(w for w, _ in blocked) or int(failed)
             stall_marks.note_batch(scheduler, batch, waits, sum(s for _, s in blocked),
-                                   _bytes_of(scheduler, sum(tc.tail.tokens for tc in copies)))
+                                   _bytes_of(scheduler, sum(tc.tail.tokens for tc in copies)), failed)
             verdict(scheduler, batch, loads)
     except Exception as exc:
         boundary_of(scheduler.tree_cache).fail("stream verdict", exc, outcome="verdict skipped")
