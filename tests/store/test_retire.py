@@ -137,12 +137,16 @@ def test_a_retirement_cut_short_is_finished_by_any_live_writer(tmp_path):
         assert b.peers() == {} and read(b, list(range(6))) == ([], list(range(6)), [])
 
 
-def test_two_retirers_at_once_are_harmless(tmp_path):
+def dead_writer(tmp_path: Path, pages: int) -> tuple[str, Path, bytes]:
+    """A writer of host A that stored ``pages`` pages and is gone: its wid, namespace directory, incarnation."""
     with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), NS) as a:
-        wid, ns_meta = a.wid, a.ns_meta
-        assert wid is not None and put(a, list(range(40))) == [True] * 40
+        assert a.wid is not None and put(a, list(range(pages))) == [True] * pages
         assert a.own is not None
-        incarnation = a.own.incarnation
+        return a.wid, a.ns_meta, a.own.incarnation
+
+
+def test_two_retirers_at_once_are_harmless(tmp_path):
+    wid, ns_meta, incarnation = dead_writer(tmp_path, 40)
     cfg = cluster_config(tmp_path, "hostb")
     done: list[rt.Deleted] = []
     run_concurrently(*[lambda: done.append(rt.retire(cfg, ns_meta, wid, incarnation, "hostb-0", "hostb"))
@@ -342,11 +346,7 @@ def test_a_sigkilled_writer_process_of_another_host_is_retired_after_reclaim_aft
 
 
 def test_a_retirer_behind_another_writes_no_fence_and_finishes(tmp_path):
-    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), NS) as a:
-        wid, ns_meta = a.wid, a.ns_meta
-        assert wid is not None and put(a, list(range(8))) == [True] * 8
-        assert a.own is not None
-        incarnation = a.own.incarnation
+    wid, ns_meta, incarnation = dead_writer(tmp_path, 8)
     cfg = cluster_config(tmp_path, "hostb")
     directory = ns_meta / f"w-{wid}"
     for d in files_of(tmp_path, wid):  # the first retirer is between FENCE's unlink and its rmdirs ...
