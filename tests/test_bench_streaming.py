@@ -252,10 +252,13 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     del run["paired"]
     run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["bind"] = {
         "bind_whole_wait_fixed_seconds": 0.04, "bind_whole_wait_seconds_per_megabyte": 0.0016,
-        "bind_whole_samples": 9.0, "bind_interference_samples": 1.0}
+        "bind_whole_samples": 9.0, "bind_interference_samples": 1.0,
+        "bind_measured_whole_seconds_per_megabyte": 0.002, "bind_measured_whole_hits": 16.0,
+        "bind_measured_stream_hits": 1.0}
     assert stream_report.bind_lines(run, "fast") == [
         "- C=1, bind rule after the last round: whole-load wait W = 0.040 s + 1.60 ms/MB (9 samples); "
-        "interference k = not learned (1 samples); load-back X = not learned (0 samples)"]
+        "interference k = not learned (1 samples); load-back X = not learned (0 samples); measured over compute: "
+        "whole 2.00 ms/MB (16 hits); stream not learned (1 hits)"]
     assert "whole-load wait W = 0.040 s" in stream_report.markdown(run)
     assert "| device hit (L1/L2) | 1 | 0.43 |" in md and "| recompute | 1 | 3.48 |" in md  # p50 = 1.2 x base
     assert "Break-even read rate 559.2 MB/s, derived: 201.3 MB of KV per prefix / suffix compute 0.360 s" in md

@@ -150,8 +150,15 @@ def bind_lines(run: Mapping[str, Any], device: str) -> list[str]:
                    f"({b.get('bind_whole_samples', 0):.0f} samples); interference k = "
                    + ("not learned" if k is None else f"{k * 1e3:.2f} ms/MB")
                    + f" ({b.get('bind_interference_samples', 0):.0f} samples); load-back X = {xb} "
-                   f"({b.get('bind_load_back_samples', 0):.0f} samples)")
+                   f"({b.get('bind_load_back_samples', 0):.0f} samples); measured over compute: "
+                   + "; ".join(f"{path} {_per_mb_text(b, f'bind_measured_{path}_seconds_per_megabyte')} "
+                               f"({b.get(f'bind_measured_{path}_hits', 0):.0f} hits)" for path in ("whole", "stream")))
     return out
+
+
+def _per_mb_text(bind: Mapping[str, float], name: str) -> str:
+    per_mb = bind.get(name)
+    return "not learned" if per_mb is None else f"{per_mb * 1e3:.2f} ms/MB"
 
 
 def _fit_text(bind: Mapping[str, float], name: str) -> str:
