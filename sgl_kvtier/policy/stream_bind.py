@@ -211,10 +211,6 @@ class StreamCosts:
                 while len(self._pending) > MAX_PENDING:
                     self._pending.popitem(last=False)
 
-    def forget_hit(self, rid: str) -> None:
-        with self._lock:
-            self._pending.pop(rid, None)
-
     def timing(self, rid: str) -> BindVerdict | None:
         """The path of ``rid``'s hit while it is being timed (None: it is not)."""
         with self._lock:

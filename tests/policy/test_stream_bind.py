@@ -182,9 +182,6 @@ def test_hit_timings_are_dropped_when_invalid_and_bounded():
     assert costs.finish_hit("never-begun", 11.0, SHAPE) is None
     costs.begin_hit("late", BindVerdict.WHOLE, 10.0, HIT)
     assert costs.finish_hit("late", 9.0, SHAPE) is None  # ended before it began: no sample
-    costs.begin_hit("gone", BindVerdict.WHOLE, 10.0, HIT)
-    costs.forget_hit("gone")
-    assert costs.timing("gone") is None
     costs.begin_hit("empty", BindVerdict.WHOLE, 10.0, 0)  # no bytes: not timed
     assert costs.timing("empty") is None
     assert costs.snapshot(PREDICT).measured_whole_hits == costs.snapshot(PREDICT).measured_stream_hits == 0

@@ -139,10 +139,10 @@ def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
     is timed on to its first token (``stall_marks.first_tokens``)."""
     start = float(operation.start_time)
     _record(cache, "record_whole", tokens, _clock() - start)
-    backend = backend_of(cache)
-    kv = None if backend is None else backend.kv
-    if backend is not None and kv is not None and tokens > 0:
-        backend.stream_costs.begin_hit(operation.handle.rid, BindVerdict.WHOLE, start, kv.pages.bytes_of(tokens))
+    found = _costs_of(cache)
+    if found is not None and tokens > 0:
+        costs, pages = found
+        costs.begin_hit(operation.handle.rid, BindVerdict.WHOLE, start, pages.bytes_of(tokens))
 
 
 def sample_load_back(cache: Any, tokens: int, seconds: float) -> None:
@@ -154,10 +154,17 @@ def sample_load_back(cache: Any, tokens: int, seconds: float) -> None:
 
 def _record(cache: Any, method: str, tokens: int, seconds: float) -> None:
     """``backend.stream_costs.<method>(bytes of tokens, seconds)`` for the backend behind ``cache``, if any."""
+    found = _costs_of(cache)
+    if found is not None:
+        costs, pages = found
+        getattr(costs, method)(pages.bytes_of(tokens), seconds)
+
+
+def _costs_of(cache: Any) -> tuple[Any, Any] | None:
+    """(``StreamCosts``, ``HostPages``) of the backend behind ``cache``; None without one (or its KV tier)."""
     backend = backend_of(cache)
     kv = None if backend is None else backend.kv
-    if backend is not None and kv is not None:
-        getattr(backend.stream_costs, method)(kv.pages.bytes_of(tokens), seconds)
+    return None if backend is None or kv is None else (backend.stream_costs, kv.pages)
 
 
 HOOKS: list[tuple[str, Any, str]] = [
