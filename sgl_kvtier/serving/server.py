@@ -48,12 +48,13 @@ class ServerError(RuntimeError):
 PORT_RANGE = range(10000, 21700)
 ADDRESS_IN_USE = re.compile(r"address already in use|Errno 98", re.IGNORECASE)
 START_ATTEMPTS = 3  # start-ups on a fresh port when the picked one was taken meanwhile
+_PICK = random.SystemRandom()  # not the random module's state: a test that seeds it must not align two workers' picks
 
 
 def free_port() -> int:
     """A TCP port of ``PORT_RANGE`` that was free on 127.0.0.1 a moment ago (the OS picks one where 64 tries
     found none)."""
-    for port in random.sample(PORT_RANGE, 64):
+    for port in _PICK.sample(PORT_RANGE, 64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
