@@ -24,8 +24,10 @@ started, fault-free, in the normal case group 0's. It then switches to the fault
 draws when group 0 lands. Group 0 lands, the gate admits the request, and group 1 fails (or stalls) while
 the forward waits on it: the loader's warning names group 1, the verdict line names the request
 ``retracted``. If another batch took that first open (a backup write of an earlier request still running),
-group 0 gets the fault and the tail is given up before admission: the answer is checked all the same and
-the scenario runs again under a new salt (at most ``ATTEMPTS`` times).
+group 0 gets the fault and the tail is given up before admission; and if the test's switch comes only after
+group 1's batch started (a test thread slower than one group's read on a loaded machine: seen once in CI),
+no batch draws it and the tail lands whole. Either way the answer is checked all the same, nothing may be
+retracted, and the scenario runs again under a new salt (at most ``ATTEMPTS`` times).
 
 Scenarios (per layout):
 1. streamed tails answer exactly as cold (one at a time, then two at once), landed through the tail loader
@@ -238,7 +240,11 @@ def fail_group1(env: Streamed, name: str, scenario: str, fault: dict[str, Any], 
         log = env.log.since(mark)
         if seen is not None:
             return rid, log, before
-        assert verdict_of(log, rid) is None and env.retracted() == before[RETRACTED]  # given up before admission
+        # The fault missed group 1 either way (module docstring): group 0 drew it (given up before admission,
+        # no verdict), or group 1's batch had drawn its faults before the switch (the tail landed whole).
+        # Neither retracts anything; the answer was checked above.
+        verdict = verdict_of(log, rid)
+        assert verdict in (None, "landed") and env.retracted() == before[RETRACTED], verdict
     raise AssertionError(f"group 0 drew the fault in all {ATTEMPTS} attempts")
 
 
