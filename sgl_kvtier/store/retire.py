@@ -16,8 +16,8 @@ Every step is idempotent (a file already gone, ``ENOENT``, and a directory not e
 / ``ENOENT``, are fine), so a retirer that dies half-way leaves a directory that every observer still judges
 ``RETIRED`` (its fence is the last file to go), and any live writer seeing it continues the deletion; two
 deleting at once only find each other's files gone, and a retirer that comes to fence a directory whose
-FENCE and LEASE are gone already (another is at its last steps, or done) writes no fence. A pass finding no FENCE at all only removes the
-(empty) directories: the deletion is at its end, or the directory was made anew by a writer that
+FENCE and LEASE are gone already (another is at its last steps, or done) writes no fence. A pass finding no
+FENCE at all only removes the (empty) directories: the deletion is at its end, or the directory was made anew by a writer that
 re-registered under the same wid since it was judged, whose files are not to be touched. A crash between
 FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence: nobody's, costs nothing).
 The crash-ordering choice of each step is at its code.
@@ -157,10 +157,12 @@ def _remove_dirs(dirs: list[Path], ns_meta: Path, done: Deleted) -> Deleted:
 
 def retire(config: StoreConfig, ns_meta: Path, wid: str, incarnation: bytes, by: str, by_host: str) -> Deleted:
     """Fence dead writer ``wid`` (its last lease's ``incarnation``), then delete its files; what was deleted
-    (by this call: with another retirer ahead of it, only directories it found empty). Raises OSError (see ``write_fence`` / ``delete_writer``)."""
-    if not write_fence(ns_meta / writer_dirname(wid), incarnation, by, by_host):
-        return delete_writer(config, ns_meta, wid)  # another retirer is ahead: at most its directories remain
-    done = delete_writer(config, ns_meta, wid)
+    (by this call: with another retirer ahead of it, only directories it found empty). Raises OSError (see
+    ``write_fence`` / ``delete_writer``)."""
+    fenced = write_fence(ns_meta / writer_dirname(wid), incarnation, by, by_host)
+    done = delete_writer(config, ns_meta, wid)  # unfenced: another retirer is ahead, at most directories remain
+    if not fenced:
+        return done
     log.info("retired dead writer %s of %s (fenced by %s): %d files, %d segment bytes", wid, ns_meta, by,
              done.files, done.segment_bytes)
     return done
