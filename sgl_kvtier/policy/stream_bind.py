@@ -9,7 +9,7 @@ the first ``(1 - 1/G)`` of ``c`` (``stream_gate``), at least for group 0, and it
 the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take the cores
 the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on a GPU
 the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
-model) and ``B = (1 - 1/G) * c``:
+model) and ``B = (1 - 1/G) * (c + k * bytes)`` (what the streamed forward hides, as the gate counts it):
 
     gain  =  W + X  -  max(R / G, R - B)  -  k * bytes
     STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + X + c)    (else WHOLE: today's path)
@@ -137,8 +137,9 @@ def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDe
         assert inputs.load_back_s is not None
         whole += inputs.load_back_s
     g = inputs.groups
-    gate = max(read / g, read - (1.0 - 1.0 / g) * c)
-    gain = whole - gate - k * inputs.hit_bytes
+    interference = k * inputs.hit_bytes
+    gate = max(read / g, read - (1.0 - 1.0 / g) * (c + interference))
+    gain = whole - gate - interference
     if gain >= min_gain_share * (whole + c):
         return BindDecision(BindVerdict.STREAM, "predicted faster: streamed", gain)
     return BindDecision(BindVerdict.WHOLE, "predicted no faster: loaded whole", gain)

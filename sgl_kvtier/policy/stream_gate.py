@@ -2,9 +2,14 @@
 
 A request whose tail is still streaming is admitted once the rest of its read is predicted to hide under
 the prefill of its own suffix. The forward computes layer by layer and the tail lands group by group
-(G groups), so the last group is needed only after ``(1 - 1/G)`` of the suffix's compute has run:
+(G groups), so the last group is needed only after ``(1 - 1/G)`` of the forward has run. The forward of a
+request whose tail lands meanwhile runs ``c = suffix_compute_s + interference_s``: the prefill model's
+time plus what the landing costs it (the bind rule's learned ``k`` x the tail's bytes: on a CPU engine the
+reads, checksums and copies take the forward's cores; about 0 on a GPU). Measured on a 2-core CPU (8
+groups, a 201 MB tail at 235 MB/s): without it, the gate admitted at the third group's landing (0.35 s after
+registration), where the forward it hid under ran 0.1-0.3 s longer than the model's compute:
 
-    READY  when  remaining_bytes / read_rate  <=  (1 - 1/G) * suffix_compute_s
+    READY  when  remaining_bytes / read_rate  <=  (1 - 1/G) * c
 
 Inputs the rule cannot get yet (no read rate measured on the stream, no prefill model: the backend's
 ``cost.prefill`` has neither samples nor a seed) fall back to the safe minimum: READY once group 0 has
@@ -13,7 +18,7 @@ landed on every tail page (the forward's first layers never wait on a group not 
 DROP (the request computes the tail itself; its host slots are freed once their reads end) when:
 - a group has FAILED on a tail page before admission (nothing unverified is ever admitted);
 - waiting is predicted slower than recomputing: streaming TTFT ``max(read, (1 - 1/G) c) + c/G`` against
-  the recompute TTFT of tail + suffix (both from the same prefill model). The caller passes the latter only
+  the recompute TTFT of tail + suffix (the same prefill model's). The caller passes the latter only
   with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``): otherwise, as a hit loaded whole under SGLang's
   own policy, the tail is waited for (measured: an early, low read rate dropped tails that then landed in
   well under their recompute time);
@@ -50,12 +55,21 @@ class GateInputs:
     read_rate_Bps: float | None = None  # measured on this stream (None: too early)
     suffix_compute_s: float | None = None  # predicted prefill of the tokens after the tail (None: no model)
     full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model, or no cost policy)
+    interference_s: float = 0.0  # what the landing adds to the forward (learned k x tail bytes; 0: unknown)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.remaining_bytes < 0:
             raise ValueError(f"remaining_bytes must be >= 0, got {self.remaining_bytes}")
+        if not self.interference_s >= 0:
+            raise ValueError(f"interference_s must be >= 0, got {self.interference_s}")
+
+    def forward_s(self) -> float | None:
+        """The streamed forward's predicted seconds ``c``: the suffix's compute plus the interference."""
+        if self.suffix_compute_s is None:
+            return None
+        return max(self.suffix_compute_s, 0.0) + self.interference_s
 
 
 def predicted_read_s(inputs: GateInputs) -> float | None:
@@ -69,10 +83,9 @@ def predicted_read_s(inputs: GateInputs) -> float | None:
 
 
 def hide_budget_s(inputs: GateInputs) -> float | None:
-    """How much read time the suffix's compute hides: ``(1 - 1/G) * suffix_compute_s``."""
-    if inputs.suffix_compute_s is None:
-        return None
-    return (1.0 - 1.0 / inputs.groups) * max(inputs.suffix_compute_s, 0.0)
+    """How much read time the streamed forward hides: ``(1 - 1/G) * c``."""
+    c = inputs.forward_s()
+    return None if c is None else (1.0 - 1.0 / inputs.groups) * c
 
 
 def decide(inputs: GateInputs) -> Verdict:
@@ -89,7 +102,8 @@ def decide(inputs: GateInputs) -> Verdict:
     if read_s <= budget_s:
         return Verdict.READY
     if inputs.full_compute_s is not None:
-        compute = max(inputs.suffix_compute_s, 0.0)
+        compute = inputs.forward_s()
+        assert compute is not None
         streamed_ttft = max(read_s, budget_s) + compute / inputs.groups
         if streamed_ttft > inputs.full_compute_s:
             return Verdict.DROP  # recomputing the tail is predicted faster than waiting for it

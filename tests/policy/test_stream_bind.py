@@ -32,9 +32,10 @@ def test_unmeasured_inputs_stream_as_before_the_rule():
 
 def test_a_slow_device_streams_and_a_fast_one_on_a_busy_cpu_loads_whole():
     # the benchmark's two devices, k as measured on the 2-core CPU (~1.6 ms of forward per MB of tail)
+    # (k x 200 MB = 0.32 s lengthens the forward the read hides under: (1 - 1/4) x (0.5 + 0.32) = 0.615 s > R)
     slow = decide(inputs(0.54, whole=0.77, k_per_mb=1.6e-3))
     fast = decide(inputs(0.15, whole=0.36, k_per_mb=1.6e-3))
-    assert slow.verdict is BindVerdict.STREAM and slow.gain_s == pytest.approx(0.77 - 0.165 - 0.32)
+    assert slow.verdict is BindVerdict.STREAM and slow.gain_s == pytest.approx(0.77 - 0.54 / 4 - 0.32)
     assert fast.verdict is BindVerdict.WHOLE and fast.gain_s == pytest.approx(0.36 - 0.0375 - 0.32)
     # on a GPU the copies are DMA (k ~ 0): a fast device's read still hides under the suffix
     assert decide(inputs(0.15, whole=0.2, k_per_mb=0.0)).verdict is BindVerdict.STREAM
@@ -47,7 +48,13 @@ def test_the_gain_must_be_a_share_of_the_whole_load_ttft():
 
 
 def test_without_a_learned_whole_wait_the_predicted_read_stands_in():
-    assert decide(inputs(0.54, k_per_mb=1.6e-3)).gain_s == pytest.approx(0.54 - 0.165 - 0.32)
+    assert decide(inputs(0.54, k_per_mb=1.6e-3)).gain_s == pytest.approx(0.54 - 0.54 / 4 - 0.32)
+
+
+def test_the_interference_lengthens_the_forward_the_read_hides_under():
+    # R = 1 s, c = 0.5 s: without k the gate waits 1 - 0.375 = 0.625 s; k x 200 MB = 0.4 s hides 0.3 s more
+    assert decide(inputs(1.0, whole=2.0, k_per_mb=0.0)).gain_s == pytest.approx(2.0 - 0.625)
+    assert decide(inputs(1.0, whole=2.0, k_per_mb=2e-3)).gain_s == pytest.approx(2.0 - (1.0 - 0.75 * 0.9) - 0.4)
 
 
 def test_bad_inputs_are_refused_and_nan_is_unmeasured():

@@ -28,6 +28,22 @@ def test_waits_while_the_read_is_longer_but_streaming_still_wins():
     assert decide(inputs(read_rate_Bps=1e7, suffix_compute_s=0.1, full_compute_s=1.0)) is Verdict.WAIT
 
 
+def test_the_landing_s_interference_lengthens_the_forward_it_hides_under():
+    # 0.1 s of read; 0.1 s of suffix compute hides 0.075 s (wait), with 0.05 s of interference 0.1125 s (admit)
+    assert decide(inputs(read_rate_Bps=1e7, suffix_compute_s=0.1)) is Verdict.WAIT
+    admitted = inputs(read_rate_Bps=1e7, suffix_compute_s=0.1, interference_s=0.05)
+    assert decide(admitted) is Verdict.READY
+    assert admitted.forward_s() == pytest.approx(0.15) and hide_budget_s(admitted) == pytest.approx(0.1125)
+    assert inputs().forward_s() is None and hide_budget_s(inputs(interference_s=1.0)) is None  # no model: unknown
+
+
+def test_interference_counts_in_the_streamed_ttft_against_recomputing():
+    # 1 s of read, c = 0.1 + 0.3: streamed TTFT max(1.0, 0.3) + 0.1 = 1.1 > 1.05 recompute: drop; 0.0: 1.025, wait
+    slow = dict(read_rate_Bps=1e6, suffix_compute_s=0.1, full_compute_s=1.05)
+    assert decide(inputs(**slow, interference_s=0.3)) is Verdict.DROP
+    assert decide(inputs(**slow)) is Verdict.WAIT
+
+
 def test_drops_when_recomputing_is_faster():
     # 10 s of read against 0.3 s to recompute tail + suffix
     assert decide(inputs(read_rate_Bps=1e5, suffix_compute_s=0.1, full_compute_s=0.3)) is Verdict.DROP
@@ -68,3 +84,6 @@ def test_helpers_and_validation():
         inputs(groups=0)
     with pytest.raises(ValueError):
         inputs(remaining_bytes=-1)
+    for bad in (-0.1, math.nan):
+        with pytest.raises(ValueError, match="interference_s"):
+            inputs(interference_s=bad)

@@ -478,6 +478,37 @@ def test_the_gate_hides_the_read_under_the_prompts_own_suffix_when_sglang_knows_
     reap_all(env, registry)
 
 
+def test_the_gate_counts_the_learned_interference_in_the_forward_the_read_hides_under(consumer):
+    """The forward of a request whose tail lands meanwhile runs longer by the bind rule's learned ``k`` x the
+    tail's bytes: the read the gate lets hide under it grows by ``(1 - 1/G)`` of that."""
+    from sgl_kvtier.policy.cost_model import PrefillModel
+
+    env = consumer
+    env.backend.cost.prefill.estimator.seed = PrefillModel(1.0, 0.0, 0.0)  # 1 s per token
+    over_s = 1.0  # the rest of the read: 1 s over what the suffix's own compute hides
+
+    def poll(rid: str, k_s: float = 0.0) -> tuple[bool, object]:
+        req = new_req(rid)
+        registry = registered(env, req, head=2, storage_hit_end=N_TOKENS)
+        tail = registry.get(req.rid)
+        tail_bytes = env.backend.kv.pages.bytes_of(tail.tokens)
+        for _ in range(2 if k_s else 0):  # k learned after the bind (with it, the bind rule would load whole):
+            # forwards of this tail's bytes ``k_s`` over the model's 8 s for their batch
+            env.backend.stream_costs.record_stream_forward(tail_bytes, [(8, 8)], 8.0 + k_s)
+        tail.stream.rate = tail.stream.remaining_bytes(tail.first_page) / (
+            (1 - 1 / tail.stream.groups) * SUFFIX + over_s)
+        answer = env.cache.check_prefetch_progress(req.cache_request_handle)
+        stream_core.drop(env.cache, registry, tail, "next case")
+        tail.stream.finish()
+        reap_all(env, registry)
+        return answer, tail
+
+    answer, tail = poll("r-no-k")
+    assert not answer and tail.state is TailState.DROPPED  # waited (dropped only to end the case)
+    answer, tail = poll("r-k", k_s=2.0)  # (1 - 1/G) x 2 s >= 1 s more read hides: admitted
+    assert answer and tail.state is TailState.DROPPED and stream_admit.STATS.ready >= 1
+
+
 def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     """The alone rule: only a hit no other request's L3 work overlaps is streamed; a second one, arriving
     while the first one's tail streams, is read whole before its admission (today's path) and never sees

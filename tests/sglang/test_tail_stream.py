@@ -125,6 +125,31 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
         backend.close()
 
 
+
+def test_the_read_rate_leaves_the_first_landing_s_set_up_out_once_a_second_landed(tmp_path) -> None:
+    backend, pool, keys, want = streamed(tmp_path)
+    try:
+        per_group = N * backend.kv.pages.plan.page_bytes // 4
+        holds = [Hold(group=0), Hold(group=1)]
+        backend.binder.observer = lambda stream, group: [h(stream, group) for h in holds]
+        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        assert stream is not None and holds[0].reached.wait(BOUND_S)
+        began, first = stream._began, stream._first_at
+        stream._clock = lambda: began + 4.0  # one landing: counted from the thread's start
+        assert stream.read_rate() == pytest.approx(per_group / 4.0)
+        stream._clock = lambda: first + 2.0
+        holds[0].release()
+        assert holds[1].reached.wait(BOUND_S)  # group 1 landed: counted from the first landing, its bytes only
+        assert stream.read_rate() == pytest.approx(per_group / 2.0)
+        stream._clock = lambda: first + 8.0  # nothing more landed: the rate falls
+        assert stream.read_rate() == pytest.approx(per_group / 8.0)
+        holds[1].release()
+        assert stream.wait_ended(BOUND_S) and dst_bytes(pool) == want
+    finally:
+        for h in holds:
+            h.release()
+        backend.close()
+
 def test_a_corrupt_part_fails_that_pages_group_on_and_nothing_else(tmp_path) -> None:
     backend, pool, keys, want = streamed(tmp_path)
     try:

@@ -14,7 +14,8 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    ``operation.ack_releases_incomplete_host_indices = False`` stops SGLang's release of them (read right
    after the original returns, ``:3230``); a tail not agreed is dropped at once.
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
-   blocking) until ``stream_gate.decide`` says READY; DROP (a failed group, a deadline, or recomputing
+   blocking) until ``stream_gate.decide`` says READY (its forward: the prefill model's suffix time plus the
+   bind rule's interference ``k`` x the tail's bytes); DROP (a failed group, a deadline, or recomputing
    predicted faster: only with the cost policy on, ``prefetch.loaded()``) drops it and the request is
    admitted with its head only. Flags MIN-reduced (ready AND keep). Each
    "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
@@ -79,6 +80,7 @@ class TailInfo:
     registered_at: float
     deadline_s: float
     suffix_tokens: int  # the prompt's prefix end (``note_prompt``) + 1 - the tail's end
+    interference_s: float | None = None  # the landing's cost to the forward (k x bytes), at the first verdict
 
 
 _info: weakref.WeakKeyDictionary[StreamedTail, TailInfo] = weakref.WeakKeyDictionary()
@@ -212,15 +214,27 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     # (READY once group 0 landed), so a real-server test sees each tail admitted whatever the machine's load.
     model = None if backend is None or stream_bind.TEST_GATE_GROUP0 else backend.cost.prefill.model()
     suffix = full = None
+    interference = 0.0
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
+        interference = _interference_s(backend, model, tail, info)
         # Recomputing instead of waiting is the cost policy's call (KVTIER_PREFETCH_POLICY=cost): without it a
         # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
         full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
     return stream_gate.decide(stream_gate.GateInputs(
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
-        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full))
+        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full, interference_s=interference))
+
+
+def _interference_s(backend: Any, model: Any, tail: StreamedTail, info: TailInfo) -> float:
+    """What the tail's landing adds to its forward: the bind rule's learned ``k`` (judged against ``model``)
+    x the tail's bytes, 0.0 while ``k`` is unknown. Taken once per tail (the gate polls every scheduler round)."""
+    if info.interference_s is None:
+        k = backend.stream_costs.interference_s_per_byte(model.batch_time)
+        kv = backend.kv
+        info.interference_s = 0.0 if k is None or kv is None else k * kv.pages.bytes_of(tail.tokens)
+    return info.interference_s
 
 
 # ---------------------------------------------------------------------------------------------- 6. virtual hit

@@ -107,6 +107,7 @@ class TailStream:
         self._bytes = 0  # verified bytes landed
         self._began: float | None = None  # the thread began reading
         self._first_at: float | None = None  # the first bytes landed
+        self._first_bytes = 0  # verified bytes landed by then
         self._cond = threading.Condition()
         self._started = self._running = self._cancelled = self._ended = False
         self._reported = False
@@ -162,11 +163,18 @@ class TailStream:
                        if self._failed[p] is None)
 
     def read_rate(self) -> float | None:
-        """Verified bytes landed per second since the thread began reading (None before the first landed)."""
+        """Verified bytes landed per second (None before the first landed): since the first landing once more
+        landed after it, else since the thread began. The first landing's time also holds the thread's start
+        and the read's set-up, which the rest of the read does not repeat (measured on a 2-core CPU, 201 MB
+        at 235 MB/s: 160-185 MB/s at group 0 from the start, 220-230 MB/s between landings); either way
+        counted to now, so a stalled read's rate falls while it lands nothing."""
         with self._cond:
             if self._first_at is None or self._began is None:
                 return None
-            elapsed = self._clock() - self._began
+            now = self._clock()
+            if self._bytes > self._first_bytes and now > self._first_at:
+                return (self._bytes - self._first_bytes) / (now - self._first_at)
+            elapsed = now - self._began
             return self._bytes / elapsed if elapsed > 0 else None
 
     def cancel(self) -> None:
@@ -344,7 +352,7 @@ class TailStream:
 
     def _landed_locked(self) -> None:
         if self._bytes and self._first_at is None:
-            self._first_at = self._clock()
+            self._first_at, self._first_bytes = self._clock(), self._bytes
         while self._landed < self.pages and self._done[self._landed] == self.groups:
             self._landed += 1
         self._cond.notify_all()
