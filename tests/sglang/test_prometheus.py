@@ -192,6 +192,31 @@ def test_another_hosts_writer_is_watched_then_dead_then_retired(tmp_path, monkey
         a.close()
 
 
+def test_a_fenced_writer_whose_lease_is_still_there_lists_no_pages(tmp_path, monkeypatch):
+    """A retirer writes the FENCE first and deletes the LEASE after: in between, the writer is ``retired``
+    with none of its lease's pages (they are no longer read), not with the lease's figures."""
+    from sgl_kvtier.store.retire import write_fence
+
+    monkeypatch.delenv(ENV_POLICY, raising=False)
+    a = make_backend(tmp_path, **cluster("ha"))
+    b = make_backend(tmp_path, seed=22, **cluster("hb"))
+    try:
+        store = a.kv.store
+        assert b.batch_set_v1(keys(4), slots(range(4))) == [True] * 4
+        b_wid = b.kv.store.wid
+        wait_for("B's lease announces 4 pages", lambda: (store.refresh(force=True), store.leases().get(b_wid, {}))[1]
+                 .get("pages") == 4)
+        assert write_fence(store.ns_meta / f"w-{b_wid}", b.kv.store.own.incarnation, "hc-0", "hc")
+        store.refresh(force=True)
+        row = next(w for w in a.telemetry().pool("kv").store.writers if w.wid == b_wid)
+        assert store.leases()[b_wid]["pages"] == 4  # the lease is still there, as the retirer left it
+        assert row.state is WriterState.RETIRED and row.pages == 0 and row.bytes_used == 0
+        assert a.batch_exists(keys(4)) == 0  # and its pages are no longer read
+    finally:
+        b.close()
+        a.close()
+
+
 def _watched_then_dead_then_retired(a: KVTierStorage, tmp_path) -> None:
     b = make_backend(tmp_path, seed=22, **cluster("hb"))  # B would judge A dead only after 60 s
     registry = CollectorRegistry()
