@@ -25,6 +25,11 @@ DROP (the request computes the tail itself; its host slots are freed once their 
 - the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
   never parks a request for longer than SGLang itself would have waited on it).
 
+BUSY (``busy``: another request runs or waits on the engine): the tail is READY only once it landed whole,
+as a hit loaded whole is: its forward then holds other requests' work too, and a stall or the landing's
+interference in it would cost them all (measured at C = 4 on a fast device, 2-core CPU: rounds where 1-2
+tails were admitted early ran 1.27-1.62x the off server's TTFT p50, rounds where none streamed 0.87-1.02).
+
 Every caller MIN-reduces the flags over the ranks before acting (``ready`` and ``keep`` are ANDed), so the
 rule may read local clocks and rates.
 """
@@ -56,6 +61,7 @@ class GateInputs:
     suffix_compute_s: float | None = None  # predicted prefill of the tokens after the tail (None: no model)
     full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model, or no cost policy)
     interference_s: float = 0.0  # what the landing adds to the forward (learned k x tail bytes; 0: unknown)
+    busy: bool = False  # another request runs or waits on the engine: admitted only once landed whole
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -96,6 +102,8 @@ def decide(inputs: GateInputs) -> Verdict:
         return Verdict.READY  # everything landed and verified: nothing left to hide
     if inputs.waited_s >= inputs.deadline_s:
         return Verdict.DROP
+    if inputs.busy:
+        return Verdict.WAIT  # admitted once landed whole (above), as a hit loaded whole
     read_s, budget_s = predicted_read_s(inputs), hide_budget_s(inputs)
     if read_s is None or budget_s is None or inputs.suffix_compute_s is None:
         return Verdict.READY if inputs.group0_landed else Verdict.WAIT  # unmeasured: the safe minimum

@@ -44,6 +44,15 @@ def test_interference_counts_in_the_streamed_ttft_against_recomputing():
     assert decide(inputs(**slow)) is Verdict.WAIT
 
 
+def test_busy_waits_for_the_whole_tail_as_a_whole_load_would():
+    hides = dict(read_rate_Bps=1e12, suffix_compute_s=10.0, group0_landed=True)
+    assert decide(inputs(**hides)) is Verdict.READY
+    assert decide(inputs(**hides, busy=True)) is Verdict.WAIT  # others share the engine: not before it landed
+    assert decide(inputs(**hides, busy=True, remaining_bytes=0)) is Verdict.READY
+    assert decide(inputs(busy=True, failed=True)) is Verdict.DROP
+    assert decide(inputs(busy=True, waited_s=10.0)) is Verdict.DROP  # the deadline still holds
+
+
 def test_drops_when_recomputing_is_faster():
     # 10 s of read against 0.3 s to recompute tail + suffix
     assert decide(inputs(read_rate_Bps=1e5, suffix_compute_s=0.1, full_compute_s=0.3)) is Verdict.DROP

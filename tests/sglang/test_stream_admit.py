@@ -509,6 +509,54 @@ def test_the_gate_counts_the_learned_interference_in_the_forward_the_read_hides_
     assert answer and tail.state is TailState.DROPPED and stream_admit.STATS.ready >= 1
 
 
+class Scheduled:
+    """The scheduler's queues the gate reads (weakly referenced, as SGLang's ``Scheduler``)."""
+
+    def __init__(self, **attrs) -> None:
+        self.__dict__.update(attrs)
+
+
+def test_with_another_request_in_the_engine_a_tail_is_admitted_only_once_landed_whole(consumer):
+    """Another request running or waiting (the scheduler noted after a batch): the gate holds a tail until it
+    landed whole (its forward would hold theirs too), and a hit arriving then is not bound (loads whole)."""
+    from types import SimpleNamespace
+
+    from sgl_kvtier.policy.cost_model import PrefillModel
+
+    env = consumer
+    env.backend.cost.prefill.estimator.seed = PrefillModel(1.0, 0.0, 0.0)  # 1 s per token: everything hides
+    req = new_req("r-busy")
+    registry = registered(env, req, head=2)
+    tail = registry.get(req.rid)
+    tail.stream.rate = 1e9
+    other = SimpleNamespace(rid="r-other")
+    scheduler = Scheduled(tree_cache=env.cache, running_batch=SimpleNamespace(reqs=[other]), waiting_queue=[req])
+    stream_core.note_scheduler(scheduler)
+    assert stream_core.others_in_engine(env.cache, req.rid)
+    assert not env.cache.check_prefetch_progress(req.cache_request_handle) and tail.state is TailState.REGISTERED
+    other.finished = lambda: True  # the other one finished (still listed until the scheduler's next step)
+    assert not stream_core.others_in_engine(env.cache, req.rid)
+    scheduler.running_batch.reqs = []
+    other = SimpleNamespace(rid="r-other-2")
+    scheduler.waiting_queue = [other, req]  # another one waits: busy again
+    assert not env.cache.check_prefetch_progress(req.cache_request_handle)
+    for g in range(tail.stream.groups):
+        tail.stream.land(g)  # landed whole: admitted as a hit loaded whole is
+    assert env.cache.check_prefetch_progress(req.cache_request_handle) and tail.state is TailState.READY
+    stream_core.drop(env.cache, registry, tail, "next case")
+    tail.stream.finish()
+    reap_all(env, registry)
+
+    before, streams = stream_admit.STATS.not_registered["busy: loaded whole"], len(env.backend.binder.streams)
+    req2 = new_req("r-busy-bind")
+    scheduler.waiting_queue = [other, req2]
+    registered(env, req2, head=0)  # nothing else in flight, no tail: only the other request makes it busy
+    assert registry.get(req2.rid) is None and len(env.backend.binder.streams) == streams
+    assert stream_admit.STATS.not_registered["busy: loaded whole"] == before + 1
+    del scheduler  # the cache holds it weakly: unknown again, as before a first batch
+    assert not stream_core.others_in_engine(env.cache, "r-any")
+
+
 def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     """The alone rule: only a hit no other request's L3 work overlaps is streamed; a second one, arriving
     while the first one's tail streams, is read whole before its admission (today's path) and never sees

@@ -15,7 +15,8 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    after the original returns, ``:3230``); a tail not agreed is dropped at once.
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
    blocking) until ``stream_gate.decide`` says READY (its forward: the prefill model's suffix time plus the
-   bind rule's interference ``k`` x the tail's bytes); DROP (a failed group, a deadline, or recomputing
+   bind rule's interference ``k`` x the tail's bytes; with another request running or waiting on the engine,
+   ``stream_core.others_in_engine``, only once the tail landed whole); DROP (a failed group, a deadline, or recomputing
    predicted faster: only with the cost policy on, ``prefetch.loaded()``) drops it and the request is
    admitted with its head only. Flags MIN-reduced (ready AND keep). Each
    "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
@@ -66,6 +67,7 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     drop,
     guard,
     min_reduce,
+    others_in_engine,
 )
 from sgl_kvtier.sglang.plugins.stream_slots import counting_releases
 from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, StreamRegistry, TailState
@@ -224,7 +226,8 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     return stream_gate.decide(stream_gate.GateInputs(
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
-        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full, interference_s=interference))
+        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full, interference_s=interference,
+        busy=not stream_bind.TEST_GATE_GROUP0 and others_in_engine(cache, tail.rid)))
 
 
 def _interference_s(backend: Any, model: Any, tail: StreamedTail, info: TailInfo) -> float:

@@ -7,7 +7,7 @@ The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_ad
    (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
    ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
    Not for a request blocked after a failed tail (it loads whole), an op with side pools, a hit another
-   request's L3 work overlaps (busy), one over the withheld cap, nor one the bind rule loads whole:
+   request's L3 work overlaps or whose engine runs or queues another request (busy), one over the withheld cap, nor one the bind rule loads whole:
    ``policy.stream_bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
    (the backend's prefill model) against the figures it learns here: a hit it loads whole, alone, is
    timed from its op's start to SGLang's handling of its result (``sample_whole``, called by
@@ -35,7 +35,16 @@ import weakref
 from typing import Any
 
 from sgl_kvtier.policy.stream_bind import BindDecision, BindVerdict
-from sgl_kvtier.sglang.plugins.stream_core import HCC, STATS, URC, active, backend_of, controller_cache, guard
+from sgl_kvtier.sglang.plugins.stream_core import (
+    HCC,
+    STATS,
+    URC,
+    active,
+    backend_of,
+    controller_cache,
+    guard,
+    others_in_engine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +75,10 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         # registered, no hit bound). Measured (benchmarks/RESULTS.md, "bench_streaming"): on a 2-core CPU a
         # lone request gains, while at C = 2-4, where loads already hide behind the other requests'
         # forwards, streaming every hit cost 13-24% (its stalls hold the whole batch).
-        if len(registry) or backend.binder.bound_pages() or len(cache.ongoing_prefetch) > 1:
+        # Nor one whose request another one's forward or admission would share the engine with (a tail
+        # bound alone that others join later is admitted only once landed whole: ``stream_gate``, busy).
+        if (len(registry) or backend.binder.bound_pages() or len(cache.ongoing_prefetch) > 1
+                or others_in_engine(cache, operation.handle.rid)):
             STATS.not_registered["busy: loaded whole"] += 1
             return
         # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole

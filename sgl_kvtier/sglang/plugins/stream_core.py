@@ -9,7 +9,8 @@ linker, and SGLang's device module is ``torch.cpu`` (CUDA is off in this version
 the server's configuration only, so all ranks of one engine decide alike (the hooks' collectives rely on it).
 
 Shared helpers for the hook modules (``stream_admit``, ``stream_slots``, ``stream_load``): ``controller_cache``
-(the cache behind a HiCache controller, for hooks on controller methods), ``min_reduce`` (rank-MIN of a few
+(the cache behind a HiCache controller, for hooks on controller methods), ``others_in_engine`` (another
+request runs or waits: the scheduler noted by ``note_scheduler`` after each batch), ``min_reduce`` (rank-MIN of a few
 ints at a lockstep point), ``boundary`` / ``guard`` (the backend's ``ErrorBoundary``, where our hooks count
 what they caught, and the fallback they answer), ``drop`` (a tail given up before its forward: out of the
 registry, its private device slots freed only while ADMITTED (from the batch's ``prepare_for_extend`` on
@@ -162,6 +163,42 @@ def controller_cache(controller: Any) -> Any | None:
     if cache is None or getattr(cache, "cache_controller", None) is not controller or active(cache) is None:
         return None
     return cache
+
+
+SCHEDULER_ATTR = "_kvtier_stream_scheduler"  # on the cache: a weak reference to the scheduler running it
+
+
+def note_scheduler(scheduler: Any) -> None:
+    """Remember the scheduler of ``scheduler.tree_cache`` (called after every batch it runs; cheap)."""
+    try:
+        cache = scheduler.tree_cache
+        ref = cache.__dict__.get(SCHEDULER_ATTR)
+        if ref is None or ref() is not scheduler:
+            cache.__dict__[SCHEDULER_ATTR] = weakref.ref(scheduler)
+    except (AttributeError, TypeError):  # no tree cache, or one without a __dict__: "others" stays unknown
+        return
+
+
+def others_in_engine(cache: Any, rid: Any) -> bool:
+    """Whether a request other than ``rid`` runs (the running batch) or waits (the waiting queue) on the engine
+    of ``cache``; False before the engine ran its first batch (its scheduler is not known yet). Every rank of
+    an engine holds the same queues (TP lockstep), so ranks answer alike."""
+    ref = getattr(cache, "__dict__", {}).get(SCHEDULER_ATTR)
+    scheduler = None if ref is None else ref()
+    if scheduler is None:
+        return False
+    running = getattr(scheduler, "running_batch", None)
+    reqs = [*(getattr(running, "reqs", None) or ()), *(getattr(scheduler, "waiting_queue", None) or ())]
+    return any(_other(r, rid) for r in reqs)
+
+
+def _other(req: Any, rid: Any) -> bool:
+    """``req`` is another request with work left (a finished one stays in the running batch until the
+    scheduler's next step filters it: with ``--sleep-on-idle``, until the next request wakes it)."""
+    if getattr(req, "rid", None) == rid:
+        return False
+    finished = getattr(req, "finished", None)
+    return not (callable(finished) and finished())
 
 
 def min_reduce(cache: Any, values: list[int]) -> list[int]:

@@ -55,7 +55,7 @@ from sgl_kvtier.sglang.plugins.stream_copy import (
     logger,
     slow_io_of,
 )
-from sgl_kvtier.sglang.plugins.stream_core import backend_of
+from sgl_kvtier.sglang.plugins.stream_core import backend_of, note_scheduler
 from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
@@ -205,6 +205,7 @@ def wait_until(original: Callable[..., Any], counter: Any, threshold: Any, *args
 # ---------------------------------------------------------------------------------------------- verdict
 def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook (``run_batch``): join this batch's tail loads and apply the rank-agreed verdict."""
+    note_scheduler(scheduler)  # for the gate's and the bind's "others in the engine" (stream_core)
     if not IN_FLIGHT:
         return None
     try:
