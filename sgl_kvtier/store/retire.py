@@ -17,9 +17,10 @@ Every step is idempotent (a file already gone, ``ENOENT``, and a directory not e
 ``RETIRED`` (its fence is the last file to go), and any live writer seeing it continues the deletion; two
 deleting at once only find each other's files gone, and a retirer that comes to fence a directory whose
 FENCE and LEASE are gone already (another is at its last steps, or done) writes no fence. A pass finding no
-FENCE at all only removes the (empty) directories: the deletion is at its end, or the directory was made anew by a writer that
-re-registered under the same wid since it was judged, whose files are not to be touched. A crash between
-FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence: nobody's, costs nothing).
+FENCE at all only removes the (empty) directories: the deletion is at its end, or the directory was made
+anew by a writer that re-registered under the same wid since it was judged, whose files are not to be
+touched. A crash between FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence:
+nobody's, costs nothing).
 The crash-ordering choice of each step is at its code.
 
 A zombie (a writer that was only paused, then retired) finds the fence at its next beat

@@ -16,9 +16,9 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
    blocking) until ``stream_gate.decide`` says READY (its forward: the prefill model's suffix time plus the
    bind rule's interference ``k`` x the tail's bytes; with another request running or waiting on the engine,
-   ``stream_core.others_in_engine``, only once the tail landed whole); DROP (a failed group, a deadline, or recomputing
-   predicted faster: only with the cost policy on, ``prefetch.loaded()``) drops it and the request is
-   admitted with its head only. Flags MIN-reduced (ready AND keep). Each
+   ``stream_core.others_in_engine``, only once the tail landed whole); DROP (a failed group, a deadline, or
+   recomputing predicted faster: only with the cost policy on, ``prefetch.loaded()``) drops it and the
+   request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
    "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
    Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` leaves the prefill model out (the safe minimum decides).
 6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
@@ -66,6 +66,7 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     device_allocator,
     drop,
     guard,
+    kv_bytes,
     min_reduce,
     others_in_engine,
 )
@@ -219,7 +220,7 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     interference = 0.0
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
-        interference = _interference_s(backend, model, tail, info)
+        interference = _interference_s(cache, backend, model, tail, info)
         # Recomputing instead of waiting is the cost policy's call (KVTIER_PREFETCH_POLICY=cost): without it a
         # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
         full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
@@ -230,13 +231,12 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
         busy=not stream_bind.TEST_GATE_GROUP0 and others_in_engine(cache, tail.rid)))
 
 
-def _interference_s(backend: Any, model: Any, tail: StreamedTail, info: TailInfo) -> float:
+def _interference_s(cache: Any, backend: Any, model: Any, tail: StreamedTail, info: TailInfo) -> float:
     """What the tail's landing adds to its forward: the bind rule's learned ``k`` (judged against ``model``)
     x the tail's bytes, 0.0 while ``k`` is unknown. Taken once per tail (the gate polls every scheduler round)."""
     if info.interference_s is None:
         k = backend.stream_costs.interference_s_per_byte(model.batch_time)
-        kv = backend.kv
-        info.interference_s = 0.0 if k is None or kv is None else k * kv.pages.bytes_of(tail.tokens)
+        info.interference_s = 0.0 if k is None else k * kv_bytes(cache, tail.tokens)
     return info.interference_s
 
 

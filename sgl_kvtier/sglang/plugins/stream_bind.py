@@ -7,8 +7,8 @@ The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_ad
    (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
    ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
    Not for a request blocked after a failed tail (it loads whole), an op with side pools, a hit another
-   request's L3 work overlaps or whose engine runs or queues another request (busy), one over the withheld cap, nor one the bind rule loads whole:
-   ``policy.stream_bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
+   request's L3 work overlaps or whose engine runs or queues another request (busy), one over the withheld
+   cap, nor one the bind rule loads whole: ``policy.stream_bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
    (the backend's prefill model) against the figures it learns here: a hit it loads whole, alone, is
    timed from its op's start to SGLang's handling of its result (``sample_whole``, called by
    ``stream_admit.register_tail``), SGLang's own load-backs are timed (``sample_load_back``, called by

@@ -32,6 +32,7 @@ import os
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
@@ -67,6 +68,13 @@ def backend_of(cache: Any) -> KVTierStorage | None:
     from sgl_kvtier.sglang.plugins.prefetch import backend_of as _backend_of
 
     return _backend_of(cache)
+
+
+def kv_bytes(cache: Any, tokens: int) -> int:
+    """Bytes of ``tokens`` (whole pages) of the KV pool the backend behind ``cache`` serves (0: none)."""
+    backend = backend_of(cache)
+    kv = None if backend is None else backend.kv
+    return 0 if kv is None else kv.pages.bytes_of(tokens)
 
 
 def boundary(cache: Any) -> ErrorBoundary:
@@ -188,8 +196,8 @@ def others_in_engine(cache: Any, rid: Any) -> bool:
     if scheduler is None:
         return False
     running = getattr(scheduler, "running_batch", None)
-    reqs = [*(getattr(running, "reqs", None) or ()), *(getattr(scheduler, "waiting_queue", None) or ())]
-    return any(_other(r, rid) for r in reqs)
+    reqs = chain(getattr(running, "reqs", None) or (), getattr(scheduler, "waiting_queue", None) or ())
+    return any(_other(r, rid) for r in reqs)  # the gate polls this every scheduler step: no list is built
 
 
 def _other(req: Any, rid: Any) -> bool:

@@ -55,7 +55,7 @@ from sgl_kvtier.sglang.plugins.stream_copy import (
     logger,
     slow_io_of,
 )
-from sgl_kvtier.sglang.plugins.stream_core import backend_of, note_scheduler
+from sgl_kvtier.sglang.plugins.stream_core import kv_bytes, note_scheduler
 from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
@@ -220,18 +220,11 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
             failed = any(tc.failed for tc in copies)
             waits = sum(w for w, _ in blocked) or int(failed)
             stall_marks.note_batch(scheduler, batch, waits, sum(s for _, s in blocked),
-                                   _bytes_of(scheduler, sum(tc.tail.tokens for tc in copies)), failed)
+                                   kv_bytes(scheduler.tree_cache, sum(tc.tail.tokens for tc in copies)), failed)
             verdict(scheduler, batch, loads)
     except Exception as exc:
         boundary_of(scheduler.tree_cache).fail("stream verdict", exc, outcome="verdict skipped")
     return None
-
-
-def _bytes_of(scheduler: Any, tokens: int) -> int:
-    """Bytes of ``tokens`` (whole pages) of the KV pool our backend serves (0: none)."""
-    backend = backend_of(scheduler.tree_cache)
-    kv = None if backend is None else backend.kv
-    return 0 if kv is None else kv.pages.bytes_of(tokens)
 
 
 def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:
