@@ -11,6 +11,14 @@ registration), where the forward it hid under ran 0.1-0.3 s longer than the mode
 
     READY  when  remaining_bytes / read_rate  <=  (1 - 1/G) * c
 
+The read rate is the stream's own, counted between its landings once a second one landed. Until then
+(group 0 landed, nothing after it) the stream's rate is counted from its thread's start and holds the
+thread's start and the read's set-up (measured: 160-185 MB/s at group 0 on a 235 MB/s device, 220-230
+MB/s between landings), so the rule takes the higher of it and the store's measured read bandwidth
+(``device_rate_Bps``, fitted over the store's real reads): the gate can open at group 0's landing instead
+of the second one. A device that stalls after group 0 is the forward's to wait on, to the tail's deadline
+(then retracted and recomputed, as any stall after admission).
+
 Inputs the rule cannot get yet (no read rate measured on the stream, no prefill model: the backend's
 ``cost.prefill`` has neither samples nor a seed) fall back to the safe minimum: READY once group 0 has
 landed on every tail page (the forward's first layers never wait on a group not even started).
@@ -58,6 +66,8 @@ class GateInputs:
     waited_s: float  # since the tail was registered
     deadline_s: float  # give up after this long at the gate
     read_rate_Bps: float | None = None  # measured on this stream (None: too early)
+    rate_settled: bool = True  # read_rate_Bps is counted between landings (False: from the thread's start)
+    device_rate_Bps: float | None = None  # the store's measured read bandwidth (None: not measured)
     suffix_compute_s: float | None = None  # predicted prefill of the tokens after the tail (None: no model)
     full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model, or no cost policy)
     interference_s: float = 0.0  # what the landing adds to the forward (learned k x tail bytes; 0: unknown)
@@ -78,14 +88,25 @@ class GateInputs:
         return max(self.suffix_compute_s, 0.0) + self.interference_s
 
 
+def _usable(rate: float | None) -> float | None:
+    return rate if rate is not None and rate > 0 and not math.isnan(rate) else None
+
+
+def read_rate_Bps(inputs: GateInputs) -> float | None:
+    """The rate the rest of the tail is predicted to land at (None: no rate yet): the stream's once settled;
+    before that, once group 0 landed, the higher of the stream's and the store's measured bandwidth."""
+    rate, device = _usable(inputs.read_rate_Bps), _usable(inputs.device_rate_Bps)
+    if inputs.rate_settled or not inputs.group0_landed or device is None:
+        return rate
+    return device if rate is None else max(rate, device)
+
+
 def predicted_read_s(inputs: GateInputs) -> float | None:
-    """Seconds until the rest of the tail has landed, at the measured rate (None: no rate yet)."""
+    """Seconds until the rest of the tail has landed, at ``read_rate_Bps`` (None: no rate yet)."""
     if inputs.remaining_bytes == 0:
         return 0.0
-    rate = inputs.read_rate_Bps
-    if rate is None or not rate > 0 or math.isnan(rate):
-        return None
-    return inputs.remaining_bytes / rate
+    rate = read_rate_Bps(inputs)
+    return None if rate is None else inputs.remaining_bytes / rate
 
 
 def hide_budget_s(inputs: GateInputs) -> float | None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sgl_kvtier.policy.stream_gate import GateInputs, Verdict, decide, hide_budget_s, predicted_read_s
+from sgl_kvtier.policy.stream_gate import GateInputs, Verdict, decide, hide_budget_s, predicted_read_s, read_rate_Bps
 
 
 def inputs(**kw) -> GateInputs:
@@ -42,6 +42,20 @@ def test_interference_counts_in_the_streamed_ttft_against_recomputing():
     slow = dict(read_rate_Bps=1e6, suffix_compute_s=0.1, full_compute_s=1.05)
     assert decide(inputs(**slow, interference_s=0.3)) is Verdict.DROP
     assert decide(inputs(**slow)) is Verdict.WAIT
+
+
+def test_before_a_second_landing_the_stores_bandwidth_lifts_the_streams_rate():
+    # 1 MB: at the stream's 5 MB/s from its start 0.2 s (waits); at the store's measured 10 MB/s 0.1 s (admitted)
+    early = dict(read_rate_Bps=5e6, rate_settled=False, device_rate_Bps=1e7, suffix_compute_s=0.2)
+    assert read_rate_Bps(inputs(**early, group0_landed=True)) == 1e7
+    assert decide(inputs(**early, group0_landed=True)) is Verdict.READY
+    assert decide(inputs(**early)) is Verdict.WAIT  # group 0 not landed on every page: the stream's own rate
+    assert decide(inputs(**{**early, "rate_settled": True}, group0_landed=True)) is Verdict.WAIT  # settled: its own
+    assert decide(inputs(**{**early, "device_rate_Bps": None}, group0_landed=True)) is Verdict.WAIT
+    # the higher of the two: a stream faster than the store's figure keeps its own; no stream rate yet: the store's
+    assert read_rate_Bps(inputs(**{**early, "read_rate_Bps": 2e7}, group0_landed=True)) == 2e7
+    assert read_rate_Bps(inputs(**{**early, "read_rate_Bps": None}, group0_landed=True)) == 1e7
+    assert read_rate_Bps(inputs(**{**early, "device_rate_Bps": math.nan}, group0_landed=True)) == 5e6
 
 
 def test_busy_waits_for_the_whole_tail_as_a_whole_load_would():

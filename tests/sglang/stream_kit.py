@@ -55,6 +55,7 @@ class FakeStream:
         self._ended = False
         self._read = False
         self.rate: float | None = None  # bytes/s (None: not measured yet)
+        self.rate_is_settled = True  # ``rate`` counted between landings (False: from the thread's start)
 
     pages = property(lambda self: len(self.hashes))
     groups = property(lambda self: LAYERS)  # one layer per group
@@ -87,6 +88,9 @@ class FakeStream:
 
     def read_rate(self) -> float | None:
         return self.rate
+
+    def rate_settled(self) -> bool:
+        return self.rate_is_settled
 
     def cancel(self) -> None:
         with self._cond:

@@ -509,6 +509,42 @@ def test_the_gate_counts_the_learned_interference_in_the_forward_the_read_hides_
     assert answer and tail.state is TailState.DROPPED and stream_admit.STATS.ready >= 1
 
 
+def test_before_a_second_landing_the_gate_takes_the_stores_measured_bandwidth(consumer, monkeypatch):
+    """Group 0 landed and nothing after it: the stream's rate, counted from its thread's start, is lifted to
+    the store's measured read bandwidth (the cost policy's read path), so the gate can open at group 0."""
+    from sgl_kvtier.estimation import DeviceModel
+    from sgl_kvtier.policy.cost_inputs import ReadPath
+    from sgl_kvtier.policy.cost_model import PrefillModel
+
+    env = consumer
+    env.backend.cost.prefill.estimator.seed = PrefillModel(1.0, 0.0, 0.0)  # 1 s per token
+    pages = env.backend.kv.pages
+
+    def poll(rid: str, device_Bps: float | None, settled: bool) -> tuple[bool, object]:
+        req = new_req(rid)
+        registry = registered(env, req, head=2, storage_hit_end=N_TOKENS)
+        tail = registry.get(req.rid)
+        tail.stream.land(0)
+        read_s = (1 - 1 / tail.stream.groups) * SUFFIX  # what the suffix's compute hides
+        remaining = tail.stream.remaining_bytes(tail.first_page)
+        tail.stream.rate, tail.stream.rate_is_settled = remaining / (2 * read_s), settled  # half the rate that hides
+        path = None if device_Bps is None else ReadPath(pages.page_tokens, pages.page_bytes,
+                                                        DeviceModel(device_Bps, 0.0))
+        with monkeypatch.context() as patch:  # after the bind (its rule reads the read path too)
+            patch.setattr(env.backend.cost, "read_path", lambda: path)
+            answer = env.cache.check_prefetch_progress(req.cache_request_handle)
+        stream_core.drop(env.cache, registry, tail, "next case")
+        tail.stream.finish()
+        reap_all(env, registry)
+        return answer, tail
+
+    assert poll("r-no-figure", None, settled=False)[0] is False  # no store figure: the stream's own rate, waits
+    assert poll("r-settled", 1e18, settled=True)[0] is False  # counted between landings: the stream's own, waits
+    ready = stream_admit.STATS.ready
+    answer, _ = poll("r-early", 1e18, settled=False)  # the store reads far faster than the stream's first figure
+    assert answer and stream_admit.STATS.ready == ready + 1
+
+
 class Scheduled:
     """The scheduler's queues the gate reads (weakly referenced, as SGLang's ``Scheduler``)."""
 

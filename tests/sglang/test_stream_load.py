@@ -91,6 +91,9 @@ class FakeStream:
     def read_rate(self) -> float | None:
         return None
 
+    def rate_settled(self) -> bool:
+        return True
+
     def cancel(self) -> None:
         self.cancelled = True
 

@@ -126,7 +126,7 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
 
 
 
-def test_the_read_rate_leaves_the_first_landing_s_set_up_out_once_a_second_landed(tmp_path) -> None:
+def test_the_read_rate_leaves_the_first_landing_s_set_up_out_once_a_second_landed_and_is_settled_then(tmp_path) -> None:
     backend, pool, keys, want = streamed(tmp_path)
     try:
         per_group = N * backend.kv.pages.plan.page_bytes // 4
@@ -136,11 +136,11 @@ def test_the_read_rate_leaves_the_first_landing_s_set_up_out_once_a_second_lande
         assert stream is not None and holds[0].reached.wait(BOUND_S)
         began, first = stream._began, stream._first_at
         stream._clock = lambda: began + 4.0  # one landing: counted from the thread's start
-        assert stream.read_rate() == pytest.approx(per_group / 4.0)
+        assert stream.read_rate() == pytest.approx(per_group / 4.0) and not stream.rate_settled()
         stream._clock = lambda: first + 2.0
         holds[0].release()
         assert holds[1].reached.wait(BOUND_S)  # group 1 landed: counted from the first landing, its bytes only
-        assert stream.read_rate() == pytest.approx(per_group / 2.0)
+        assert stream.read_rate() == pytest.approx(per_group / 2.0) and stream.rate_settled()
         stream._clock = lambda: first + 8.0  # nothing more landed: the rate falls
         assert stream.read_rate() == pytest.approx(per_group / 8.0)
         holds[1].release()

@@ -224,11 +224,20 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
         # Recomputing instead of waiting is the cost policy's call (KVTIER_PREFETCH_POLICY=cost): without it a
         # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
         full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
+    settled = stream.rate_settled()
     return stream_gate.decide(stream_gate.GateInputs(
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
-        read_rate_Bps=stream.read_rate(), suffix_compute_s=suffix, full_compute_s=full, interference_s=interference,
+        read_rate_Bps=stream.read_rate(), rate_settled=settled,
+        device_rate_Bps=None if settled or model is None else _device_rate(backend),
+        suffix_compute_s=suffix, full_compute_s=full, interference_s=interference,
         busy=not stream_bind.TEST_GATE_GROUP0 and others_in_engine(cache, tail.rid)))
+
+
+def _device_rate(backend: Any) -> float | None:
+    """The store's measured read bandwidth (``store.read_rates``, through the cost policy's read path)."""
+    path = backend.cost.read_path()
+    return None if path is None else path.device.bandwidth_Bps
 
 
 def _interference_s(cache: Any, backend: Any, model: Any, tail: StreamedTail, info: TailInfo) -> float:

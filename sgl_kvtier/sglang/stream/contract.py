@@ -79,6 +79,8 @@ class TailStream(Protocol):
 
     def read_rate(self) -> float | None: ...  # bytes/s this stream has landed so far (None: too early)
 
+    def rate_settled(self) -> bool: ...  # read_rate counts between landings (False: from the thread's start)
+
     def cancel(self) -> None: ...  # issue no more IO (reads in flight still land)
 
     @property

@@ -177,6 +177,11 @@ class TailStream:
             elapsed = now - self._began
             return self._bytes / elapsed if elapsed > 0 else None
 
+    def rate_settled(self) -> bool:
+        """``read_rate`` counts between landings: a second landing came after the first."""
+        with self._cond:
+            return self._first_at is not None and self._bytes > self._first_bytes
+
     def cancel(self) -> None:
         with self._cond:
             if self._ended or self._cancelled:
