@@ -47,9 +47,10 @@ HookSpec = tuple[str, Any, str]
 
 def hook_specs() -> list[HookSpec]:
     """Every hook of the streamed tail, in registration order."""
-    from sgl_kvtier.sglang.plugins import stream_admit, stream_load, stream_sample, stream_slots
+    from sgl_kvtier.sglang.plugins import stream_accounting, stream_admit, stream_load, stream_sample, stream_slots
 
-    return [*stream_admit.HOOKS, *stream_slots.HOOKS, *stream_load.HOOKS, *stream_sample.HOOKS]
+    return [*stream_admit.HOOKS, *stream_slots.HOOKS, *stream_load.HOOKS, *stream_sample.HOOKS,
+            *stream_accounting.HOOKS]
 
 
 def load() -> None:

@@ -12,7 +12,9 @@ Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots`
    at every ack-drained result). Agreed: a ``StreamedTail`` of pages ``[completed // ps, n)``, token span
    from ``storage_start + completed``. Whenever we took the stream we own ``host_indices[completed:]``:
    ``operation.ack_releases_incomplete_host_indices = False`` stops SGLang's release of them (read right
-   after the original returns, ``:3230``); a tail not agreed is dropped at once.
+   after the original returns, ``:3230``); a tail not agreed is dropped at once. SGLang's unfulfilled count
+   of the part not landed is held while the original runs and made only for a part that does not stream
+   (a streamed tail's is made by its outcome: ``stream_accounting``).
 5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
    blocking) until ``stream_gate.decide`` says READY (its forward: the prefill model's suffix time plus the
    bind rule's interference ``k`` x the tail's bytes; with another request running or waiting on the engine,
@@ -56,7 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sgl_kvtier.policy import stream_gate
-from sgl_kvtier.sglang.plugins import prefetch, stream_bind
+from sgl_kvtier.sglang.plugins import prefetch, stream_accounting, stream_bind
 from sgl_kvtier.sglang.plugins.stream_core import (
     STATS,
     URC,
@@ -110,8 +112,8 @@ def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> A
     info = cache.ongoing_prefetch.get(operation.handle)
     host_indices: Any = None if info is None else info.host_indices
     completed = int(operation.completed_tokens)
-    with counting_releases() as releases:
-        result = original(cache, operation)
+    with counting_releases() as releases, stream_accounting.holding(cache, operation.handle) as held:
+        result = original(cache, operation)  # SGLang's unfulfilled log of the part not landed: held
     landed_whole = host_indices is not None and completed == host_indices.numel()
     if landed_whole and getattr(operation, stream_bind.WHOLE_ALONE, False):  # the bind rule's sample of W
         guard(cache, "bind rule sample", "not sampled", lambda: stream_bind.sample_whole(cache, operation, completed))
@@ -132,10 +134,15 @@ def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> A
     why = guard(cache, "registration", "not streamed", local, "error")
     agreed = guard(cache, "registration vote", "not streamed", lambda: min_reduce(cache, [why is None])[0] == 1,
                     False)
+    tail = None
     if taken:
         operation.ack_releases_incomplete_host_indices = False  # host_indices[completed:] are ours now
-        guard(cache, "registration", "tail dropped", lambda: _settle(
+        tail = guard(cache, "registration", "tail dropped", lambda: _settle(
             cache, registry, operation, host_indices, completed, taken[0], agreed and why is None))
+    if tail is None:  # not streamed: SGLang's count of the part not landed, as it would have made it
+        guard(cache, "prefetch accounting", "not counted", lambda: stream_accounting.release(cache, held))
+    else:
+        stream_accounting.hold(tail, held)
     if not (agreed and why is None):
         STATS.not_registered[why or "another rank"] += 1
     return result
@@ -159,7 +166,8 @@ def _why_not(cache: Any, registry: StreamRegistry, operation: Any, host_indices:
 
 
 def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: Any, completed: int,
-            stream: Any, keep: bool) -> None:
+            stream: Any, keep: bool) -> StreamedTail | None:
+    """The tail registered (None: not kept: its stream cancelled, its slots deferred)."""
     ps = cache.page_size
     first = completed // ps
     tail = StreamedTail(rid=operation.handle.rid, stream=stream, first_page=first,
@@ -168,7 +176,7 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
     if not keep:
         stream.cancel()
         registry.defer_free(stream, tail.host_indices)
-        return
+        return None
     span_end = max(int(operation.storage_start) + int(getattr(operation, "stats_requested_tokens", 0) or 0),
                    int(getattr(operation, stream_bind.PROMPT_END, 0)))
     pages = tail.tokens // ps
@@ -178,6 +186,7 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
     STATS.registered += 1
     logger.debug("kvtier stream: tail of %s registered: %d head + %d streamed tokens", tail.rid, completed,
                  tail.tokens)
+    return tail
 
 
 # ---------------------------------------------------------------------------------------------- 5. gate

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+from sgl_kvtier.sglang.plugins import stream_accounting
 from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, frozen_counts
@@ -248,6 +249,7 @@ def drop(cache: Any, registry: StreamRegistry, tail: StreamedTail, why: str) -> 
     tail.stream.cancel()
     registry.defer_free(tail.stream, tail.host_indices)
     STATS.dropped[why] += 1
+    guard(cache, "prefetch accounting", "not counted", lambda: stream_accounting.settle(cache, tail, kept=False))
     logger.debug("kvtier stream: tail of %s dropped (%s): %d tokens", tail.rid, why, tail.tokens)
 
 

@@ -42,9 +42,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stall_marks, stream_bind, stream_retract
+from sgl_kvtier.sglang.plugins import stall_marks, stream_accounting, stream_bind, stream_retract
 from sgl_kvtier.sglang.plugins.stream_copy import (
     StreamLoad,
     TailCopy,
@@ -55,7 +56,7 @@ from sgl_kvtier.sglang.plugins.stream_copy import (
     logger,
     slow_io_of,
 )
-from sgl_kvtier.sglang.plugins.stream_core import kv_bytes, note_scheduler
+from sgl_kvtier.sglang.plugins.stream_core import guard, kv_bytes, note_scheduler
 from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
@@ -253,11 +254,13 @@ def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:
                 tail.state = TailState.DONE
                 registry.defer_free(tail.stream, tail.host_indices)
                 add_stats(landed=1)
+                stream_accounting.settle(cache, tail, kept=True)  # last: a failure here is only a count
                 continue
             tail.state = TailState.POISONED
             _release_stream(tail, registry, boundary)
             registry.block(req.rid)  # its retry loads the hit whole or recomputes: never streams again
             add_stats(poisoned=1)
+            stream_accounting.settle(cache, tail, kept=False)
         except Exception as exc:
             boundary.fail(f"stream verdict of request {req.rid}", exc, outcome="retracted" if not ok else "kept")
             if ok:
@@ -276,6 +279,8 @@ def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:
         registry.remove(rid)
         tail.state = TailState.DROPPED
         _release_stream(tail, registry, boundary)
+        guard(cache, "prefetch accounting", "not counted",
+              partial(stream_accounting.settle, cache, tail, kept=False))
 
 
 def _release_stream(tail: StreamedTail, registry: StreamRegistry, boundary: ErrorBoundary) -> None:

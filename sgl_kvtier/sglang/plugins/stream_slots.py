@@ -34,9 +34,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.sglang.plugins import stream_accounting
 from sgl_kvtier.sglang.plugins.stream_core import (
     HCC,
     REGISTRY_ATTR,
@@ -120,6 +122,8 @@ def clear_all(cache: Any, *, free: bool) -> None:
             tail.state = TailState.DROPPED
             tail.stream.cancel()
             registry.defer_free(tail.stream, tail.host_indices)
+            guard(cache, "prefetch accounting", "not counted",
+                  partial(stream_accounting.settle, cache, tail, kept=False))
     late = 0
     for stream, slots in registry.take_deferred():
         stream.cancel()

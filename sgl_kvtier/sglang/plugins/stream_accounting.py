@@ -1,0 +1,107 @@
+"""SGLang's storage-prefetch counters for streamed tails (issue #13): a tail is not "unfulfilled" while it streams.
+
+SGLang's ``_handle_prefetch_result`` (``unified_radix_cache.py:2452``) resolves the part of a hit its op did
+not complete, ``allocated - completed`` tokens, as unfulfilled (``_resolve_storage_prefetch_tokens`` with
+reason ``storage_transfer`` or ``deadline``: ``sglang:storage_prefetch_unfulfilled_tokens_total``) before
+``stream_admit``'s register step decides whether that part streams, and a Prometheus counter cannot be taken
+back. So while the register step runs SGLang's body (``holding``), that resolution of the op's request is
+made without its log: the same call with no reason (SGLang's per-request accounting settles exactly as
+before: the tokens leave its remaining count) and the tokens and reason held. After the decision:
+
+- not registered (any reason, on any rank): the held log is made at once, as SGLang would have (``release``);
+- registered: held on the tail (``hold``) until its outcome (``settle``): landed and kept (DONE) counts the
+  tail as prefetched tokens (``log_prefetched_tokens``, as SGLang counted the head); dropped, poisoned or
+  forgotten logs the held tokens as unfulfilled, with the held reason.
+
+Each tail settles at most once (its hold is popped). Storage metrics off (no ``--enable-metrics``): nothing
+is held. Rank-local, as SGLang's own counters. A SGLang without the per-request table this reads
+(``_storage_prefetch_hit_remaining_by_reqid``) keeps its own log: nothing is held.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sgl_kvtier.sglang.stream.contract import StreamedTail
+
+RESOLVE_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._resolve_storage_prefetch_tokens"
+REMAINING_ATTR = "_storage_prefetch_hit_remaining_by_reqid"
+
+Held = list[tuple[int, str]]  # (tokens, SGLang's reason) of each resolution held back
+
+
+class _Capture(threading.local):
+    state: tuple[Any, Held] | None = None  # (the op's request handle, what was held) while ``holding``
+
+
+_capture = _Capture()
+_held: weakref.WeakKeyDictionary[StreamedTail, Held] = weakref.WeakKeyDictionary()
+
+
+def collector(cache: Any) -> Any:
+    """SGLang's storage metrics collector of ``cache`` (None: metrics off)."""
+    if not getattr(cache, "enable_storage_metrics", False):
+        return None
+    return getattr(cache, "storage_metrics_collector", None)
+
+
+@contextmanager
+def holding(cache: Any, request: Any) -> Iterator[Held]:
+    """While the block runs (this thread), ``request``'s unfulfilled resolutions are held, not logged."""
+    held: Held = []
+    outer = _capture.state
+    _capture.state = None if collector(cache) is None else (request, held)
+    try:
+        yield held
+    finally:
+        _capture.state = outer
+
+
+def resolve_quietly(original: Callable[..., Any], cache: Any, request: Any, num_tokens: int,
+                    reason: str | None = None) -> Any:
+    """AROUND ``_resolve_storage_prefetch_tokens``: inside ``holding`` for ``request``, the same resolution
+    with no reason (no log) and the tokens SGLang would have logged held; anything else unchanged."""
+    state = _capture.state
+    table = getattr(cache, REMAINING_ATTR, None)
+    if state is None or reason is None or state[0] is not request or not isinstance(table, dict):
+        return original(cache, request, num_tokens, reason=reason)
+    remaining = table.get(request)
+    if remaining is not None and num_tokens > 0:
+        state[1].append((min(int(num_tokens), int(remaining)), reason))  # what SGLang would log (it caps too)
+    return original(cache, request, num_tokens, reason=None)
+
+
+def release(cache: Any, held: Held) -> None:
+    """Not streamed: log what was held, as SGLang would have."""
+    sink = collector(cache) if held else None
+    if sink is not None:
+        for tokens, reason in held:
+            sink.log_storage_prefetch_unfulfilled_tokens(tokens, reason)
+
+
+def hold(tail: StreamedTail, held: Held) -> None:
+    """``tail`` was registered: its held resolution waits for its outcome."""
+    if held:
+        _held[tail] = list(held)
+
+
+def settle(cache: Any, tail: StreamedTail, kept: bool) -> None:
+    """``tail``'s outcome (at most once): kept, its tokens were prefetched; else they were unfulfilled."""
+    held = _held.pop(tail, None)
+    if not held:
+        return
+    if not kept:
+        release(cache, held)
+        return
+    sink = collector(cache)
+    if sink is not None:
+        sink.log_prefetched_tokens(sum(tokens for tokens, _ in held))
+
+
+HOOKS: list[tuple[str, Any, str]] = [(RESOLVE_TARGET, resolve_quietly, "AROUND")]
+
+__all__ = ["HOOKS", "RESOLVE_TARGET", "collector", "hold", "holding", "release", "resolve_quietly", "settle"]
