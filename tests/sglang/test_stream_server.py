@@ -88,6 +88,7 @@ HOLD_S = 1.0  # a stall that keeps group 0 in flight while another request is se
 ATTEMPTS = 3
 RETRACTED = "sglang:num_retracted_requests_total"
 LANDED_TAILS, RETRACTED_TAILS = "kvtier_stream_landed", "kvtier_stream_retracts"  # the plugin's counters
+UNFULFILLED = "sglang:storage_prefetch_unfulfilled_tokens_total"  # SGLang's: hits found and not used
 ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
        "KVTIER_TEST_STREAM_GATE": "group0"}  # admitted once group 0 landed, whatever the machine's load
 PREFIXES = {"p1": 61, "p2": 62, "fault": 63, "held": 64, "flip": 65}  # name -> seed
@@ -139,8 +140,9 @@ class Streamed:
         return self.srv.metric(RETRACTED)
 
     def counts(self) -> dict[str, float]:
-        """SGLang's retracts and the plugin's landed and retracted tails, now (the plugin's lag <= 1 s)."""
-        return {name: self.srv.metric(name) for name in (RETRACTED, LANDED_TAILS, RETRACTED_TAILS)}
+        """SGLang's retracts and unfulfilled hit tokens, the plugin's landed and retracted tails, now (the
+        plugin's lag <= 1 s)."""
+        return {name: self.srv.metric(name) for name in (RETRACTED, UNFULFILLED, LANDED_TAILS, RETRACTED_TAILS)}
 
 
 def make_prompts(model: Path) -> dict[str, tuple[str, int]]:
@@ -298,6 +300,9 @@ def test_streamed_tails_answer_as_cold(streamed: Streamed, warm: Warm) -> None:
         warm.before[LANDED_TAILS] + landed  # the plugin's counter agrees with its log
     assert streamed.cold["p1"]["output_ids"] != streamed.cold["p2"]["output_ids"]  # the equalities are not vacuous
     assert streamed.retracted() == warm.before[RETRACTED]
+    # every hit was served whole from L3, the landed tails too: none of it counts as unfulfilled in SGLang's
+    # metrics (a tail is counted by its outcome, not at the prefetch result that left it streaming)
+    assert streamed.srv.metric(UNFULFILLED) == warm.before[UNFULFILLED]
     assert tracebacks_through(warm.log) == []
 
 
