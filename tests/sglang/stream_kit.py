@@ -16,6 +16,8 @@ import json
 import threading
 import time
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -330,6 +332,17 @@ def open_consumer(kit, stored: SimpleNamespace, monkeypatch, caches: list) -> Si
     env.host_baseline = env.host.available_size()
     env.device_baseline = env.alloc.available_size()
     return env
+
+
+@contextmanager
+def consumer_over_stored_prompt(kit, tmp_path, monkeypatch) -> Iterator[SimpleNamespace]:
+    """A consumer cache (``open_consumer``) over a store holding the prompt; its caches closed after."""
+    stored = store_prompt(kit, tmp_path, monkeypatch)
+    caches: list = []
+    try:
+        yield open_consumer(kit, stored, monkeypatch, caches)
+    finally:
+        close_all(caches)
 
 
 def close_all(caches: list) -> None:

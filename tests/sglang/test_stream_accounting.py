@@ -17,7 +17,7 @@ pytest.importorskip("sglang")
 
 from hook_kit import install_hooks  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
-from stream_kit import PS, close_all, new_req, open_consumer, reap_all, registered, store_prompt  # noqa: E402
+from stream_kit import PS, consumer_over_stored_prompt, new_req, reap_all, registered  # noqa: E402
 from test_controller import _PrivateRegistryCollector  # noqa: E402
 
 from sgl_kvtier.sglang.plugins import (  # noqa: E402
@@ -128,12 +128,8 @@ def test_a_held_tail_settles_once_kept_as_prefetched_or_dropped_as_unfulfilled()
 @pytest.fixture
 def consumer(tmp_path, kit_on_cpu, cpu_shims, monkeypatch):
     install_hooks(monkeypatch, [*stream_admit.HOOKS, *stream_slots.HOOKS, *stream_accounting.HOOKS])
-    stored = store_prompt(kit_on_cpu, tmp_path, monkeypatch)
-    caches: list = []
-    try:
-        yield open_consumer(kit_on_cpu, stored, monkeypatch, caches)
-    finally:
-        close_all(caches)
+    with consumer_over_stored_prompt(kit_on_cpu, tmp_path, monkeypatch) as env:
+        yield env
 
 
 def test_a_streamed_tail_counts_unfulfilled_only_once_dropped_and_a_part_not_streamed_at_once(consumer, monkeypatch):

@@ -35,7 +35,15 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from stream_kit import PS, close_all, hicache, new_req, open_consumer, reap_all, registered, store_prompt  # noqa: E402
+from stream_kit import (  # noqa: E402
+    PS,
+    close_all,
+    consumer_over_stored_prompt,
+    hicache,
+    new_req,
+    reap_all,
+    registered,
+)
 from test_storage_adapter import slots  # noqa: E402
 from test_tail_stream import BOUND_S, DST, Hold, N, flip, group_slice, streamed  # noqa: E402
 
@@ -153,12 +161,8 @@ def hooks(monkeypatch, cpu_shims):
 @pytest.fixture
 def consumer(tmp_path, kit_on_cpu, hooks, monkeypatch):
     """A cache with the streaming test backend (``stream_kit``) over a store holding the prompt."""
-    stored = store_prompt(kit_on_cpu, tmp_path, monkeypatch)
-    caches: list = []
-    try:
-        yield open_consumer(kit_on_cpu, stored, monkeypatch, caches)
-    finally:
-        close_all(caches)
+    with consumer_over_stored_prompt(kit_on_cpu, tmp_path, monkeypatch) as env:
+        yield env
 
 
 def test_the_plugins_counters_reach_the_backends_telemetry(consumer) -> None:
