@@ -105,6 +105,10 @@ def test_metrics_off_or_an_unknown_table_holds_nothing() -> None:
         stream_accounting.resolve_quietly(lambda *a, **k: seen.append((a, k)), other_sglang, req, 30,
                                           reason="storage_transfer")
     assert held == [] and seen == [((other_sglang, req, 30), {"reason": "storage_transfer"})]  # its own log stands
+    odd = fake_cache(metrics, {req: "many"})  # not SGLang's numbers: never raises into its thread, its log stands
+    with stream_accounting.holding(odd, req) as held:
+        stream_accounting.resolve_quietly(lambda *a, **k: seen.append((a, k)), odd, req, 30, reason="deadline")
+    assert held == [] and seen[-1] == ((odd, req, 30), {"reason": "deadline"})
 
 
 def test_a_held_tail_settles_once_kept_as_prefetched_or_dropped_as_unfulfilled() -> None:

@@ -69,9 +69,13 @@ def resolve_quietly(original: Callable[..., Any], cache: Any, request: Any, num_
     table = getattr(cache, REMAINING_ATTR, None)
     if state is None or reason is None or state[0] is not request or not isinstance(table, dict):
         return original(cache, request, num_tokens, reason=reason)
-    remaining = table.get(request)
-    if remaining is not None and num_tokens > 0:
-        state[1].append((min(int(num_tokens), int(remaining)), reason))  # what SGLang would log (it caps too)
+    try:
+        remaining = table.get(request)
+        held = None if remaining is None or num_tokens <= 0 else (min(int(num_tokens), int(remaining)), reason)
+    except (TypeError, ValueError):  # not SGLang's numbers: its own log stands (nothing raises into its thread)
+        return original(cache, request, num_tokens, reason=reason)
+    if held is not None:
+        state[1].append(held)  # what SGLang would log (it caps at the remaining count too)
     return original(cache, request, num_tokens, reason=None)
 
 
