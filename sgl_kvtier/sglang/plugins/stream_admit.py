@@ -238,7 +238,7 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
         groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
         read_rate_Bps=stream.read_rate(), rate_settled=settled,
-        device_rate_Bps=None if settled or model is None else _device_rate(backend),
+        device_rate_Bps=None if settled or not landed0 or model is None else _device_rate(backend),  # else unused
         suffix_compute_s=suffix, full_compute_s=full, interference_s=interference,
         busy=not stream_bind.TEST_GATE_GROUP0 and others_in_engine(cache, tail.rid)))
 
