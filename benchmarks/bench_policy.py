@@ -118,7 +118,7 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, bars,
                            "log": str(srv.log_path), "rounds": [], "levels": {}}
     bars.update(task, description=f"{tag}: starting server")
     srv.start()
-    res["startup_s"] = srv.startup_s
+    res["startup_s"], res["gc_frozen"] = srv.startup_s, srv.gc_frozen
     unique = unique_tokens(rounds, plan.page_size)
     try:
         base = client.counters(client.scrape(srv.url))["backuped_tokens"]

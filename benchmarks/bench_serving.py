@@ -131,7 +131,7 @@ def run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, bars, task, console
     }
     bars.update(task, description=f"{cfg.name}: starting server")
     srv.start()
-    res["startup_s"] = srv.startup_s
+    res["startup_s"], res["gc_frozen"] = srv.startup_s, srv.gc_frozen
     spy = None
     if args.py_spy and (pid := scheduler_pid(srv.proc.pid)):
         spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "50",

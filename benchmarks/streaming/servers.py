@@ -95,7 +95,7 @@ class BenchServer:
         self.l3.mkdir(parents=True, mode=0o700)
         self.started = True
         self.srv.start()
-        self.res["startup_s"] = self.srv.startup_s
+        self.res["startup_s"], self.res["gc_frozen"] = self.srv.startup_s, self.srv.gc_frozen
         self.base = client.counters(client.scrape(self.srv.url))["backuped_tokens"]
 
     def serve(self, i: int, console: Any, on_request: Any, peers: Sequence[BenchServer] = ()) -> None:

@@ -128,6 +128,7 @@ class SGLangServer:
         self.stop_grace_s = stop_grace_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
+        self.gc_frozen: bool | None = None  # whether ``/freeze_gc`` answered 200 after start-up (``_freeze_gc``)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -175,7 +176,23 @@ class SGLangServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        self.gc_frozen = self._freeze_gc()
         return self
+
+    def _freeze_gc(self) -> bool:
+        """POST ``/freeze_gc`` (every SGLang process moves its start-up objects out of the collector's reach);
+        whether it answered 200. SGLang posts it itself after its warm-up request
+        (``http_server._freeze_gc_after_server_warmup``), but with ``--skip-server-warmup`` 0.5.23 posts it
+        before its HTTP server listens, and it mostly fails ("post-warmup freeze_gc failed" in the log): the
+        scheduler then keeps its ~10^6 start-up objects in the collected heap, and each full collection (~0.3 s
+        in a process that imported SGLang, here) holds the GIL in the middle of whatever request runs. Sent
+        again here so that every server this runner starts is in the state SGLang means it to be after
+        start-up, warm-up or not. A refusal is returned, never raised (the server still serves)."""
+        try:
+            status, _ = self.request("POST", "/freeze_gc", None, timeout_s=30.0)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+        return status == 200
 
     def _wait_healthy(self, deadline: float) -> None:
         assert self.proc is not None

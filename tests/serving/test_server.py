@@ -67,6 +67,7 @@ def test_a_picked_port_taken_before_start_up_is_replaced(tmp_path):
             assert server.port != taken and server.url.endswith(f":{server.port}")
             assert server.command[server.command.index("--port") + 1] == str(server.port)
             assert server.request("GET", "/health")[0] == 200
+            assert server.gc_frozen is False  # the stand-in has no /freeze_gc (501): started all the same
 
 
 def test_a_port_the_caller_chose_is_never_replaced(tmp_path):

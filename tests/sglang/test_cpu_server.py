@@ -53,6 +53,9 @@ def test_flushed_prompt_is_served_from_l3_with_identical_greedy_output(tmp_path:
         "--skip-server-warmup",
     ]  # fmt: skip
     with SGLangServer(model, extra_args=args, log_path=tmp_path / "server.log") as srv:
+        # SGLang's own post-warm-up /freeze_gc races its HTTP server under --skip-server-warmup; the runner's
+        # is sent once /health answers.
+        assert srv.gc_frozen is True
         cold = {n: srv.generate(p, max_new_tokens=8, temperature=0.0) for n, p in prompts.items()}
         for n, out in cold.items():
             assert out["meta_info"]["prompt_tokens"] == n
