@@ -1,9 +1,10 @@
 """Layer-group reads of a KV tier's pages straight into host slots: the read side of a streamed L3 tail
 (issue #13).
 
-``read_layer_groups(tier, keys, host_indices, on_group)`` reads the pages of ``keys`` into the host slots
-``host_indices`` (page-aligned, ``len == pages * page_tokens``) group-major (``SharedPool.get_parts`` with the
-tier's ``LayerPlan.groups``): layer group 0 of every page, verified, then ``on_group(0, layers, ok)``, then
+``read_layer_groups(tier, keys, host_indices, on_group, reads)`` reads the pages of ``keys`` into the host
+slots ``host_indices`` (page-aligned, ``len == pages * page_tokens``) group-major (``SharedPool.get_parts``
+with the groups of ``reads``, a ``ReadPlan`` of the tier's ``LayerPlan``; None: one read group per layer
+group): read group 0 of every page, verified, then ``on_group(0, layers, ok)``, then
 group 1, ... While ``on_group(g)`` runs, group g + 1 is in flight; groups after g + 1 have not been
 read. ``ok[i]``: page ``i`` has every part of groups 0..g verified in its slots (a page failing a part gets
 no more IO, and its slots then hold bytes that must not be used). Returns, per page, whether it was read
@@ -22,17 +23,20 @@ import torch
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sglang.host_pages import Access, check_indices
+from sgl_kvtier.sglang.parts_plan import ReadPlan
 from sgl_kvtier.sglang.pool_tier import PoolTier
 
 OnGroup = Callable[[int, range, list[bool]], None]  # (layer group, its layers, per page: verified so far)
 
 
 def read_layer_groups(tier: PoolTier, keys: Sequence[PageKey], host_indices: torch.Tensor,
-                      on_group: OnGroup) -> list[bool]:
-    """Read ``keys`` into ``host_indices`` layer group by layer group (module docstring)."""
+                      on_group: OnGroup, reads: ReadPlan | None = None) -> list[bool]:
+    """Read ``keys`` into ``host_indices`` read group by read group (module docstring)."""
     plan = tier.pages.plan
     if plan is None or tier.pages.access is not Access.ZERO_COPY or tier.namespace.parts != plan.parts:
         raise KVTierError(f"pool {tier.name} ({tier.pages.layout}) does not stream in layer groups")
+    if reads is not None and reads.stored != plan:
+        raise ValueError("the read plan is not of this pool's layer groups")
     problem = check_indices(host_indices, len(keys), tier.pages.page_tokens)
     if problem is not None:
         raise ValueError(problem)
@@ -42,7 +46,9 @@ def read_layer_groups(tier: PoolTier, keys: Sequence[PageKey], host_indices: tor
     if not keys:
         return []
 
-    def on_part(group: int, ok: list[bool]) -> None:
-        on_group(group, plan.layers(group), ok)
+    read = reads if reads is not None else plan.reads(plan.group_count)
 
-    return store.get_parts(list(keys), tier.pages.page_runs(host_indices), on_part, groups=plan.groups)
+    def on_part(group: int, ok: list[bool]) -> None:
+        on_group(group, read.layers(group), ok)
+
+    return store.get_parts(list(keys), tier.pages.page_runs(host_indices), on_part, groups=read.groups)

@@ -150,10 +150,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """The stream plugin is on for this backend: ``counts()`` reads its counters (``telemetry().stream``)."""
         self._stream_hooks = counts
 
-    def bind_hit(self, hashes: list[str], host_indices: torch.Tensor) -> None:
+    def bind_hit(self, hashes: list[str], host_indices: torch.Tensor, read_groups: int | None = None) -> None:
         """SGLang allocated ``host_indices`` for the hit of ``hashes`` (its leading ``len(host_indices) //
-        page_tokens`` pages; the allocation may be shorter than the hit): stream them in now. Never raises
-        (a failure is counted at the boundary and the hit loads as today)."""
+        page_tokens`` pages; the allocation may be shorter than the hit): stream them in now, in
+        ``read_groups`` read groups (None: the pool's layer groups). Never raises (a failure is counted at
+        the boundary and the hit loads as today)."""
         def bind() -> None:
             tier = self.kv
             if not self.streaming_enabled or tier is None:
@@ -161,7 +162,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             pages = host_indices.numel() // tier.pages.page_tokens
             keys = keys_until_invalid(hashes[:pages])
             if pages and len(keys) == pages:
-                self.binder.bind(keys, host_indices)
+                self.binder.bind(keys, host_indices, read_groups)
 
         self._guarded("bind_hit", bind, lambda: None)
 

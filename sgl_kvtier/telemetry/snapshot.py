@@ -216,6 +216,7 @@ class StreamSnapshot:
     learned figures (``bind``)."""
 
     bound_hits: int = 0  # hits bound to a tail stream
+    read_groups: int = 0  # their read groups, summed (``policy.stream_read``; / bound_hits = the mean)
     head_pages: int = 0  # pages answered True to SGLang's IO thread from a stream (inserted as today)
     streamed_pages: int = 0  # pages streams landed whole and verified
     staged_pages: int = 0  # ... of which copied from read-ahead staging

@@ -140,6 +140,53 @@ def test_group_major_read_hands_over_each_layer_group_exactly(tmp_path, kind, la
         backend.close()
 
 
+def test_read_plans_merge_layer_groups_in_order() -> None:
+    plan = plan_for(HostPages.of(make_pool("mha", "layer_first", layers=8)), groups=8)
+    assert plan is not None
+    three = plan.reads(3)
+    assert three.cuts == (0, 2, 5, 8) and three.group_count == 3 and three.parts == plan.parts
+    assert three.groups == [[0, 1, 8, 9], [2, 3, 4, 10, 11, 12], [5, 6, 7, 13, 14, 15]]  # K parts, then V parts
+    assert [list(three.layers(r)) for r in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert plan.reads(8).groups == plan.groups and [list(plan.reads(8).layers(g)) for g in range(8)] == [
+        list(plan.layers(g)) for g in range(8)]
+    assert plan.reads(99).group_count == 8 and plan.reads(0).group_count == 1  # clamped
+
+
+@pytest.mark.parametrize(("kind", "layout"), STREAMABLE)
+def test_a_read_in_merged_groups_hands_over_their_layers_verified(tmp_path, kind, layout) -> None:
+    """Two read groups over the pool's four layer groups: each hands over its four layers' bytes, exactly;
+    every stored part was still verified (``parts_read``), and a read plan of another pool is refused."""
+    pool = make_pool(kind, layout)
+    fill_random(pool, seed=6)
+    backend = make_backend(tmp_path, pool, mla=kind == "mla", readahead_bytes=0)
+    try:
+        tier = backend.kv
+        plan = tier.pages.plan
+        assert plan.group_count == 4
+        keys, src, dst = chain_keys(6), [2, 9, 4, 11, 6, 13], [20, 25, 21, 30, 22, 31]
+        ranges = 1 if kind == "mla" else 2
+        assert backend.batch_set_v1(keys, slots(src)) == [True] * 6
+        want = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
+                for p in src]
+        zero(pool)
+        reads = plan.reads(2)
+        seen: list[tuple[int, list[int]]] = []
+        before = tier.store.own.counters.parts_read
+        assert read_layer_groups(tier, parse_keys(keys), slots(dst), lambda g, layers, ok: seen.append(
+            (g, list(layers))), reads) == [True] * 6
+        assert seen == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
+        got = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
+               for p in dst]
+        assert got == want
+        assert tier.store.own.counters.parts_read - before == 6 * ranges * 4
+        other = plan_for(HostPages.of(make_pool(kind, layout, layers=4)))
+        assert other is not None
+        with pytest.raises(ValueError, match="not of this pool"):
+            read_layer_groups(tier, parse_keys(keys), slots(dst), lambda *a: None, other.reads(2))
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize(("kind", "layout"), UNSTREAMABLE)
 def test_other_layouts_keep_one_part_and_say_so_once(tmp_path, caplog, kind, layout) -> None:
     caplog.set_level(logging.INFO, logger="sgl_kvtier.sglang.parts_plan")

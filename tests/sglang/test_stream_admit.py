@@ -614,6 +614,30 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     reap_all(env, registry)
 
 
+def test_the_hit_is_bound_in_the_read_groups_the_read_rule_picks(consumer, monkeypatch):
+    """``policy.stream_read`` is asked with the pool's layer groups, the hit's predicted read (the store's read
+    model), its pages and K|V ranges, and the binder is handed its answer."""
+    from sgl_kvtier.estimation import DeviceModel
+    from sgl_kvtier.policy.cost_inputs import ReadPath
+
+    env = consumer
+    pages = env.backend.kv.pages
+    model = DeviceModel(1e9, 1e-3)
+    monkeypatch.setattr(env.backend.cost, "read_path", lambda: ReadPath(pages.page_tokens, pages.page_bytes, model))
+    asked: list[tuple] = []
+    monkeypatch.setattr(stream_bind, "read_groups", lambda *a: asked.append(a) or 7)
+    req = new_req("r-groups")
+    registry = registered(env, req, head=3)
+    tail = registry.get(req.rid)
+    assert tail is not None and env.backend.binder.read_groups == [7]
+    ((stored, read_s, n, ranges),) = asked
+    assert (stored, n, ranges) == (pages.plan.group_count, env.backend.binder.streams[0].pages, 2)
+    assert read_s == pytest.approx(model.load_time(n, pages.page_bytes))
+    stream_core.drop(env.cache, registry, tail, "test over")
+    tail.stream.finish()
+    reap_all(env, registry)
+
+
 def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_load(consumer, monkeypatch):
     """With the store's read model, the prefill model and a learned interference that the overlap cannot win
     back, the hit is not bound: it is read whole before admission (today's path), and that load, alone, is

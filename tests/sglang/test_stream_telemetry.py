@@ -106,7 +106,8 @@ def test_the_backends_tail_reads_are_in_its_telemetry_and_gauges(tmp_path) -> No
         assert snap.streamed_pages == counts.streamed_pages >= 2 * N - 1  # the clean one whole, the corrupt one but 1
         assert snap.withheld_pages == sum(len(s) for _, s in withheld) // PS == counts.withheld_pages > 0
         assert snap == StreamSnapshot(  # every field is the binder's
-            bound_hits=counts.streams_bound, head_pages=counts.head_pages, streamed_pages=counts.streamed_pages,
+            bound_hits=counts.streams_bound, read_groups=counts.read_groups, head_pages=counts.head_pages,
+            streamed_pages=counts.streamed_pages,
             staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
             cancelled=counts.cancelled_streams, read_errors=counts.stream_errors, withheld_pages=counts.withheld_pages,
             mismatches=counts.mismatches, bind=backend.stream_costs.snapshot())

@@ -126,6 +126,37 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
 
 
 
+
+def test_a_stream_in_two_read_groups_lands_two_layer_groups_at_a_time(tmp_path) -> None:
+    """``read_groups=2`` over the pool's 4 layer groups: read group 0 is layers 0-3 (layer groups 0 and 1,
+    each still verified by its own checksums), read group 1 the rest; the binder counts the read groups."""
+    backend, pool, keys, want = streamed(tmp_path)
+    try:
+        plan = backend.kv.pages.plan
+        hold = Hold(group=0)
+        backend.binder.observer = hold
+        before = parts_read(backend)
+        stream = backend.binder.bind(parse_keys(keys), slots(DST), read_groups=2)
+        assert stream is not None and stream.groups == 2
+        assert [list(stream.layers(g)) for g in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert hold.reached.wait(BOUND_S)
+        assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.LANDED
+        assert stream.wait_group(1, 0, timeout=0) is GroupVerdict.TIMEOUT  # in flight, not recorded
+        per_group = plan.page_bytes // 4
+        assert stream.remaining_bytes(0) == N * 2 * per_group
+        for got, exp in zip(dst_bytes(pool), want):  # layer groups 0 and 1 are in the slots, verified
+            for rng in (0, 1):
+                for g in (0, 1):
+                    assert got[group_slice(plan, g, rng)] == exp[group_slice(plan, g, rng)]
+        hold.release()
+        assert stream.wait_ended(BOUND_S) and hold.seen == [0, 1]
+        assert dst_bytes(pool) == want and stream.landed_pages() == N
+        assert parts_read(backend) - before == N * 8  # 4 layer groups x K, V: every part verified
+        assert backend.binder.counts().read_groups == 2 and backend.binder.counts().streams_bound == 1
+    finally:
+        backend.close()
+
+
 def test_the_read_rate_leaves_the_first_landing_s_set_up_out_once_a_second_landed_and_is_settled_then(tmp_path) -> None:
     backend, pool, keys, want = streamed(tmp_path)
     try:

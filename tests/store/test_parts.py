@@ -247,6 +247,50 @@ def test_groups_are_read_group_major_with_the_next_in_flight_during_on_part(tmp_
         assert not store._slots._pins
 
 
+def test_consecutive_parts_of_a_group_are_one_io_each_part_verified(tmp_path):
+    """Groups [0, 1] and [2, 3]: one op per page per group (the two parts adjacent in the slot), its bytes
+    exact, every part counted; a bad byte in part 1 fails its page at group 0, the op's part 0 verified."""
+    mem, expected = fill()
+    engine = Recording()
+    with PageStore.open(config(tmp_path), ns(), engine=engine) as store:
+        assert store.put(keys(), runs(mem)) == [True] * N
+        base = {k: store._io.locate(store.slot_of(k))[1] for k in keys()}
+        mem.clear()
+        engine.batches.clear()
+        assert store.get_parts(keys(), runs(mem), lambda g, ok: None, groups=[[0, 1], [2, 3]]) == [True] * N
+        assert [sorted(b) for b in engine.batches] == [sorted((base[k] + at, 8192) for k in keys())
+                                                       for at in (0, 8192)]
+        assert [mem.page(i).tobytes() for i in range(N)] == expected
+        assert (store.counters.parts_read, store.counters.parts_failed) == (4 * N, 0)
+        flip(store, key(3), 4096 + 17)  # part 1
+        mem.clear()
+        engine.batches.clear()
+        seen: list[list[bool]] = []
+        assert store.get_parts(keys(), runs(mem), lambda g, ok: seen.append(ok), groups=[[0, 1], [2, 3]]) == \
+            [i != 3 for i in range(N)]
+        assert [ok[3] for ok in seen] == [False, False] and [len(b) for b in engine.batches] == [N, N - 1]
+        assert (store.counters.parts_read, store.counters.parts_failed) == (4 * N + 4 * (N - 1) + 1, 1)
+        assert store.counters.corrupt_pages == 1 and not store.contains(key(3))
+
+
+def test_a_part_needing_a_bounce_buffer_is_an_io_of_its_own(tmp_path):
+    """ODD_PARTS under O_DIRECT: parts 0 and 1 are unaligned (bounced, one op each), 2 and 3 aligned (one op)."""
+    mem, expected = fill()
+    engine = Recording()
+    with PageStore.open(config(tmp_path, ODD_PARTS), ns(ODD_PARTS), engine=engine) as store:
+        assert store.layout.direct
+        assert store.put(keys(), runs(mem)) == [True] * N
+        mem.clear()
+        engine.batches.clear()
+        assert store.get_parts(keys(), runs(mem), lambda g, ok: None, groups=[[0, 1], [2, 3]]) == [True] * N
+        base = {store._io.locate(store.slot_of(k))[1] for k in keys()}
+        ops = [op for batch in engine.batches for op in batch]  # (the bounced ones may take several batches)
+        assert len(ops) == 3 * N and sorted(op for op in ops if op[0] - 8192 in base) == sorted(
+            (b + 8192, 8192) for b in base)  # parts 2 and 3: one op per page
+        assert [mem.page(i).tobytes() for i in range(N)] == expected
+        assert (store.counters.parts_read, store.counters.parts_failed) == (4 * N, 0)
+
+
 def test_an_on_part_error_leaks_no_pin_nor_buffer(tmp_path):
     mem = HostMemory(N, PAGE, offset=512)  # unaligned: every part through a bounce buffer
     expected = [mem.fill(i, i) for i in range(N)]

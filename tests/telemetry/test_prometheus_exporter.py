@@ -63,7 +63,7 @@ NAMES = {
     "stream_bind_load_back_fixed_seconds", "stream_bind_load_back_seconds_per_megabyte", "stream_bind_load_back_samples",
     "stream_bind_measured_whole_seconds_per_megabyte", "stream_bind_measured_whole_hits",
     "stream_bind_measured_stream_seconds_per_megabyte", "stream_bind_measured_stream_hits",
-    *(f"stream_{c}" for c in ("bound_hits", "head_pages", "streamed_pages", "staged_pages", "failed_pages",
+    *(f"stream_{c}" for c in ("bound_hits", "read_groups", "head_pages", "streamed_pages", "staged_pages", "failed_pages",
                               "failed_groups", "cancelled", "read_errors", "withheld_pages", "mismatches",
                               "bind_calls", "tails", "ready", "admitted", "gate_waits", "gate_wait_seconds",
                               "withheld_registered_slots", "loads", "loaded_tails", "copied_layers", "zeroed_layers",

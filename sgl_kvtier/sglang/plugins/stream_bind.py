@@ -14,7 +14,9 @@ The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_ad
    ``stream_admit.register_tail``), SGLang's own load-backs are timed (``sample_load_back``, called by
    ``stream_load``'s start hook around ``start_loading``), and a forward that ran with tails is timed by
    the prefill samplers (``stall_marks``). The rule's verdict is logged when it changes; every hit it
-   loads whole is counted by its reason (``STATS.not_registered``).
+   loads whole is counted by its reason (``STATS.not_registered``). A hit that streams is read in the
+   read groups ``policy.stream_read`` picks from its predicted read (fewer, larger IOs where it reads fast),
+   and the rule weighs it in those.
    ``allocate_storage_hit`` runs in a drain after the op's storage query: ``note_prompt`` has run.
 2. **Prompt end** (AFTER ``prefetch_from_storage``, ``:2081``): the op is told where the request's prompt
    ends: SGLang spans an op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``); the
@@ -35,6 +37,7 @@ import weakref
 from typing import Any
 
 from sgl_kvtier.policy.stream_bind import BindDecision, BindVerdict
+from sgl_kvtier.policy.stream_read import read_groups
 from sgl_kvtier.sglang.plugins.stream_core import (
     HCC,
     STATS,
@@ -87,12 +90,13 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
             STATS.not_registered["withheld cap: loaded whole"] += 1
             return
-        decision = _bind_rule(cache, backend, operation, pages)
+        groups = _read_groups(backend, pages)
+        decision = _bind_rule(cache, backend, operation, pages, groups)
         if decision is not None and decision.verdict is BindVerdict.WHOLE:
             STATS.not_registered[decision.reason] += 1
             setattr(operation, WHOLE_ALONE, True)  # its load is the rule's sample of W (register_tail)
             return
-        backend.bind_hit(list(operation.hash_value[:pages]), host_indices)
+        backend.bind_hit(list(operation.hash_value[:pages]), host_indices, groups)
         STATS.bind_calls += 1
         kv = backend.kv
         if decision is not None and kv is not None:  # the rule's choice: timed to its first token (stall_marks)
@@ -103,10 +107,23 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
     return None
 
 
-def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int) -> BindDecision | None:
+def _read_groups(backend: Any, pages: int) -> int | None:
+    """The read groups of this hit's stream (``policy.stream_read``: fewer, larger IOs where the hit reads
+    fast); None (the pool's layer groups) under the testing knob or without a layer plan. Streaming runs on
+    CPU engines only in this version (``stream_core``): the landing's IOs take the forward's cores."""
+    kv = backend.kv
+    if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
+        return None
+    plan = kv.pages.plan
+    read = backend.cost.read_path()
+    read_s = None if read is None else read.device.load_time(pages, kv.pages.page_bytes)
+    return read_groups(plan.group_count, read_s, pages, plan.ranges)
+
+
+def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int, groups: int | None) -> BindDecision | None:
     """Stream this hit or load it whole (``policy.stream_bind``): its predicted read (the store's read model) and
-    its suffix's compute (the prefill model, over the prompt's end ``note_prompt`` put on the op). None: the
-    testing knob (every hit streams)."""
+    its suffix's compute (the prefill model, over the prompt's end ``note_prompt`` put on the op), read in
+    ``groups`` read groups (None: the pool's layer groups). None: the testing knob (every hit streams)."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
@@ -119,8 +136,8 @@ def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int) -> BindDeci
                                                                           hit_end)
     read_s = None if read is None else read.device.load_time(pages, page_bytes)
     predict = None if model is None else model.batch_time
-    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, kv.pages.plan.group_count, read_s, compute,
-                                                         predict)
+    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, groups or kv.pages.plan.group_count, read_s,
+                                                         compute, predict)
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,

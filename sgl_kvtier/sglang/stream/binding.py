@@ -76,6 +76,7 @@ class StreamCounters:
     """Streamed hits of one backend since it started (``StreamBinder.counts`` copies them)."""
 
     streams_bound: int = 0
+    read_groups: int = 0  # read groups of the bound streams, summed (``TailStream.groups``: / streams_bound = mean)
     head_pages: int = 0  # pages ``batch_get_v1`` answered True from a stream (SGLang's head)
     streamed_pages: int = 0  # pages streams landed whole and verified (group-major or staged)
     staged_pages: int = 0  # ... of which copied from read-ahead staging
@@ -113,8 +114,10 @@ class StreamBinder:
         self._counters = StreamCounters()
 
     # ------------------------------------------------------------------ bind (scheduler thread)
-    def bind(self, keys: Sequence[PageKey], host_indices: torch.Tensor) -> TailStream | None:
-        """Start streaming ``keys`` into ``host_indices``; None when streaming is off or the hit empty."""
+    def bind(self, keys: Sequence[PageKey], host_indices: torch.Tensor,
+             read_groups: int | None = None) -> TailStream | None:
+        """Start streaming ``keys`` into ``host_indices`` in ``read_groups`` read groups (None: the pool's
+        layer groups; ``TailStream``); None when streaming is off or the hit empty."""
         if not keys or not self._enabled():
             return None
         tier = self._tier()
@@ -137,12 +140,13 @@ class StreamBinder:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._max_streams, thread_name_prefix="kvtier-stream")
             stream = TailStream(tier, keys, host_indices, self._executor, self._boundary, self.observer,
-                                on_end=self._ended)
+                                on_end=self._ended, read_groups=read_groups)
             bound = _Bound(stream, {hp: i for i, hp in enumerate(hpages)})
             for i, hp in enumerate(hpages):
                 self._index[hp] = (bound, i)
             self._live.add(stream)
             self._counters.streams_bound += 1
+            self._counters.read_groups += stream.groups
         stream.start()  # outside the lock: a refused start ends the stream, which takes the lock
         return stream
 

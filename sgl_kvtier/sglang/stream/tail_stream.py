@@ -2,7 +2,10 @@
 group by group, straight into the host slots SGLang allocated for it (``contract.TailStream``).
 
 One ``TailStream`` per bound hit (``binding.StreamBinder.bind``), run on one thread of the binder's small
-executor (a stream queued behind others is still correct, just later). Its thread:
+executor (a stream queued behind others is still correct, just later). Its groups are *read groups*
+(``parts_plan.ReadPlan``): the pool's stored layer groups, or fewer, larger ones merged from them
+(``read_groups``; the binder's choice, ``policy.stream_read``); everything below counts in read groups.
+Its thread:
 
 1. takes the hit's pages that read-ahead staged at ``batch_exists`` (``ReadAhead.take``) and copies those
    whose staged read already ended into their slots, whole: every layer group of such a page lands at once;
@@ -81,10 +84,11 @@ class TailStream:
     def __init__(self, tier: PoolTier, keys: Sequence[PageKey], host_indices: torch.Tensor, executor: Executor,
                  boundary: ErrorBoundary, observer: Observer | None = None,
                  on_end: Callable[[TailStream], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        plan = tier.pages.plan
-        if plan is None:
+                 clock: Callable[[], float] = time.monotonic, read_groups: int | None = None):
+        stored = tier.pages.plan
+        if stored is None:
             raise KVTierError(f"pool {tier.name} ({tier.pages.layout}) does not stream in layer groups")
+        plan = stored.reads(stored.group_count if read_groups is None else read_groups)
         problem = check_indices(host_indices, len(keys), tier.pages.page_tokens)
         if problem is not None:
             raise ValueError(problem)
@@ -292,7 +296,7 @@ class TailStream:
                 self._observer(self, group)
             self._check_cancelled()  # before drive starts group + 2: a cancel seen here stops all new IO
 
-        read_layer_groups(self._tier, [self.keys[p] for p in pages], slots, on_group)
+        read_layer_groups(self._tier, [self.keys[p] for p in pages], slots, on_group, self._plan)
 
     def _record_group(self, pages: list[int], group: int, ok: list[bool]) -> None:
         with self._cond:
