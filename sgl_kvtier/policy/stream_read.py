@@ -8,10 +8,11 @@ of one K|V range are consecutive in the page, one IO per page and range). The tr
   ``R`` the hit's predicted read (the store's read model);
 - every IO costs CPU on the engine's own cores (the syscall, its completion, the Python around it):
   ``pages x ranges x G'`` IOs of ``op_cpu_s`` each. On a CPU engine those are the forward's cores, so the
-  forward pays them: measured on this project's 2-vCPU VM, landing a 192 MiB hit (96 pages x 2 ranges)
-  took 225 ms of CPU in 8 read groups, 145 ms in 4, 120 ms in 2 and 90 ms as a whole load, i.e. about
-  ``OP_CPU_S`` per IO, where a 201 MB hit's forward computes for ~0.7 s. Where the landing is off the
-  compute's cores (a GPU forward), ``op_cpu_s`` is 0 and the finest groups win.
+  forward pays them: measured on this project's 2-vCPU VM (``benchmarks/bench_landing.py``), landing a
+  201 MB hit (96 pages x 2 ranges) took 168 ms of CPU in 8 read groups, 126 ms in 4, 108 in 3, 97 in 2 and
+  67 ms read whole, i.e. 0.07-0.1 ms per extra IO (``OP_CPU_S``), where that hit's forward computes for
+  0.6-0.8 s. Where the landing is off the compute's cores (a GPU forward), ``op_cpu_s`` is 0 and the finest
+  groups win.
 
 So ``G' = argmin over 2..G of  R / G' + pages * ranges * G' * op_cpu_s`` (the finest on a tie). Never fewer
 than 2 read groups (one is a whole load with extra steps) unless the pool has fewer layer groups; unknown
