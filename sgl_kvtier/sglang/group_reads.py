@@ -26,7 +26,7 @@ from sgl_kvtier.sglang.host_pages import Access, check_indices
 from sgl_kvtier.sglang.parts_plan import ReadPlan
 from sgl_kvtier.sglang.pool_tier import PoolTier
 
-OnGroup = Callable[[int, range, list[bool]], None]  # (layer group, its layers, per page: verified so far)
+OnGroup = Callable[[int, range, list[bool]], None]  # (read group, its layers, per page: verified so far)
 
 
 def read_layer_groups(tier: PoolTier, keys: Sequence[PageKey], host_indices: torch.Tensor,

@@ -85,7 +85,6 @@ class LayerPlan:
         sizes = self.parts
         return sum(sizes[:part]), sizes[part]
 
-
     def reads(self, count: int) -> ReadPlan:
         """How to read these pages in ``count`` read groups (clamped to 1..``group_count``): the layer groups
         merged in order, as evenly as can be (``ReadPlan``)."""

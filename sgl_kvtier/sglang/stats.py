@@ -53,7 +53,7 @@ def stream_snapshot(counts: StreamCounters, hooks: StreamHookSnapshot | None,
     """The binder's counters (``StreamBinder.counts``), the stream plugin's (None: not active) and the bind
     rule's learned figures, typed."""
     return StreamSnapshot(
-        bound_hits=counts.streams_bound, read_groups=counts.read_groups, head_pages=counts.head_pages, streamed_pages=counts.streamed_pages,
-        staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
-        cancelled=counts.cancelled_streams, read_errors=counts.stream_errors,
+        bound_hits=counts.streams_bound, read_groups=counts.read_groups, head_pages=counts.head_pages,
+        streamed_pages=counts.streamed_pages, staged_pages=counts.staged_pages, failed_pages=counts.failed_pages,
+        failed_groups=counts.failed_groups, cancelled=counts.cancelled_streams, read_errors=counts.stream_errors,
         withheld_pages=counts.withheld_pages, mismatches=counts.mismatches, hooks=hooks, bind=bind)

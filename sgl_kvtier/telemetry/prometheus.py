@@ -28,8 +28,8 @@ plus ``device`` (index) and ``path`` for per-device series):
 - the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``);
 - streamed L3 tails (issue #13; labels the ranks): ``kvtier_streaming_enabled`` (1: the backend streams its
   hits), and only then, as gauges of running totals, the binder's reads (``kvtier_stream_<field>`` of
-  ``StreamSnapshot``: ``_bound_hits``, ``_read_groups``, ``_head_pages``, ``_streamed_pages``, ``_failed_groups``,
-  ``_withheld_pages``, ...) and, once the stream plugin is active for the backend, its counters of the
+  ``StreamSnapshot``: ``_bound_hits``, ``_read_groups``, ``_head_pages``, ``_streamed_pages``,
+  ``_failed_groups``, ``_withheld_pages``, ...) and, once the stream plugin is active for the backend, its counters of the
   process (``StreamHookSnapshot``: ``kvtier_stream_tails`` registered, ``_gate_waits``, ``_zero_filled_groups``,
   ``_retracts``, ``_dropped`` and ``_not_streamed`` by ``reason``, ...; a field in seconds is exported as
   ``_seconds``: ``kvtier_stream_stall_seconds``, the time forward reads waited on tail layers, and

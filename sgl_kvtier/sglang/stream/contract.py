@@ -64,7 +64,7 @@ class TailStream(Protocol):
     def pages(self) -> int: ...  # pages of the bound hit
 
     @property
-    def groups(self) -> int: ...  # groups per page it is read in (read groups: the pool's layer groups, or fewer merged)
+    def groups(self) -> int: ...  # read groups per page: the pool's layer groups, or fewer merged from them
 
     @property
     def host_indices(self) -> torch.Tensor: ...  # the bound slots (pages * page_tokens)
