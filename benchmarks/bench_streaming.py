@@ -7,7 +7,8 @@ document prefixes in L3, then every later round waits for the L3 write-back, flu
 page cache, and asks one new question per document, so each prefix is in L3 only when its request arrives
 (bench_policy's rounds). A device's ``off`` and ``on`` servers are up at once and take turns round by round
 (``--schedule interleaved``, ``streaming.servers``), so each measured round is a paired on/off comparison
-(``streaming.paired``). The first server also measures the references: device (L1/L2) hits and recompute.
+(``streaming.paired``); ``--twin`` adds a second ``off`` server to each device's turns, whose ratio to the
+first is the noise floor of those comparisons. The first server also measures the references: device (L1/L2) hits and recompute.
 Its device-hit TTFT is the suffix's compute time, from which the break-even device's read rate is derived
 (prefix KV bytes / compute seconds) before the break-even servers start. See benchmarks/README.md, section
 bench_streaming.
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="device settings: 'fast', 'breakeven' (reads throttled to prefix bytes / suffix compute "
                         "time) or 'slow:READ_MBPS[:WRITE_MBPS]'")
     p.add_argument("--streaming", nargs="+", default=[m.value for m in plan.MODES], help="modes: off (today) and on")
+    p.add_argument("--twin", action="store_true",
+                   help="a second off server per device, interleaved with the others: off-twin / off is the run's "
+                        "noise floor")
     p.add_argument("--breakeven-mbps", type=float, help="the break-even read rate (default: derived in the run)")
     p.add_argument("--breakeven-write-mbps", type=float, default=1000.0,
                    help="write cap of the break-even device (the write-back is not what is measured)")
@@ -106,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = plan.parse_modes(args.streaming)
     args.env = {"KVTIER_PREFETCH_POLICY": "off", **dict(kv.split("=", 1) for kv in args.server_env)}
     args.server_runs = plan.plan_servers(args.devices, args.modes, not args.no_references,
-                                         args.breakeven_mbps is not None)
+                                         args.breakeven_mbps is not None, args.twin)
     return args
 
 
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 for batch in servers.batches(args.schedule, made):
                     servers.run_batch(batch, console, bars, task)
                     for s in batch:
-                        slot[s.spec.streaming.value] = s.res
+                        slot[s.spec.key] = s.res
                         failed += s.failed
                         if s.spec.references:
                             run["references"] = {"device": device.name, "streaming": s.spec.streaming.value}
@@ -207,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                     run.setdefault("identical_control", {})[device.name] = outputs.compare(
                         slot["off"], slot["on"], outputs.CONTROL)
                     run.setdefault("paired", {})[device.name] = paired.compare(slot["off"], slot["on"])
+                if {"off", plan.TWIN_KEY} <= slot.keys():
+                    run.setdefault("paired_twin", {})[device.name] = paired.compare(slot["off"], slot[plan.TWIN_KEY])
                 session.save(run, args.out)
     finally:
         session.finish(run, args.out, stream_report.markdown, plot.plot, console)

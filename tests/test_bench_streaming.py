@@ -46,6 +46,21 @@ def test_servers_run_in_order_with_the_references_first() -> None:
         plan.parse_modes(["maybe"])
 
 
+def test_a_twin_is_a_second_off_server_per_device() -> None:
+    runs = plan.plan_servers(["breakeven", "fast"], [OFF, ON], references=True, breakeven_known=False, twin=True)
+    assert [(r.device, r.key, r.references) for r in runs] == [
+        ("fast", "off", True), ("fast", "on", False), ("fast", plan.TWIN_KEY, False),
+        ("breakeven", "off", False), ("breakeven", "on", False), ("breakeven", plan.TWIN_KEY, False)]
+    assert runs[2].streaming is OFF and runs[2].tag == "fast-off-twin" and runs[1].tag == "fast-on"
+    with pytest.raises(ValueError, match="off mode"):
+        plan.plan_servers(["fast"], [ON], references=False, breakeven_known=True, twin=True)
+    args = bench.parse_args(["--devices", "fast", "--twin"])
+    assert [r.key for r in args.server_runs] == ["off", "on", "off-twin"]
+    # Three servers take turns; the order reverses at odd rounds, so each goes first as often as last.
+    trio = [r.key for r in args.server_runs]
+    assert [servers.order(trio, i)[0] for i in range(4)] == ["off", "off-twin"] * 2
+
+
 def test_break_even_rate_from_the_device_hits() -> None:
     nbytes = plan.prefix_bytes(1536, 16, 128 << 10)
     assert nbytes == 1536 * (128 << 10) and plan.prefix_bytes(1540, 16, 10) == 1536 * 10  # whole pages only
@@ -280,6 +295,16 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     assert table.splitlines()[2:] == ["| L3 hit, streaming on | 1 | 0.53 | 0.010 | 0.200 | 0.020 | 0.250 | 0.020 | 0.50 |",
                                       "| device hit (L1/L2) | 1 | 0.43 | 0.010 | 0.200 | 0.020 | 0.250 | 0.020 | 0.50 |"]
     assert stream_report.phase_table(run, "breakeven-559MBps") == "" and table in stream_report.markdown(run)
+    twin_free = stream_report.markdown(run)
+    assert "noise floor (" not in twin_free and "| off-twin |" not in twin_free
+    run["servers"]["fast"][plan.TWIN_KEY] = {"levels": {"l3": {"1": _summary(0.55, 1536)}}, "command_str": "twin"}
+    run["paired_twin"] = {"fast": {"1": {"requests": 8, "median_ratio": 1.03, "round_ratios": [0.98, 1.06]}}}
+    twin_row = next(line for line in stream_report.table(run, "fast").splitlines() if line.startswith("| off-twin | 1 |"))
+    assert "| 0.66 | 0.77 | 1.10 | 1.10 | 1.03 (rounds 0.98-1.06) |" in twin_row  # 0.55 x 1.2 over off's 0.50 x 1.2
+    assert "  - fast C=1, noise floor (a second off server, interleaved): off-twin / off 1.10, paired 1.03 " \
+        "(rounds 0.98-1.06)" in stream_report.targets(run)
+    assert "| L3 hit, streaming off-twin |" not in stream_report.phase_table(run, "fast")  # no phases in the twin
+    assert plot.plot(run, tmp_path).exists()
     run["servers"]["fast"]["on"]["levels"] = {}
     assert "fast C=1: not measured" in stream_report.targets(run)[1]
     path = plot.plot(run, tmp_path)

@@ -18,11 +18,15 @@ Ordering rules (``plan_servers``):
   server has measured the device hit;
 - the reference server (L3 rounds plus the device-hit and recompute rounds) is the first server of the run;
   it must not be a ``breakeven`` one whose rate is still unknown (that would be circular);
-- within a device, ``off`` runs before ``on`` (today's path first, as a baseline for the same device).
+- within a device, ``off`` runs before ``on`` (today's path first, as a baseline for the same device);
+- with ``twin`` (``--twin``), each device also gets a second ``off`` server after its others (key
+  ``off-twin``): the same settings as ``off``, interleaved with it, so ``off-twin / off`` measures the
+  run's noise floor, what an on/off ratio of a server on the same path would read by chance.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +36,8 @@ from benchmarks.serving.policies import DeviceSetting, parse_device
 from sgl_kvtier.config import Streaming
 
 BREAKEVEN = "breakeven"
+TWIN = "twin"
+TWIN_KEY = f"{Streaming.OFF.value}-{TWIN}"
 MODES = (Streaming.OFF, Streaming.ON)
 
 
@@ -43,10 +49,16 @@ class ServerRun:
     device: str
     streaming: Streaming
     references: bool = False
+    twin: bool = False
+
+    @property
+    def key(self) -> str:
+        """Its key under ``results.json``'s ``servers[device]``: the mode, or ``off-twin``."""
+        return TWIN_KEY if self.twin else self.streaming.value
 
     @property
     def tag(self) -> str:
-        return f"{self.device.replace(':', '-')}-{self.streaming.value}"
+        return f"{self.device.replace(':', '-')}-{self.key}"
 
 
 def check_device(spec: str) -> str:
@@ -68,21 +80,24 @@ def parse_modes(values: Iterable[str]) -> list[Streaming]:
 
 
 def plan_servers(devices: Sequence[str], modes: Sequence[Streaming], references: bool,
-                 breakeven_known: bool) -> list[ServerRun]:
+                 breakeven_known: bool, twin: bool = False) -> list[ServerRun]:
     """Every (device, mode) server in run order (module docstring); the first carries the references."""
     if len(set(devices)) != len(devices):
         raise ValueError(f"a device setting is listed twice: {list(devices)}")
     if not devices or not modes:
         raise ValueError("at least one device setting and one streaming mode are needed")
+    if twin and Streaming.OFF not in modes:
+        raise ValueError("--twin is a second off server: it needs the off mode")
     for d in devices:
         check_device(d)
     ordered = [d for d in devices if d != BREAKEVEN] + [d for d in devices if d == BREAKEVEN]
-    runs = [ServerRun(d, m) for d in ordered for m in modes]
+    runs = [r for d in ordered
+            for r in [*(ServerRun(d, m) for m in modes), *([ServerRun(d, Streaming.OFF, twin=True)] if twin else [])]]
     if BREAKEVEN in devices and not breakeven_known and (not references or runs[0].device == BREAKEVEN):
         raise ValueError("the breakeven device needs the suffix compute time: keep the references (device hit) "
                          "on a device other than breakeven, or give --breakeven-mbps")
     if references:
-        runs[0] = ServerRun(runs[0].device, runs[0].streaming, references=True)
+        runs[0] = dataclasses.replace(runs[0], references=True)
     return runs
 
 

@@ -1,6 +1,7 @@
 """``ttft_streaming.png``: per device, the L3-hit TTFT p50 bars (p99 as markers) with streaming off and on per
 concurrency, the reference server's device-hit and recompute p50 as dashed and dotted marks; and a last panel
-with on/off p50 per device against C, with the targets' bounds (0.80, 0.90, 1.05) as grey lines."""
+with on/off p50 per device against C (and off-twin / off, dashed, where ``--twin`` ran), with the targets' bounds
+(0.80, 0.90, 1.05) as grey lines."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.serving.report import pyplot, save_figure
-from benchmarks.streaming.report import TARGETS, cell, levels, ratio
+from benchmarks.streaming.plan import TWIN_KEY
+from benchmarks.streaming.report import TARGETS, cell, levels, ratio, server_keys
 
 NAME = "ttft_streaming.png"
 
@@ -23,7 +25,7 @@ def plot(run: Mapping[str, Any], out: Path) -> Path:
     ref = run.get("references") or {}
     for ax, device in zip(axes[0], devices):
         cs = levels(run, device)
-        modes = list(run["modes"])
+        modes = server_keys(run, device)
         width = 0.8 / max(1, len(modes))
         for i, mode in enumerate(modes):
             xs = np.arange(len(cs)) + (i - (len(modes) - 1) / 2) * width
@@ -46,6 +48,9 @@ def plot(run: Mapping[str, Any], out: Path) -> Path:
     for i, device in enumerate(devices):
         cs = levels(run, device)
         ax.plot(cs, [ratio(run, device, c) or np.nan for c in cs], "o-", color=f"C{i + 2}", label=device)
+        if TWIN_KEY in server_keys(run, device):
+            ax.plot(cs, [ratio(run, device, c, mode=TWIN_KEY) or np.nan for c in cs], "x--", color=f"C{i + 2}",
+                    label=f"{device}: off-twin / off (noise floor)")
     for t in TARGETS:
         ax.axhline(t.bound, color="grey", linestyle="dashed", linewidth=0.8)
     ax.set_xlabel("concurrency C")

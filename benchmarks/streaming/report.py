@@ -16,7 +16,7 @@ from typing import Any
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
 from benchmarks.streaming.outputs import all_identical, attributable, document
-from benchmarks.streaming.plan import BREAKEVEN
+from benchmarks.streaming.plan import BREAKEVEN, TWIN_KEY
 
 Cell = dict[str, Any]
 
@@ -56,9 +56,15 @@ def levels(run: Mapping[str, Any], device: str, level: str = "l3") -> list[int]:
     return sorted(cs)
 
 
-def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s") -> float | None:
-    """streaming on / off of ``key`` at C = ``c`` (lower is better), or None when either is missing."""
-    off, on = cell(run, device, "off", "l3", c), cell(run, device, "on", "l3", c)
+def server_keys(run: Mapping[str, Any], device: str) -> list[str]:
+    """The servers of ``device`` in table order: the run's modes, then the ``off`` twin where it ran."""
+    return [*run["modes"], *([TWIN_KEY] if TWIN_KEY in run["servers"].get(device, {}) else [])]
+
+
+def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s", mode: str = "on") -> float | None:
+    """``mode`` (streaming on, or the off twin) / off of ``key`` at C = ``c`` (lower is better), or None when
+    either is missing."""
+    off, on = cell(run, device, "off", "l3", c), cell(run, device, mode, "l3", c)
     if off is None or on is None or not off[key] > 0 or math.isnan(on[key]):
         return None
     return float(on[key] / off[key])
@@ -105,9 +111,10 @@ def _counter(c: Cell, key: str) -> str:
     return "-" if v is None else f"{v:g}"
 
 
-def paired_text(run: Mapping[str, Any], device: str, c: int) -> str:
-    """``median (rounds a-b)`` of the paired on/off ratios (``streaming.paired``), ``-`` when none."""
-    got = run.get("paired", {}).get(device, {}).get(str(c))
+def paired_text(run: Mapping[str, Any], device: str, c: int, mode: str = "on") -> str:
+    """``median (rounds a-b)`` of the paired on/off ratios (``streaming.paired``; ``mode`` the off twin: of
+    off-twin / off), ``-`` when none."""
+    got = run.get("paired" if mode == "on" else "paired_twin", {}).get(device, {}).get(str(c))
     if not got:
         return "-"
     rr = got["round_ratios"]
@@ -121,15 +128,16 @@ def table(run: Mapping[str, Any], device: str) -> str:
             "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in levels(run, device):
-        for mode in run["modes"]:
+        for mode in server_keys(run, device):
             x = cell(run, device, mode, "l3", c)
             if x is None:
                 continue
-            on = mode == "on"
+            vs_off, on = mode != "off", mode == "on"
             lines.append("| " + " | ".join([
                 mode, str(c), f"{x['ttft_p50_s']:.2f}", f"{x['ttft_p99_s']:.2f}",
-                _fmt(ratio(run, device, c)) if on else "-", _fmt(ratio(run, device, c, "ttft_p99_s")) if on else "-",
-                paired_text(run, device, c) if on else "-",
+                _fmt(ratio(run, device, c, mode=mode)) if vs_off else "-",
+                _fmt(ratio(run, device, c, "ttft_p99_s", mode)) if vs_off else "-",
+                paired_text(run, device, c, mode) if vs_off else "-",
                 str(x["cached_tokens"]["storage"]), f"{unfulfilled(x):.0f}", str(x["computed_tokens"]),
                 _identical(run, device, c) if on else "-", _stream(x), _counter(x, "parts_read"),
                 _counter(x, "parts_failed"), _counter(x, "retracted_requests"), str(x["errors"])]) + " |")  # fmt: skip
@@ -170,7 +178,8 @@ def _fit_text(bind: Mapping[str, float], name: str) -> str:
 def phase_table(run: Mapping[str, Any], device: str) -> str:
     """Where the TTFT went (``client.phases_of``, p50 of each phase) for the L3 hits with streaming off and on,
     and the device hits of the reference server when it ran on this device; "" when no cell has phases."""
-    rows = [(f"L3 hit, streaming {mode}", mode, "l3", c) for c in levels(run, device) for mode in run["modes"]]
+    rows = [(f"L3 hit, streaming {mode}", mode, "l3", c) for c in levels(run, device)
+            for mode in server_keys(run, device)]
     ref = run.get("references") or {}
     if ref.get("device") == device:
         rows += [("device hit (L1/L2)", ref["streaming"], "device", c) for c in levels(run, device, "device")]
@@ -236,7 +245,7 @@ def targets(run: Mapping[str, Any]) -> list[str]:
     same = {d: all_identical(run.get("identical", {}).get(d, {})) for d in run["device_order"]}
     words = "; ".join(f"{d}: {'yes' if v else 'NO' if v is False else 'not compared'}" for d, v in same.items())
     out.append(f"- outputs identical on/off (greedy): {words}")
-    out += control_lines(run)
+    out += control_lines(run) + twin_lines(run)
     fell_back = fallbacks(run)
     if fell_back:
         out.append("- WARNING, streaming on recomputed L3 hits that off loaded (its TTFT there is no streaming "
@@ -256,6 +265,18 @@ def control_lines(run: Mapping[str, Any]) -> list[str]:
                      f"identical" + (f", differing on {', '.join(unequal)}" if unequal else "")
                      + "; at C = 1, measured differences on documents whose control was identical: "
                      + (", ".join(left) if left else "none"))
+    return lines
+
+
+def twin_lines(run: Mapping[str, Any]) -> list[str]:
+    """Per device and C with an off twin: off-twin / off, the noise floor the targets' ratios sit on."""
+    lines = []
+    for device in run["device_order"]:
+        for c in levels(run, device):
+            r = ratio(run, device, c, mode=TWIN_KEY)
+            if r is not None:
+                lines.append(f"  - {device} C={c}, noise floor (a second off server, interleaved): off-twin / off "
+                             f"{r:.2f}, paired {paired_text(run, device, c, TWIN_KEY)}")
     return lines
 
 
@@ -290,7 +311,7 @@ def markdown(run: Mapping[str, Any]) -> str:
               "better). `paired on/off`: the median over the measured requests of each one's on/off TTFT, the same "
               "request on both servers (interleaved schedule: the rounds alternate between them), and the range of "
               "the per-round p50 ratios. `identical outputs`: measured requests whose greedy output on the `on` server equals the "
-              "`off` server's. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
+              "`off` server's. Row `off-twin` (`--twin`): a second off server; its ratios are off-twin / off, the noise floor. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
     for device in run["device_order"]:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
         bind = bind_lines(run, device)

@@ -12,7 +12,8 @@ Schedules (``--schedule``), for the servers of one device (``off`` and ``on``):
   write-back is waited for, so the peer is quiet while the other measures (its CPU seconds during each
   phase are recorded as ``peer_cpu_s``). A shared machine's drift (up to 25% between servers measured
   minutes apart, benchmarks/RESULTS.md) then hits both modes alike, round by round, and each measured round
-  is one paired on/off comparison (``streaming.paired``).
+  is one paired on/off comparison (``streaming.paired``). With ``--twin`` a third server (a second ``off``)
+  takes its turn too: the order reverses at odd i, so each server goes first or last alike.
 - ``sequential``: one server at a time, each serving all its rounds (the session 7-8 runs).
 
 Every server runs with ``--sleep-on-idle``: an idle SGLang scheduler otherwise polls its sockets in a busy
@@ -69,7 +70,7 @@ class BenchServer:
         from sgl_kvtier.serving.server import SGLangServer
 
         self.args, self.spec, self.rounds, self.drop, self.kvbpt = args, spec, server_rounds, drop, kvbpt
-        self.tag = f"{device.name}-{spec.streaming.value}"
+        self.tag = f"{device.name}-{spec.key}"
         extra = plan.server_extra(device, args.kvtier_extra, spec.streaming)
         idle = () if IDLE_FLAG in base_plan.extra_args else (IDLE_FLAG,)
         splan = dataclasses.replace(base_plan, l3_root=base_plan.l3_root / self.tag, kvtier_extra=extra,
