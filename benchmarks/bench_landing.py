@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_landing                              # kvheavy float32 geometry, 96 pages (201 MB)
     python -m benchmarks.bench_landing --read-groups 8 4 2 --rounds 5
+    python -m benchmarks.bench_landing --io-engine uring            # where liburing's probe passes
 
 SGLang's real MHA host pool (``layer_first``, 16-token pages, 64 layers x 4 KV heads x 64 in float32: ``kvheavy``'s
 pages, 2 MiB each) and our real backend (``KVTierStorage``, ``streaming = "on"``, read-ahead off) on ``--dir``.
@@ -51,6 +52,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--read-groups", type=int, nargs="+", default=[8, 4, 2], help="read-group counts streamed")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--io-engine", default="auto", choices=["auto", "threads", "uring"],
+                   help="the store's io_engine (uring only where its probe passes on this machine)")
     p.add_argument("--dir", type=Path, default=Path(".bench-landing"), help="scratch parent (the store)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_landing.json")
     return p.parse_args(argv)
@@ -69,8 +72,8 @@ def host_pool(args: argparse.Namespace) -> MHATokenToKVPoolHost:
     return pool
 
 
-def backend_on(root: Path, pool: MHATokenToKVPoolHost, nbytes: int) -> KVTierStorage:
-    extra = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
+def backend_on(root: Path, pool: MHATokenToKVPoolHost, nbytes: int, io_engine: str = "auto") -> KVTierStorage:
+    extra = {"io_engine": io_engine, "backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
              "interface_v1": 1, "devices": [str(root)], "capacity_bytes": nbytes + GiB, "readahead_bytes": 0,
              "streaming": "on", "model_fingerprint": "bench-landing"}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
@@ -103,7 +106,7 @@ def measure(read: Any, cold: bool) -> tuple[float, float]:
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     pool = host_pool(args)
     page_bytes = 2 * args.layers * PAGE_TOKENS * args.kv_heads * args.head_dim * 4  # K and V, float32
-    backend = backend_on(root, pool, args.pages * page_bytes)
+    backend = backend_on(root, pool, args.pages * page_bytes, args.io_engine)
     try:
         plan = backend.kv.pages.plan
         if plan is None:
@@ -165,8 +168,8 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def table(rows: list[dict[str, Any]], hit_bytes: int) -> Table:
-    t = Table(title=f"landing one {hit_bytes / 1e6:.0f} MB hit (medians over the rounds)")
+def table(rows: list[dict[str, Any]], hit_bytes: int, engine: str = "auto") -> Table:
+    t = Table(title=f"landing one {hit_bytes / 1e6:.0f} MB hit, io_engine {engine} (medians over the rounds)")
     for col in ("path", "IOs", "wall s", "CPU s", "CPU / whole", "CPU per extra IO"):
         t.add_column(col, justify="right")
     for row in rows:
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = run(args, root)
     result["summary"] = summary(result)
     result.update(args=args_json(args), machine=info)
-    console.print(table(result["summary"], result["hit_bytes"]))
+    console.print(table(result["summary"], result["hit_bytes"], args.io_engine))
     if not result["cold"]:
         console.print("[yellow]page cache not dropped (not root): reads were warm[/]")
     console.print(f"results: {write_json(args.out, result)}")
