@@ -8,9 +8,9 @@ page cache, and asks one new question per document, so each prefix is in L3 only
 (bench_policy's rounds). A device's ``off`` and ``on`` servers are up at once and take turns round by round
 (``--schedule interleaved``, ``streaming.servers``), so each measured round is a paired on/off comparison
 (``streaming.paired``); ``--twin`` adds a second ``off`` server to each device's turns, whose ratio to the
-first is the noise floor of those comparisons. The first server also measures the references: device (L1/L2) hits and recompute.
-Its device-hit TTFT is the suffix's compute time, from which the break-even device's read rate is derived
-(prefix KV bytes / compute seconds) before the break-even servers start. See benchmarks/README.md, section
+first is the noise floor of those comparisons. The first server also measures the references: device (L1/L2)
+hits and recompute. Its device-hit TTFT is the suffix's compute time, from which the break-even device's read
+rate is derived (prefix KV bytes / compute seconds) before the break-even servers start. See benchmarks/README.md, section
 bench_streaming.
 
     python -m benchmarks.bench_streaming                    # kvheavy, fast + breakeven, C = 1 2 4, off vs on

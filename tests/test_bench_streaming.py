@@ -299,7 +299,8 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     assert "noise floor (" not in twin_free and "| off-twin |" not in twin_free
     run["servers"]["fast"][plan.TWIN_KEY] = {"levels": {"l3": {"1": _summary(0.55, 1536)}}, "command_str": "twin"}
     run["paired_twin"] = {"fast": {"1": {"requests": 8, "median_ratio": 1.03, "round_ratios": [0.98, 1.06]}}}
-    twin_row = next(line for line in stream_report.table(run, "fast").splitlines() if line.startswith("| off-twin | 1 |"))
+    rows = stream_report.table(run, "fast").splitlines()
+    twin_row = next(line for line in rows if line.startswith("| off-twin | 1 |"))
     assert "| 0.66 | 0.77 | 1.10 | 1.10 | 1.03 (rounds 0.98-1.06) |" in twin_row  # 0.55 x 1.2 over off's 0.50 x 1.2
     assert "  - fast C=1, noise floor (a second off server, interleaved): off-twin / off 1.10, paired 1.03 " \
         "(rounds 0.98-1.06)" in stream_report.targets(run)

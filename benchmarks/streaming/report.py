@@ -311,7 +311,8 @@ def markdown(run: Mapping[str, Any]) -> str:
               "better). `paired on/off`: the median over the measured requests of each one's on/off TTFT, the same "
               "request on both servers (interleaved schedule: the rounds alternate between them), and the range of "
               "the per-round p50 ratios. `identical outputs`: measured requests whose greedy output on the `on` server equals the "
-              "`off` server's. Row `off-twin` (`--twin`): a second off server; its ratios are off-twin / off, the noise floor. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
+              "`off` server's. Row `off-twin` (`--twin`): a second off server; its ratios are off-twin / off, the noise "
+              "floor. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
     for device in run["device_order"]:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
         bind = bind_lines(run, device)
