@@ -125,8 +125,6 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
         backend.close()
 
 
-
-
 def test_a_stream_in_two_read_groups_lands_two_layer_groups_at_a_time(tmp_path) -> None:
     """``read_groups=2`` over the pool's 4 layer groups: read group 0 is layers 0-3 (layer groups 0 and 1,
     each still verified by its own checksums), read group 1 the rest; the binder counts the read groups."""
