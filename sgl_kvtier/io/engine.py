@@ -30,6 +30,7 @@ from sgl_kvtier.io.ops import (
     run_op_blocking,
     short_error,
 )
+from sgl_kvtier.io.priority import lower_this_thread
 
 
 class ThreadPoolEngine:
@@ -39,7 +40,8 @@ class ThreadPoolEngine:
 
     def __init__(self, depth: int):
         self.depth = depth
-        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="kvtier-io")
+        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="kvtier-io",
+                                        initializer=lower_this_thread)  # KVTIER_IO_NICE (io.priority)
         self._moving = 0  # ops handed over (queued or running) whose IO has not ended
         self._count = threading.Lock()
 
