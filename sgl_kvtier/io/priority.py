@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ MAX_NICE = 19
 _warned = False
 
 
-def io_nice(environ: dict[str, str] | os._Environ[str] | None = None) -> int:
+def io_nice(environ: Mapping[str, str] | None = None) -> int:
     """The niceness increment ``KVTIER_IO_NICE`` asks for: 0..19 (0: leave threads as they are)."""
     global _warned
     raw = (os.environ if environ is None else environ).get(ENV, "").strip()
