@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from benchmarks.common import RESULTS, args_json, can_drop_caches, drop_caches, make_console, scratch_dir, write_json
 from benchmarks.machine import machine_info, machine_line
-from sgl_kvtier.config import GiB
+from sgl_kvtier.config import GiB, IOEngineName
 from sgl_kvtier.keys import parse_keys
 from sgl_kvtier.sglang import KVTierStorage
 
@@ -52,7 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--read-groups", type=int, nargs="+", default=[8, 4, 2], help="read-group counts streamed")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--io-engine", default="auto", choices=["auto", "threads", "uring"],
+    p.add_argument("--io-engine", default=IOEngineName.AUTO.value, choices=[e.value for e in IOEngineName],
                    help="the store's io_engine (uring only where its probe passes on this machine)")
     p.add_argument("--dir", type=Path, default=Path(".bench-landing"), help="scratch parent (the store)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_landing.json")
@@ -73,9 +73,9 @@ def host_pool(args: argparse.Namespace) -> MHATokenToKVPoolHost:
 
 
 def backend_on(root: Path, pool: MHATokenToKVPoolHost, nbytes: int, io_engine: str = "auto") -> KVTierStorage:
-    extra = {"io_engine": io_engine, "backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-             "interface_v1": 1, "devices": [str(root)], "capacity_bytes": nbytes + GiB, "readahead_bytes": 0,
-             "streaming": "on", "model_fingerprint": "bench-landing"}
+    extra = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
+             "io_engine": io_engine, "interface_v1": 1, "devices": [str(root)], "capacity_bytes": nbytes + GiB,
+             "readahead_bytes": 0, "streaming": "on", "model_fingerprint": "bench-landing"}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
                                model_name="bench/landing", extra_config=extra)

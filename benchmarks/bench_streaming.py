@@ -10,8 +10,8 @@ page cache, and asks one new question per document, so each prefix is in L3 only
 (``streaming.paired``); ``--twin`` adds a second ``off`` server to each device's turns, whose ratio to the
 first is the noise floor of those comparisons. The first server also measures the references: device (L1/L2)
 hits and recompute. Its device-hit TTFT is the suffix's compute time, from which the break-even device's read
-rate is derived (prefix KV bytes / compute seconds) before the break-even servers start. See benchmarks/README.md, section
-bench_streaming.
+rate is derived (prefix KV bytes / compute seconds) before the break-even servers start. See
+benchmarks/README.md, section bench_streaming.
 
     python -m benchmarks.bench_streaming                    # kvheavy, fast + breakeven, C = 1 2 4, off vs on
     python -m benchmarks.bench_streaming --smoke            # tiny model, 1 document, 2 requests per server
@@ -210,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                     run["identical"][device.name] = outputs.compare(slot["off"], slot["on"])
                     run.setdefault("identical_control", {})[device.name] = outputs.compare(
                         slot["off"], slot["on"], outputs.CONTROL)
-                    run.setdefault("paired", {})[device.name] = paired.compare(slot["off"], slot["on"])
-                if {"off", plan.TWIN_KEY} <= slot.keys():
-                    run.setdefault("paired_twin", {})[device.name] = paired.compare(slot["off"], slot[plan.TWIN_KEY])
+                for key, record in plan.PAIRED_RECORDS.items():
+                    if {"off", key} <= slot.keys():
+                        run.setdefault(record, {})[device.name] = paired.compare(slot["off"], slot[key])
                 session.save(run, args.out)
     finally:
         session.finish(run, args.out, stream_report.markdown, plot.plot, console)

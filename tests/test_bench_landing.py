@@ -16,7 +16,8 @@ from benchmarks import bench_landing  # noqa: E402
 def test_small_run_lands_every_path_and_counts_its_ios(tmp_path: Path) -> None:
     out = tmp_path / "landing.json"
     result = bench_landing.main(["--pages", "4", "--layers", "8", "--kv-heads", "2", "--read-groups", "4", "2",
-                                 "--rounds", "1", "--io-engine", "threads", "--dir", str(tmp_path / "scratch"), "--out", str(out)])
+                                 "--rounds", "1", "--io-engine", "threads", "--dir", str(tmp_path / "scratch"),
+                                 "--out", str(out)])
     assert result["stored_groups"] == 4 and result["hit_bytes"] == 4 * 2 * 8 * 16 * 2 * 64 * 4
     rows = {(r["path"], r["read_groups"]): r for r in result["summary"]}
     assert set(rows) == {("whole", None), ("streamed", 4), ("streamed", 2)}

@@ -36,8 +36,9 @@ from benchmarks.serving.policies import DeviceSetting, parse_device
 from sgl_kvtier.config import Streaming
 
 BREAKEVEN = "breakeven"
-TWIN = "twin"
-TWIN_KEY = f"{Streaming.OFF.value}-{TWIN}"
+TWIN_KEY = f"{Streaming.OFF.value}-twin"  # the second off server's key (``--twin``)
+# results.json's record of the paired comparisons against ``off``, by the other server's key
+PAIRED_RECORDS = {Streaming.ON.value: "paired", TWIN_KEY: "paired_twin"}
 MODES = (Streaming.OFF, Streaming.ON)
 
 

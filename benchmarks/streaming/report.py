@@ -16,7 +16,7 @@ from typing import Any
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
 from benchmarks.streaming.outputs import all_identical, attributable, document
-from benchmarks.streaming.plan import BREAKEVEN, TWIN_KEY
+from benchmarks.streaming.plan import BREAKEVEN, PAIRED_RECORDS, TWIN_KEY
 
 Cell = dict[str, Any]
 
@@ -114,7 +114,7 @@ def _counter(c: Cell, key: str) -> str:
 def paired_text(run: Mapping[str, Any], device: str, c: int, mode: str = "on") -> str:
     """``median (rounds a-b)`` of the paired on/off ratios (``streaming.paired``; ``mode`` the off twin: of
     off-twin / off), ``-`` when none."""
-    got = run.get("paired" if mode == "on" else "paired_twin", {}).get(device, {}).get(str(c))
+    got = run.get(PAIRED_RECORDS[mode], {}).get(device, {}).get(str(c))
     if not got:
         return "-"
     rr = got["round_ratios"]
@@ -310,9 +310,10 @@ def markdown(run: Mapping[str, Any]) -> str:
              ("`on/off`: the L3-hit TTFT with streaming on over the same with it off, same device and C (lower is "
               "better). `paired on/off`: the median over the measured requests of each one's on/off TTFT, the same "
               "request on both servers (interleaved schedule: the rounds alternate between them), and the range of "
-              "the per-round p50 ratios. `identical outputs`: measured requests whose greedy output on the `on` server equals the "
-              "`off` server's. Row `off-twin` (`--twin`): a second off server; its ratios are off-twin / off, the noise "
-              "floor. Counters are the phases' deltas of the server's `/metrics` (`-`: not exported)."), ""]
+              "the per-round p50 ratios. `identical outputs`: measured requests whose greedy output on the `on` "
+              "server equals the `off` server's. Row `off-twin` (`--twin`): a second off server; its ratios are "
+              "off-twin / off, the noise floor. Counters are the phases' deltas of the server's `/metrics` (`-`: not "
+              "exported)."), ""]
     for device in run["device_order"]:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
         bind = bind_lines(run, device)
