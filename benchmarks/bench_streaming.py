@@ -8,10 +8,11 @@ page cache, and asks one new question per document, so each prefix is in L3 only
 (bench_policy's rounds). A device's ``off`` and ``on`` servers are up at once and take turns round by round
 (``--schedule interleaved``, ``streaming.servers``), so each measured round is a paired on/off comparison
 (``streaming.paired``); ``--twin`` adds a second ``off`` server to each device's turns, whose ratio to the
-first is the noise floor of those comparisons. The first server also measures the references: device (L1/L2)
-hits and recompute. Its device-hit TTFT is the suffix's compute time, from which the break-even device's read
-rate is derived (prefix KV bytes / compute seconds) before the break-even servers start. See
-benchmarks/README.md, section bench_streaming.
+first is the noise floor of those comparisons (``--twin on --twin-env K=V``: a second ``on`` server with
+more environment, measured against the first in the same turns). The first server also measures the
+references: device (L1/L2) hits and recompute. Its device-hit TTFT is the suffix's compute time, from which
+the break-even device's read rate is derived (prefix KV bytes / compute seconds) before the break-even
+servers start. See benchmarks/README.md, section bench_streaming.
 
     python -m benchmarks.bench_streaming                    # kvheavy, fast + breakeven, C = 1 2 4, off vs on
     python -m benchmarks.bench_streaming --smoke            # tiny model, 1 document, 2 requests per server
@@ -56,9 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="device settings: 'fast', 'breakeven' (reads throttled to prefix bytes / suffix compute "
                         "time) or 'slow:READ_MBPS[:WRITE_MBPS]'")
     p.add_argument("--streaming", nargs="+", default=[m.value for m in plan.MODES], help="modes: off (today) and on")
-    p.add_argument("--twin", action="store_true",
-                   help="a second off server per device, interleaved with the others: off-twin / off is the run's "
-                        "noise floor")
+    p.add_argument("--twin", nargs="?", const=plan.Streaming.OFF.value, choices=[m.value for m in plan.MODES],
+                   help="a second server of this mode (default off) per device, interleaved with the others: "
+                        "off-twin / off is the run's noise floor; with --twin-env, twin / its mode measures that "
+                        "environment")
+    p.add_argument("--twin-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the twin alone, over --server-env (repeatable; needs --twin)")
     p.add_argument("--breakeven-mbps", type=float, help="the break-even read rate (default: derived in the run)")
     p.add_argument("--breakeven-write-mbps", type=float, default=1000.0,
                    help="write cap of the break-even device (the write-back is not what is measured)")
@@ -108,10 +112,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
     args.modes = plan.parse_modes(args.streaming)
-    args.env = {"KVTIER_PREFETCH_POLICY": "off", **dict(kv.split("=", 1) for kv in args.server_env)}
-    args.server_runs = plan.plan_servers(args.devices, args.modes, not args.no_references,
-                                         args.breakeven_mbps is not None, args.twin)
+    args.env = {"KVTIER_PREFETCH_POLICY": "off", **env_pairs(p, "--server-env", args.server_env)}
+    if args.twin_env and args.twin is None:
+        p.error("--twin-env sets the twin's environment: it needs --twin")
+    args.twin_env = env_pairs(p, "--twin-env", args.twin_env)
+    try:
+        args.server_runs = plan.plan_servers(args.devices, args.modes, not args.no_references,
+                                             args.breakeven_mbps is not None,
+                                             None if args.twin is None else plan.Streaming(args.twin))
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def env_pairs(p: argparse.ArgumentParser, flag: str, values: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict; a value without ``=`` is a usage error naming ``flag``."""
+    bad = [v for v in values if "=" not in v or not v.split("=", 1)[0]]
+    if bad:
+        p.error(f"{flag} takes KEY=VALUE, got {bad[0]!r}")
+    return dict(v.split("=", 1) for v in values)
 
 
 def derive_breakeven(args: argparse.Namespace, ref: dict[str, Any] | None, nbytes: int) -> dict[str, Any]:
@@ -210,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                     run["identical"][device.name] = outputs.compare(slot["off"], slot["on"])
                     run.setdefault("identical_control", {})[device.name] = outputs.compare(
                         slot["off"], slot["on"], outputs.CONTROL)
-                for key, record in plan.PAIRED_RECORDS.items():
-                    if {"off", key} <= slot.keys():
-                        run.setdefault(record, {})[device.name] = paired.compare(slot["off"], slot[key])
+                if {"off", plan.ON_TWIN} <= slot.keys():  # a streaming twin's outputs are checked alike
+                    run.setdefault("identical_twin", {})[device.name] = outputs.compare(slot["off"], slot[plan.ON_TWIN])
+                for (base, key), record in plan.PAIRED_RECORDS.items():
+                    if {base, key} <= slot.keys():
+                        run.setdefault(record, {})[device.name] = paired.compare(slot[base], slot[key])
                 session.save(run, args.out)
     finally:
         session.finish(run, args.out, stream_report.markdown, plot.plot, console)

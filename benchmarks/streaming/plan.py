@@ -19,9 +19,11 @@ Ordering rules (``plan_servers``):
 - the reference server (L3 rounds plus the device-hit and recompute rounds) is the first server of the run;
   it must not be a ``breakeven`` one whose rate is still unknown (that would be circular);
 - within a device, ``off`` runs before ``on`` (today's path first, as a baseline for the same device);
-- with ``twin`` (``--twin``), each device also gets a second ``off`` server after its others (key
-  ``off-twin``): the same settings as ``off``, interleaved with it, so ``off-twin / off`` measures the
-  run's noise floor, what an on/off ratio of a server on the same path would read by chance.
+- with ``twin`` (``--twin [MODE]``), each device also gets a second server of that mode after its others
+  (key ``off-twin`` or ``on-twin``), interleaved with them. With the same settings, ``off-twin / off``
+  measures the run's noise floor, what an on/off ratio of a server on the same path would read by chance;
+  with ``--twin-env`` the twin alone runs with more environment, so ``twin / its mode`` measures that
+  setting in the same turns (e.g. ``--twin on --twin-env KVTIER_IO_NICE=10``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,23 @@ from benchmarks.serving.policies import DeviceSetting, parse_device
 from sgl_kvtier.config import Streaming
 
 BREAKEVEN = "breakeven"
-TWIN_KEY = f"{Streaming.OFF.value}-twin"  # the second off server's key (``--twin``)
-# results.json's record of the paired comparisons against ``off``, by the other server's key
-PAIRED_RECORDS = {Streaming.ON.value: "paired", TWIN_KEY: "paired_twin"}
 MODES = (Streaming.OFF, Streaming.ON)
+TWIN_KEYS = {m: f"{m.value}-twin" for m in MODES}  # a twin server's key (``--twin MODE``), by its mode
+TWIN_KEY, ON_TWIN = TWIN_KEYS[Streaming.OFF], TWIN_KEYS[Streaming.ON]
+# results.json's records of the paired comparisons, by (baseline server's key, compared server's key): the
+# table's column compares each server with ``off``; ``paired_twin`` compares the twin with its own mode's
+# server (one twin per device, so one record name serves both modes)
+PAIRED_RECORDS = {
+    (Streaming.OFF.value, Streaming.ON.value): "paired",
+    (Streaming.OFF.value, TWIN_KEY): "paired_twin",
+    (Streaming.ON.value, ON_TWIN): "paired_twin",
+    (Streaming.OFF.value, ON_TWIN): "paired_on_twin",
+}
+
+
+def twin_of(key: str) -> str | None:
+    """The key of the server a twin key (``off-twin``, ``on-twin``) repeats; None for any other key."""
+    return next((m.value for m, k in TWIN_KEYS.items() if k == key), None)
 
 
 @dataclass(frozen=True)
@@ -54,8 +69,8 @@ class ServerRun:
 
     @property
     def key(self) -> str:
-        """Its key under ``results.json``'s ``servers[device]``: the mode, or ``off-twin``."""
-        return TWIN_KEY if self.twin else self.streaming.value
+        """Its key under ``results.json``'s ``servers[device]``: the mode, or the mode's twin key."""
+        return TWIN_KEYS[self.streaming] if self.twin else self.streaming.value
 
     @property
     def tag(self) -> str:
@@ -81,19 +96,19 @@ def parse_modes(values: Iterable[str]) -> list[Streaming]:
 
 
 def plan_servers(devices: Sequence[str], modes: Sequence[Streaming], references: bool,
-                 breakeven_known: bool, twin: bool = False) -> list[ServerRun]:
+                 breakeven_known: bool, twin: Streaming | None = None) -> list[ServerRun]:
     """Every (device, mode) server in run order (module docstring); the first carries the references."""
     if len(set(devices)) != len(devices):
         raise ValueError(f"a device setting is listed twice: {list(devices)}")
     if not devices or not modes:
         raise ValueError("at least one device setting and one streaming mode are needed")
-    if twin and Streaming.OFF not in modes:
-        raise ValueError("--twin is a second off server: it needs the off mode")
+    if twin is not None and twin not in modes:
+        raise ValueError(f"--twin {twin.value} is a second {twin.value} server: it needs the {twin.value} mode")
     for d in devices:
         check_device(d)
     ordered = [d for d in devices if d != BREAKEVEN] + [d for d in devices if d == BREAKEVEN]
     runs = [r for d in ordered
-            for r in [*(ServerRun(d, m) for m in modes), *([ServerRun(d, Streaming.OFF, twin=True)] if twin else [])]]
+            for r in [*(ServerRun(d, m) for m in modes), *([ServerRun(d, twin, twin=True)] if twin else [])]]
     if BREAKEVEN in devices and not breakeven_known and (not references or runs[0].device == BREAKEVEN):
         raise ValueError("the breakeven device needs the suffix compute time: keep the references (device hit) "
                          "on a device other than breakeven, or give --breakeven-mbps")

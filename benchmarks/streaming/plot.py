@@ -1,6 +1,6 @@
 """``ttft_streaming.png``: per device, the L3-hit TTFT p50 bars (p99 as markers) with streaming off and on per
 concurrency, the reference server's device-hit and recompute p50 as dashed and dotted marks; and a last panel
-with on/off p50 per device against C (and off-twin / off, dashed, where ``--twin`` ran), with the targets' bounds
+with on/off p50 per device against C (and twin / off, dashed, where ``--twin`` ran), with the targets' bounds
 (0.80, 0.90, 1.05) as grey lines."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from benchmarks.serving.report import pyplot, save_figure
 from benchmarks.streaming.plan import TWIN_KEY
-from benchmarks.streaming.report import TARGETS, cell, levels, ratio, server_keys
+from benchmarks.streaming.report import TARGETS, cell, levels, ratio, server_keys, twin_key
 
 NAME = "ttft_streaming.png"
 
@@ -48,9 +48,10 @@ def plot(run: Mapping[str, Any], out: Path) -> Path:
     for i, device in enumerate(devices):
         cs = levels(run, device)
         ax.plot(cs, [ratio(run, device, c) or np.nan for c in cs], "o-", color=f"C{i + 2}", label=device)
-        if TWIN_KEY in server_keys(run, device):
-            ax.plot(cs, [ratio(run, device, c, mode=TWIN_KEY) or np.nan for c in cs], "x--", color=f"C{i + 2}",
-                    label=f"{device}: off-twin / off (noise floor)")
+        twin = twin_key(run, device)
+        if twin:
+            ax.plot(cs, [ratio(run, device, c, mode=twin) or np.nan for c in cs], "x--", color=f"C{i + 2}",
+                    label=f"{device}: {twin} / off" + (" (noise floor)" if twin == TWIN_KEY else ""))
     for t in TARGETS:
         ax.axhline(t.bound, color="grey", linestyle="dashed", linewidth=0.8)
     ax.set_xlabel("concurrency C")

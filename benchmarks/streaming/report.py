@@ -16,7 +16,7 @@ from typing import Any
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
 from benchmarks.streaming.outputs import all_identical, attributable, document
-from benchmarks.streaming.plan import BREAKEVEN, PAIRED_RECORDS, TWIN_KEY
+from benchmarks.streaming.plan import BREAKEVEN, ON_TWIN, PAIRED_RECORDS, TWIN_KEYS, twin_of
 
 Cell = dict[str, Any]
 
@@ -56,15 +56,22 @@ def levels(run: Mapping[str, Any], device: str, level: str = "l3") -> list[int]:
     return sorted(cs)
 
 
+def twin_key(run: Mapping[str, Any], device: str) -> str | None:
+    """The key of ``device``'s twin server (``off-twin``, ``on-twin``) where one ran, else None."""
+    return next((k for k in TWIN_KEYS.values() if k in run["servers"].get(device, {})), None)
+
+
 def server_keys(run: Mapping[str, Any], device: str) -> list[str]:
-    """The servers of ``device`` in table order: the run's modes, then the ``off`` twin where it ran."""
-    return [*run["modes"], *([TWIN_KEY] if TWIN_KEY in run["servers"].get(device, {}) else [])]
+    """The servers of ``device`` in table order: the run's modes, then the twin where it ran."""
+    twin = twin_key(run, device)
+    return [*run["modes"], *([twin] if twin else [])]
 
 
-def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s", mode: str = "on") -> float | None:
-    """``mode`` (streaming on, or the off twin) / off of ``key`` at C = ``c`` (lower is better), or None when
+def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s", mode: str = "on",
+          base: str = "off") -> float | None:
+    """``mode`` (streaming on, or a twin) / ``base`` of ``key`` at C = ``c`` (lower is better), or None when
     either is missing."""
-    off, on = cell(run, device, "off", "l3", c), cell(run, device, mode, "l3", c)
+    off, on = cell(run, device, base, "l3", c), cell(run, device, mode, "l3", c)
     if off is None or on is None or not off[key] > 0 or math.isnan(on[key]):
         return None
     return float(on[key] / off[key])
@@ -92,8 +99,8 @@ def _fmt(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}"
 
 
-def _identical(run: Mapping[str, Any], device: str, c: int) -> str:
-    got = run.get("identical", {}).get(device, {}).get(str(c))
+def _identical(run: Mapping[str, Any], device: str, c: int, record: str = "identical") -> str:
+    got = run.get(record, {}).get(device, {}).get(str(c))
     if not got:
         return "-"
     text = f"{got['identical']}/{got['compared']}"
@@ -111,10 +118,10 @@ def _counter(c: Cell, key: str) -> str:
     return "-" if v is None else f"{v:g}"
 
 
-def paired_text(run: Mapping[str, Any], device: str, c: int, mode: str = "on") -> str:
-    """``median (rounds a-b)`` of the paired on/off ratios (``streaming.paired``; ``mode`` the off twin: of
-    off-twin / off), ``-`` when none."""
-    got = run.get(PAIRED_RECORDS[mode], {}).get(device, {}).get(str(c))
+def paired_text(run: Mapping[str, Any], device: str, c: int, mode: str = "on", base: str = "off") -> str:
+    """``median (rounds a-b)`` of the paired ``mode`` / ``base`` ratios (``streaming.paired``,
+    ``plan.PAIRED_RECORDS``), ``-`` when none."""
+    got = run.get(PAIRED_RECORDS.get((base, mode), ""), {}).get(device, {}).get(str(c))
     if not got:
         return "-"
     rr = got["round_ratios"]
@@ -132,14 +139,15 @@ def table(run: Mapping[str, Any], device: str) -> str:
             x = cell(run, device, mode, "l3", c)
             if x is None:
                 continue
-            vs_off, on = mode != "off", mode == "on"
+            vs_off = mode != "off"
+            same = {"on": "identical", ON_TWIN: "identical_twin"}.get(mode)  # streaming servers' outputs
             lines.append("| " + " | ".join([
                 mode, str(c), f"{x['ttft_p50_s']:.2f}", f"{x['ttft_p99_s']:.2f}",
                 _fmt(ratio(run, device, c, mode=mode)) if vs_off else "-",
                 _fmt(ratio(run, device, c, "ttft_p99_s", mode)) if vs_off else "-",
                 paired_text(run, device, c, mode) if vs_off else "-",
                 str(x["cached_tokens"]["storage"]), f"{unfulfilled(x):.0f}", str(x["computed_tokens"]),
-                _identical(run, device, c) if on else "-", _stream(x), _counter(x, "parts_read"),
+                _identical(run, device, c, same) if same else "-", _stream(x), _counter(x, "parts_read"),
                 _counter(x, "parts_failed"), _counter(x, "retracted_requests"), str(x["errors"])]) + " |")  # fmt: skip
     return "\n".join(lines)
 
@@ -268,15 +276,31 @@ def control_lines(run: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def twin_env(run: Mapping[str, Any], device: str, twin: str) -> dict[str, str]:
+    """The environment the twin ran with and the server it repeats did not (``--twin-env``)."""
+    slot = run["servers"][device]
+    own = slot.get(twin_of(twin) or "", {}).get("env", {})
+    return {k: v for k, v in slot[twin].get("env", {}).items() if own.get(k) != v}
+
+
 def twin_lines(run: Mapping[str, Any]) -> list[str]:
-    """Per device and C with an off twin: off-twin / off, the noise floor the targets' ratios sit on."""
+    """Per device and C with a twin: twin / the server it repeats. With the same environment that is the noise
+    floor the targets' ratios sit on; with ``--twin-env``, that environment's effect in the same turns."""
     lines = []
     for device in run["device_order"]:
+        twin = twin_key(run, device)
+        own = twin_of(twin or "")
+        if twin is None or own is None:
+            continue
+        env = " ".join(f"{k}={v}" for k, v in twin_env(run, device, twin).items())
+        what = f"with {env}" if env else f"noise floor (a second {own} server, interleaved)"
         for c in levels(run, device):
-            r = ratio(run, device, c, mode=TWIN_KEY)
+            r = ratio(run, device, c, mode=twin, base=own)
             if r is not None:
-                lines.append(f"  - {device} C={c}, noise floor (a second off server, interleaved): off-twin / off "
-                             f"{r:.2f}, paired {paired_text(run, device, c, TWIN_KEY)}")
+                lines.append(f"  - {device} C={c}, {what}: {twin} / {own} {r:.2f}, paired "
+                             f"{paired_text(run, device, c, twin, own)}"
+                             + (f"; outputs identical to off {_identical(run, device, c, 'identical_twin')}"
+                                if twin == ON_TWIN else ""))
     return lines
 
 
@@ -311,9 +335,10 @@ def markdown(run: Mapping[str, Any]) -> str:
               "better). `paired on/off`: the median over the measured requests of each one's on/off TTFT, the same "
               "request on both servers (interleaved schedule: the rounds alternate between them), and the range of "
               "the per-round p50 ratios. `identical outputs`: measured requests whose greedy output on the `on` "
-              "server equals the `off` server's. Row `off-twin` (`--twin`): a second off server; its ratios are "
-              "off-twin / off, the noise floor. Counters are the phases' deltas of the server's `/metrics` (`-`: not "
-              "exported)."), ""]
+              "server equals the `off` server's. Row `off-twin` / `on-twin` (`--twin`): a second server of that "
+              "mode, its columns against `off` too; under the targets, twin / its mode: the noise floor, or with "
+              "`--twin-env` that environment's effect. Counters are the phases' deltas of the server's `/metrics` "
+              "(`-`: not exported)."), ""]
     for device in run["device_order"]:
         parts += [f"## {device}", "", run["devices"][device]["description"], "", table(run, device), ""]
         bind = bind_lines(run, device)

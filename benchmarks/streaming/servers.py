@@ -12,8 +12,9 @@ Schedules (``--schedule``), for the servers of one device (``off`` and ``on``):
   write-back is waited for, so the peer is quiet while the other measures (its CPU seconds during each
   phase are recorded as ``peer_cpu_s``). A shared machine's drift (up to 25% between servers measured
   minutes apart, benchmarks/RESULTS.md) then hits both modes alike, round by round, and each measured round
-  is one paired on/off comparison (``streaming.paired``). With ``--twin`` a third server (a second ``off``)
-  takes its turn too: the order reverses at odd i, so each server goes first or last alike.
+  is one paired on/off comparison (``streaming.paired``). With ``--twin`` a third server (a second ``off``
+  or ``on``, with ``--twin-env`` over the environment) takes its turn too: the order reverses at odd i, so
+  each server goes first or last alike.
 - ``sequential``: one server at a time, each serving all its rounds (the session 7-8 runs).
 
 Every server runs with ``--sleep-on-idle``: an idle SGLang scheduler otherwise polls its sockets in a busy
@@ -77,11 +78,12 @@ class BenchServer:
                                     extra_args=("--hicache-storage-prefetch-policy", args.prefetch_policy, *idle,
                                                 *base_plan.extra_args))
         self.l3 = KVTIER.l3_dir(splan)
-        self.srv = SGLangServer(model_dir, extra_args=KVTIER.args(splan), env=dict(args.env),
+        env = {**args.env, **(args.twin_env if spec.twin else {})}  # --twin-env: the twin's alone
+        self.srv = SGLangServer(model_dir, extra_args=KVTIER.args(splan), env=env,
                                 log_path=args.out / "logs" / f"{self.tag}.log", cpu=not splan.gpu,
                                 startup_timeout_s=args.startup_timeout)
         self.res: dict[str, Any] = {
-            "command": self.srv.command, "command_str": shlex.join(self.srv.command), "env": dict(args.env),
+            "command": self.srv.command, "command_str": shlex.join(self.srv.command), "env": env,
             "log": str(self.srv.log_path), "references": spec.references, "rounds": [], "levels": {}}
         self.unique = unique_tokens(server_rounds, splan.page_size)
         self.base = 0.0
