@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_streaming as bench
-from benchmarks.serving import report, workloads
+from benchmarks.serving import configs, report, workloads
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.policies import parse_device, prefix_rounds
 from benchmarks.streaming import counters, outputs, paired, plan, plot, rounds, servers
@@ -47,18 +47,48 @@ def test_servers_run_in_order_with_the_references_first() -> None:
 
 
 def test_a_twin_is_a_second_off_server_per_device() -> None:
-    runs = plan.plan_servers(["breakeven", "fast"], [OFF, ON], references=True, breakeven_known=False, twin=True)
+    runs = plan.plan_servers(["breakeven", "fast"], [OFF, ON], references=True, breakeven_known=False, twin=OFF)
     assert [(r.device, r.key, r.references) for r in runs] == [
         ("fast", "off", True), ("fast", "on", False), ("fast", plan.TWIN_KEY, False),
         ("breakeven", "off", False), ("breakeven", "on", False), ("breakeven", plan.TWIN_KEY, False)]
     assert runs[2].streaming is OFF and runs[2].tag == "fast-off-twin" and runs[1].tag == "fast-on"
     with pytest.raises(ValueError, match="off mode"):
-        plan.plan_servers(["fast"], [ON], references=False, breakeven_known=True, twin=True)
+        plan.plan_servers(["fast"], [ON], references=False, breakeven_known=True, twin=OFF)
     args = bench.parse_args(["--devices", "fast", "--twin"])
-    assert [r.key for r in args.server_runs] == ["off", "on", "off-twin"]
+    assert [r.key for r in args.server_runs] == ["off", "on", "off-twin"] and args.twin_env == {}
     # Three servers take turns; the order reverses at odd rounds, so each goes first as often as last.
     trio = [r.key for r in args.server_runs]
     assert [servers.order(trio, i)[0] for i in range(4)] == ["off", "off-twin"] * 2
+
+
+def test_an_on_twin_runs_with_its_own_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench.parse_args(["--devices", "fast", "--twin", "on", "--twin-env", "KVTIER_IO_NICE=10",
+                             "--server-env", "KVTIER_LAYER_LOADER=1", "--out", str(tmp_path)])
+    assert [(r.key, r.streaming, r.twin) for r in args.server_runs] == [
+        ("off", OFF, False), ("on", ON, False), (plan.ON_TWIN, ON, True)]
+    assert plan.twin_of(plan.ON_TWIN) == "on" and plan.twin_of(plan.TWIN_KEY) == "off" and plan.twin_of("on") is None
+    # The twin's environment is the others' plus --twin-env; the others never see it.
+    device, base = parse_device("fast", 0.0), bench_plan(tmp_path)
+    made = {r.key: servers.BenchServer(args, r, device, base, tmp_path, [], False, 1) for r in args.server_runs}
+    common = {"KVTIER_PREFETCH_POLICY": "off", "KVTIER_LAYER_LOADER": "1"}
+    assert made["on"].res["env"] == made["off"].res["env"] == common
+    assert made[plan.ON_TWIN].res["env"] == common | {"KVTIER_IO_NICE": "10"}
+    assert made[plan.ON_TWIN].srv.env["KVTIER_IO_NICE"] == "10" and "KVTIER_IO_NICE" not in made["on"].srv.env
+    assert made[plan.ON_TWIN].tag == "fast-on-twin" and made[plan.ON_TWIN].srv.log_path.name == "fast-on-twin.log"
+    # Usage errors name the flag, before any server starts.
+    for argv, words in ((["--twin-env", "KVTIER_IO_NICE=10"], "needs --twin"),
+                        (["--twin", "on", "--twin-env", "KVTIER_IO_NICE"], "--twin-env takes KEY=VALUE"),
+                        (["--server-env", "=1"], "--server-env takes KEY=VALUE"),
+                        (["--twin", "on", "--streaming", "off"], "needs the on mode"),
+                        (["--devices", "breakeven", "--no-references"], "breakeven")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert words in capsys.readouterr().err
+
+
+def bench_plan(root: Path) -> configs.ServerPlan:
+    return configs.ServerPlan(page_size=16, device_tokens=256, host_ratio=2.0, host_size_gb=0, gpu=False,
+                              l3_root=root / "l3", kvtier_capacity_bytes=1 << 30)
 
 
 def test_break_even_rate_from_the_device_hits() -> None:
@@ -306,6 +336,20 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
         "(rounds 0.98-1.06)" in stream_report.targets(run)
     assert "| L3 hit, streaming off-twin |" not in stream_report.phase_table(run, "fast")  # no phases in the twin
     assert plot.plot(run, tmp_path).exists()
+    # An on twin with more environment: its row against off, its line against on (paired_twin: on-twin / on).
+    env = run["servers"]["fast"]["on"]["env"]
+    run["servers"]["fast"][plan.ON_TWIN] = run["servers"]["fast"].pop(plan.TWIN_KEY) | {
+        "env": env | {"KVTIER_IO_NICE": "10"}}
+    run["paired_twin"]["fast"]["1"]["median_ratio"] = 0.96
+    run["paired_on_twin"] = {"fast": {"1": {"requests": 8, "median_ratio": 1.01, "round_ratios": [1.0, 1.02]}}}
+    run["identical_twin"] = {"fast": {"1": {"compared": 5, "identical": 5, "missing": 0, "different": []}}}
+    rows = stream_report.table(run, "fast").splitlines()
+    twin_row = next(line for line in rows if line.startswith("| on-twin | 1 |"))
+    assert "| 0.66 | 0.77 | 1.10 | 1.10 | 1.01 (rounds 1.00-1.02) |" in twin_row and "| 5/5 |" in twin_row
+    assert "  - fast C=1, with KVTIER_IO_NICE=10: on-twin / on 1.25, paired 0.96 (rounds 0.98-1.06); outputs "         "identical to off 5/5" in stream_report.targets(run)  # 0.55 over on's 0.44
+    assert "noise floor (" not in stream_report.markdown(run)
+    assert plot.plot(run, tmp_path).exists()
+    del run["servers"]["fast"][plan.ON_TWIN]
     run["servers"]["fast"]["on"]["levels"] = {}
     assert "fast C=1: not measured" in stream_report.targets(run)[1]
     path = plot.plot(run, tmp_path)
@@ -322,8 +366,6 @@ def test_args_smoke_modes_and_environment() -> None:
     full = bench.parse_args([])
     assert full.model == "kvheavy" and full.devices == ["fast", "breakeven"] and full.concurrency == [1, 2, 4]
     assert full.env == {"KVTIER_PREFETCH_POLICY": "off"} and len(full.server_runs) == 4
-    with pytest.raises(ValueError):
-        bench.parse_args(["--devices", "breakeven", "--no-references"])
     assert parse_device("slow:5", 0).name == "slow-5MBps"
 
 

@@ -5,6 +5,10 @@ group-major read (``read_layer_groups``) hands over exactly layer group g's byte
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -43,6 +47,36 @@ def host_layer(pool, kind: str, start: int, rng: int, layer: int) -> bytes:
 
 def group_bytes(pool, kind: str, plan, start: int, group: int, rng: int) -> bytes:
     return b"".join(host_layer(pool, kind, start, rng, layer) for layer in plan.layers(group))
+
+
+@dataclass
+class Stored:
+    """Six chained pages stored from host slots ``src`` of a random pool, to be read back into ``dst``."""
+
+    pool: Any
+    backend: Any
+    keys: list[str]
+    src: list[int]
+    dst: list[int]
+    ranges: int  # K|V ranges per layer group: 2 (MHA) or 1 (MLA)
+
+    @property
+    def plan(self) -> Any:
+        return self.backend.kv.pages.plan
+
+
+@contextmanager
+def stored_pages(tmp_path, kind: str, layout: str, seed: int) -> Iterator[Stored]:
+    """``Stored`` pages on a backend without read-ahead; the pool is zeroed after the write; closed after."""
+    pool = make_pool(kind, layout)
+    fill_random(pool, seed=seed)
+    backend = make_backend(tmp_path, pool, mla=kind == "mla", readahead_bytes=0)
+    try:
+        got = Stored(pool, backend, chain_keys(6), [2, 9, 4, 11, 6, 13], [20, 25, 21, 30, 22, 31],
+                     1 if kind == "mla" else 2)
+        yield got
+    finally:
+        backend.close()
 
 
 def test_choose_groups_follows_the_geometry() -> None:
@@ -107,17 +141,11 @@ def test_round_trip_through_the_adapter_is_byte_exact(tmp_path, kind, layout, re
 
 @pytest.mark.parametrize(("kind", "layout"), STREAMABLE)
 def test_group_major_read_hands_over_each_layer_group_exactly(tmp_path, kind, layout) -> None:
-    pool = make_pool(kind, layout)
-    fill_random(pool, seed=5)
-    backend = make_backend(tmp_path, pool, mla=kind == "mla", readahead_bytes=0)
-    try:
-        tier = backend.kv
-        plan = tier.pages.plan
-        keys, src, dst = chain_keys(6), [2, 9, 4, 11, 6, 13], [20, 25, 21, 30, 22, 31]
-        ranges = 1 if kind == "mla" else 2
+    with stored_pages(tmp_path, kind, layout, seed=5) as st:
+        pool, tier, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
         want = {(p, g, r): group_bytes(pool, kind, plan, p * PS, g, r)
                 for p in src for g in range(plan.group_count) for r in range(ranges)}
-        assert backend.batch_set_v1(keys, slots(src)) == [True] * 6
+        assert st.backend.batch_set_v1(keys, slots(src)) == [True] * 6
         zero(pool)
         seen: list[int] = []
 
@@ -136,8 +164,6 @@ def test_group_major_read_hands_over_each_layer_group_exactly(tmp_path, kind, la
             for g in range(plan.group_count):
                 for r in range(ranges):
                     assert group_bytes(pool, kind, plan, d * PS, g, r) == want[(s, g, r)]
-    finally:
-        backend.close()
 
 
 def test_read_plans_merge_layer_groups_in_order() -> None:
@@ -156,16 +182,10 @@ def test_read_plans_merge_layer_groups_in_order() -> None:
 def test_a_read_in_merged_groups_hands_over_their_layers_verified(tmp_path, kind, layout) -> None:
     """Two read groups over the pool's four layer groups: each hands over its four layers' bytes, exactly;
     every stored part was still verified (``parts_read``), and a read plan of another pool is refused."""
-    pool = make_pool(kind, layout)
-    fill_random(pool, seed=6)
-    backend = make_backend(tmp_path, pool, mla=kind == "mla", readahead_bytes=0)
-    try:
-        tier = backend.kv
-        plan = tier.pages.plan
+    with stored_pages(tmp_path, kind, layout, seed=6) as st:
+        pool, tier, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
         assert plan.group_count == 4
-        keys, src, dst = chain_keys(6), [2, 9, 4, 11, 6, 13], [20, 25, 21, 30, 22, 31]
-        ranges = 1 if kind == "mla" else 2
-        assert backend.batch_set_v1(keys, slots(src)) == [True] * 6
+        assert st.backend.batch_set_v1(keys, slots(src)) == [True] * 6
         want = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
                 for p in src]
         zero(pool)
@@ -183,8 +203,6 @@ def test_a_read_in_merged_groups_hands_over_their_layers_verified(tmp_path, kind
         assert other is not None
         with pytest.raises(ValueError, match="not of this pool"):
             read_layer_groups(tier, parse_keys(keys), slots(dst), lambda *a: None, other.reads(2))
-    finally:
-        backend.close()
 
 
 @pytest.mark.parametrize(("kind", "layout"), UNSTREAMABLE)

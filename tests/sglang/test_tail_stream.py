@@ -41,6 +41,12 @@ class Hold:
     def release(self) -> None:
         self._go.set()
 
+    @classmethod
+    def on(cls, backend, group: int = 0) -> Hold:
+        """A hold at ``group`` installed as ``backend``'s binder observer."""
+        hold = backend.binder.observer = cls(group)
+        return hold
+
 
 def streamed(tmp_path, pool=None, **extra):
     """A backend with streaming on (unless ``extra`` says otherwise) over a kvheavy-shaped pool (8 layers: 4 groups of 2), ``N`` pages
@@ -94,8 +100,7 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
     try:
         plan = backend.kv.pages.plan
         assert plan.group_count == 4
-        hold = Hold(group=0)
-        backend.binder.observer = hold
+        hold = Hold.on(backend)
         stream = backend.binder.bind(parse_keys(keys), slots(DST))
         assert stream is not None and stream.pages == N and stream.groups == 4
         assert hold.reached.wait(BOUND_S)
@@ -131,8 +136,7 @@ def test_a_stream_in_two_read_groups_lands_two_layer_groups_at_a_time(tmp_path) 
     backend, pool, keys, want = streamed(tmp_path)
     try:
         plan = backend.kv.pages.plan
-        hold = Hold(group=0)
-        backend.binder.observer = hold
+        hold = Hold.on(backend)
         before = parts_read(backend)
         stream = backend.binder.bind(parse_keys(keys), slots(DST), read_groups=2)
         assert stream is not None and stream.groups == 2
@@ -232,8 +236,7 @@ def test_cancel_stops_the_io_after_what_was_in_flight(tmp_path) -> None:
     backend, pool, keys, want = streamed(tmp_path)
     try:
         plan = backend.kv.pages.plan
-        hold = Hold(group=0)
-        backend.binder.observer = hold
+        hold = Hold.on(backend)
         before = parts_read(backend)
         stream = backend.binder.bind(parse_keys(keys), slots(DST))
         assert hold.reached.wait(BOUND_S)
