@@ -7,12 +7,14 @@ Every thread pool of ours that moves or verifies pages (the engine's ``kvtier-io
 
 Why: on a CPU engine a streamed L3 tail lands while its forward computes on the same cores, and an
 OpenMP team waits at each barrier for its slowest thread, so CPU the IO threads take can cost the forward
-more than itself. Niced, they yield to the forward's threads and use what the forward leaves (its waits
-on groups not landed, its barriers). Measured on a 2-vCPU VM (benchmarks/RESULTS.md, session 16):
-break-even paired on/off 0.79 and 0.77 with ``KVTIER_IO_NICE=10`` against 0.81-0.82 without, one run each,
-beside a paired noise floor of about +-3%. Inert for IO that runs while the CPU is otherwise idle (a hit
-loaded whole before its forward). A bad value is logged once and ignored: an IO thread never fails to
-start over its priority.
+more than itself; niced, they yield to the forward's threads. Measured on a 2-vCPU VM
+(benchmarks/RESULTS.md): two runs of session 16 read break-even paired on/off 0.79 and 0.77 with
+``KVTIER_IO_NICE=10`` against 0.81-0.82 without, but side by side in one run (session 17: a niced ``on``
+twin in the same turns) it made no difference, twin / on paired 1.01: the landing's CPU must be done
+before the forward can end either way (niced, the forward waits on groups longer and stalls less). So it
+stays opt-in, for hosts whose other work should come before sgl-kvtier's IO. Inert for IO that runs while
+the CPU is otherwise idle (a hit loaded whole before its forward). A bad value is logged once and ignored:
+an IO thread never fails to start over its priority.
 """
 
 from __future__ import annotations
