@@ -30,7 +30,7 @@ from sgl_kvtier.io.ops import (
     run_op_blocking,
     short_error,
 )
-from sgl_kvtier.io.priority import lower_this_thread
+from sgl_kvtier.io.threads import io_thread_started
 
 
 class ThreadPoolEngine:
@@ -41,7 +41,7 @@ class ThreadPoolEngine:
     def __init__(self, depth: int):
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="kvtier-io",
-                                        initializer=lower_this_thread)  # KVTIER_IO_NICE (io.priority)
+                                        initializer=io_thread_started)  # named, KVTIER_IO_NICE (io.threads)
         self._moving = 0  # ops handed over (queued or running) whose IO has not ended
         self._count = threading.Lock()
 

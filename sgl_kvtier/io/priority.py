@@ -1,8 +1,8 @@
 """CPU priority of sgl-kvtier's IO threads: opt-in ``KVTIER_IO_NICE=N`` (1..19; unset or 0: unchanged).
 
 Every thread pool of ours that moves or verifies pages (the engine's ``kvtier-io``, the store's
-``kvtier-parts``, read-ahead's ``kvtier-readahead``, streamed tails' ``kvtier-stream``) passes
-``lower_this_thread`` as its initializer: each worker, as it starts, raises its own niceness by N (Linux
+``kvtier-parts``, read-ahead's ``kvtier-readahead``, streamed tails' ``kvtier-stream``) calls
+``lower_this_thread`` from its initializer (``io.threads.io_thread_started``): each worker, as it starts, raises its own niceness by N (Linux
 ``setpriority`` on the thread id: one thread, never the process; raising it needs no privilege).
 
 Why: on a CPU engine a streamed L3 tail lands while its forward computes on the same cores, and an

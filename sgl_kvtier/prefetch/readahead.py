@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sgl_kvtier.io.buffers import AlignedBuffer, Run, copy_to_runs, round_up
-from sgl_kvtier.io.priority import lower_this_thread
+from sgl_kvtier.io.threads import io_thread_started
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 
@@ -127,7 +127,7 @@ class ReadAhead:
         self._entries: dict[PageKey, _Entry] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-readahead",
-                                        initializer=lower_this_thread)
+                                        initializer=io_thread_started)
         self._closed = False
         self.counters = ReadAheadCounters()
         self._errlog = RateLimitedLog(log)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sgl_kvtier.errors import CorruptRecordError
+from sgl_kvtier.io.threads import name_this_thread
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.pool_regions import region_read
 from sgl_kvtier.telemetry.counters import RateLimitedLog
@@ -157,6 +158,7 @@ class Lease:
         self._thread.start()
 
     def _run(self) -> None:
+        name_this_thread()
         while not self._stop.wait(self.interval_s):
             self._safe_beat()
 

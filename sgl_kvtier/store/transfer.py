@@ -58,7 +58,7 @@ from sgl_kvtier.io.buffers import (
     view,
 )
 from sgl_kvtier.io.engine import IOEngine, IOOp, IOResult, OpKind
-from sgl_kvtier.io.priority import lower_this_thread
+from sgl_kvtier.io.threads import io_thread_started
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import Arena
 from sgl_kvtier.store.health import DeviceHealth
@@ -180,7 +180,7 @@ class PageIO:
                 raise StoreClosedError("page store is closed")
             if self._part_threads is None:
                 self._part_threads = ThreadPoolExecutor(PART_READ_THREADS, thread_name_prefix="kvtier-parts",
-                                                        initializer=lower_this_thread)
+                                                        initializer=io_thread_started)
             return self._part_threads.submit(task)
 
     def write(self, items: list[WriteItem]) -> list[Checksum | None]:

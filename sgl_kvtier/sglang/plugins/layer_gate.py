@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from sgl_kvtier.io.threads import name_this_thread
+
 logger = logging.getLogger(__name__)
 
 THREAD_NAME = "kvtier-layer-loader"
@@ -151,6 +153,7 @@ class LayerLoad:
         self._thread = thread
 
     def _run(self) -> None:
+        name_this_thread()
         failed: BaseException | None = None
         with self._lock:
             try:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_kvtier.errors import KVTierError
-from sgl_kvtier.io.priority import lower_this_thread
+from sgl_kvtier.io.threads import io_thread_started
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sglang.host_pages import Access, check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
@@ -140,7 +140,7 @@ class StreamBinder:
                 return None
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._max_streams, thread_name_prefix="kvtier-stream",
-                                                    initializer=lower_this_thread)
+                                                    initializer=io_thread_started)
             stream = TailStream(tier, keys, host_indices, self._executor, self._boundary, self.observer,
                                 on_end=self._ended, read_groups=read_groups)
             bound = _Bound(stream, {hp: i for i, hp in enumerate(hpages)})

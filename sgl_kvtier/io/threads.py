@@ -1,0 +1,67 @@
+"""sgl-kvtier's threads as the OS sees them: named, so ``top -H`` / ``ps -L`` (and bench_streaming's CPU
+table) tell our CPU from SGLang's, and the IO threads at their priority (``io.priority``).
+
+``io_thread_started`` is the initializer of every thread pool of ours that moves or verifies pages
+(``kvtier-io``, ``kvtier-parts``, ``kvtier-readahead``, ``kvtier-stream``): it names the worker's OS thread
+after its Python name (``kvtier-io_3``) and applies ``KVTIER_IO_NICE``. ``name_this_thread`` alone serves
+our other threads (the lease heartbeat, the layer loader) as they start.
+
+Naming is Linux's ``prctl(PR_SET_NAME)`` on the calling thread (the kernel keeps 15 bytes; a longer name
+keeps its first 15). Python 3.11 does not name OS threads itself. Elsewhere, or if libc refuses, the
+thread keeps the name it inherited: naming never raises and never stops a thread from starting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+import threading
+from functools import cache
+from typing import Any
+
+from sgl_kvtier.io.priority import lower_this_thread
+
+logger = logging.getLogger(__name__)
+
+PR_SET_NAME = 15  # linux/prctl.h
+OS_NAME_BYTES = 15  # TASK_COMM_LEN - 1
+
+
+@cache
+def _libc() -> Any:
+    """libc's handle on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def os_name(name: str) -> bytes:
+    """What the kernel keeps of ``name``: its first 15 bytes (UTF-8)."""
+    return name.encode("utf-8", "replace")[:OS_NAME_BYTES]
+
+
+def name_this_thread(name: str | None = None) -> bool:
+    """Give the calling OS thread ``name`` (default: its Python thread's name). True if the kernel took it."""
+    libc = _libc()
+    if libc is None:
+        return False
+    try:
+        return bool(libc.prctl(PR_SET_NAME, ctypes.c_char_p(os_name(name or threading.current_thread().name)),
+                               0, 0, 0) == 0)
+    except Exception as exc:  # noqa: BLE001 - a name is never worth a thread
+        logger.debug("thread %s keeps its OS name (%s)", name, exc)
+        return False
+
+
+def io_thread_started() -> None:
+    """Thread-pool initializer of our IO pools: the worker named after itself, then niced (``io.priority``)."""
+    name_this_thread()
+    lower_this_thread()
+
+
+__all__ = ["io_thread_started", "name_this_thread", "os_name"]
