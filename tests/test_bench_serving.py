@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import bench_serving as bench
 from benchmarks.common import TRACE
-from benchmarks.serving import client, configs, report, workloads
+from benchmarks.serving import client, configs, probes, report, workloads
 from benchmarks.serving.models import kv_dtype_bytes
 from sgl_kvtier.serving import model_factory as mf
 from sgl_kvtier.serving.hardware import ENV_DTYPE, native_dtype
@@ -28,6 +31,41 @@ def src(salt: int = 0) -> workloads.TokenSource:
 
 
 # -- workloads ------------------------------------------------------------------------------------
+
+
+def test_thread_cpu_counts_our_named_threads_by_pool() -> None:
+    """A thread named like an IO worker burns 0.2 s of CPU: its pool's group grows by that much while it
+    lives, and once it ended the process's ``(ended threads)`` group holds it instead."""
+    import psutil
+
+    from sgl_kvtier.io.threads import name_this_thread
+
+    assert probes.thread_group("sglang::scheduler", "kvtier-parts_12") == "kvtier-parts"
+    assert probes.thread_group("sglang::scheduler", "kvtier-lease") == "kvtier-lease"
+    assert probes.thread_group("sglang::scheduler", "python") == "sglang::scheduler"
+    me = psutil.Process().name()
+    burnt, done = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        name_this_thread("kvtier-io_7")
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+        burnt.set()
+        done.wait(60)
+
+    before = probes.thread_cpu(os.getpid())
+    t = threading.Thread(target=burn)
+    t.start()
+    assert burnt.wait(60)
+    during = probes.thread_cpu(os.getpid())
+    done.set()
+    t.join()
+    after = probes.thread_cpu(os.getpid())
+    assert during["kvtier-io"] - before.get("kvtier-io", 0.0) >= 0.15  # clock ticks: 10 ms resolution
+    assert "kvtier-io" not in after or after["kvtier-io"] < during["kvtier-io"]
+    ended = f"{me} (ended threads)"
+    assert after[ended] - during[ended] >= 0.15
 
 
 def test_multiturn_rounds_extend_the_previous_round() -> None:

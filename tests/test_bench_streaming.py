@@ -325,6 +325,14 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     assert table.splitlines()[2:] == ["| L3 hit, streaming on | 1 | 0.53 | 0.010 | 0.200 | 0.020 | 0.250 | 0.020 | 0.50 |",
                                       "| device hit (L1/L2) | 1 | 0.43 | 0.010 | 0.200 | 0.020 | 0.250 | 0.020 | 0.50 |"]
     assert stream_report.phase_table(run, "breakeven-559MBps") == "" and table in stream_report.markdown(run)
+    assert stream_report.thread_table(run, "fast") == "" and "Where the CPU went" not in stream_report.markdown(run)
+    run["servers"]["fast"]["off"]["levels"]["l3"]["1"]["thread_cpu_s"] = {"sglang::scheduler": 4.0, "kvtier-io": 0.15}
+    run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["thread_cpu_s"] = {
+        "sglang::scheduler": 4.5, "kvtier-io": 0.6, "kvtier-parts": 0.25, "kvtier-stream": 0.001}
+    cpu = stream_report.thread_table(run, "fast").splitlines()  # 5 requests per cell: ms per request
+    assert cpu[0] == "| streaming | C | sglang::scheduler | kvtier-io | kvtier-parts | total |"  # busiest first
+    assert cpu[2:] == ["| off | 1 | 800 | 30 | 0 | 830 |", "| on | 1 | 900 | 120 | 50 | 1070 |"]  # total: all
+    assert "Where the CPU went" in stream_report.markdown(run)
     twin_free = stream_report.markdown(run)
     assert "noise floor (" not in twin_free and "| off-twin |" not in twin_free
     run["servers"]["fast"][plan.TWIN_KEY] = {"levels": {"l3": {"1": _summary(0.55, 1536)}}, "command_str": "twin"}
@@ -398,6 +406,10 @@ def test_smoke_run(tmp_path: Path) -> None:
             if rnd["kind"] == "measured":
                 assert rnd["settle"]["backups"]["settled"] and rnd["settle"]["flush_s"] >= 0
         assert res["levels"]["l3"]["1"]["requests"] == 2
+        # CPU by thread group in every measured round: positive figures only, SGLang's processes by name.
+        cpu = [rnd["thread_cpu_s"] for rnd in res["rounds"]]
+        assert all(v > 0 for c in cpu for v in c.values())
+        assert any(k.startswith("sglang::") for c in cpu for k in c), cpu
     off = run["servers"]["fast"]["off"]
     # After the flush each document prefix (512 tokens) comes from L3 on today's path.
     assert [q["cached_storage"] for r in off["rounds"] if r["kind"] == "measured" for q in r["requests"]] == [512, 512]

@@ -3,6 +3,7 @@ open files), the scheduler process (for py-spy), L3 store sizes, and SGLang's JI
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,40 @@ def cpu_seconds(server_pid: int) -> dict[str, float]:
             continue
     m = psutil.cpu_times()
     return {"server_s": total, "machine_busy_s": m.user + m.nice + m.system + m.irq + m.softirq + getattr(m, "steal", 0.0)}
+
+
+def thread_group(process: str, thread: str) -> str:
+    """The group a thread's CPU counts under: sgl-kvtier's threads by their pool (``kvtier-io_3`` ->
+    ``kvtier-io``; ``sgl_kvtier.io.threads`` names them), every other thread under its process's name
+    (``sglang::scheduler``: the forward, its OpenMP team and SGLang's own threads)."""
+    if thread.startswith("kvtier-"):
+        return re.sub(r"_\d+$", "", thread)
+    return process
+
+
+def thread_cpu(server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the server's threads, summed by ``thread_group``. Threads
+    that ended (the layer loader's, one per load) count under ``<process> (ended threads)``: the process's
+    total less its live threads'."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in process_tree(server_pid):
+        try:
+            name, threads, times = proc.name(), proc.threads(), proc.cpu_times()
+        except psutil.Error:
+            continue
+        ended = f"{name} (ended threads)"
+        out[ended] = out.get(ended, 0.0) + times.user + times.system - sum(t.user_time + t.system_time
+                                                                          for t in threads)
+        for t in threads:
+            try:
+                comm = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
+            except OSError:
+                continue
+            key = thread_group(name, comm)
+            out[key] = out.get(key, 0.0) + t.user_time + t.system_time
+    return out
 
 
 def tree_usage(server_pid: int) -> tuple[float, int]:

@@ -66,11 +66,12 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after.keys() | before.keys())}
 
 
-def total(phases: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """The sum of the phases' ``stream_counters`` deltas."""
+def total(phases: Iterable[dict[str, Any]], record: str = "stream_counters") -> dict[str, float]:
+    """The sum of the phases' ``record`` deltas (``stream_counters``, or ``thread_cpu_s``: CPU seconds by
+    thread group, ``serving.probes.thread_cpu``)."""
     out: dict[str, float] = {}
     for phase in phases:
-        for k, v in phase.get("stream_counters", {}).items():
+        for k, v in phase.get(record, {}).items():
             out[k] = out.get(k, 0.0) + v
     return out
 

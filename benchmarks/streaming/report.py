@@ -206,6 +206,26 @@ def phase_table(run: Mapping[str, Any], device: str) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines])
 
 
+def thread_table(run: Mapping[str, Any], device: str) -> str:
+    """CPU ms per measured L3 request by thread group (``thread_cpu_s`` of the cells, over their requests),
+    one row per server and C, groups as columns (busiest first), and the row's total; "" without figures."""
+    rows = [(mode, c, x) for c in levels(run, device) for mode in server_keys(run, device)
+            if (x := cell(run, device, mode, "l3", c)) and x.get("thread_cpu_s") and x.get("requests")]
+    if not rows:
+        return ""
+    busy: dict[str, float] = {}
+    for _, _, x in rows:
+        for k, v in x["thread_cpu_s"].items():
+            busy[k] = busy.get(k, 0.0) + v / x["requests"]
+    groups = [k for k, v in sorted(busy.items(), key=lambda kv: -kv[1]) if v >= 0.0005]
+    lines = ["| " + " | ".join(["streaming", "C", *groups, "total"]) + " |", "|" + "---|" * (len(groups) + 3)]
+    for mode, c, x in rows:
+        per = {k: 1e3 * v / x["requests"] for k, v in x["thread_cpu_s"].items()}
+        lines.append(f"| {mode} | {c} | " + " | ".join(f"{per.get(k, 0.0):.0f}" for k in groups)
+                     + f" | {sum(per.values()):.0f} |")
+    return "\n".join(lines)
+
+
 def reference_table(run: Mapping[str, Any]) -> str:
     ref = run.get("references")
     if not ref:
@@ -347,6 +367,10 @@ def markdown(run: Mapping[str, Any]) -> str:
         parts += ["Where the TTFT went, p50 of each phase (SGLang's own request stamps: sent -> waiting queue; of "
                   "the wait, the L3 prefetch polls; the rest of the wait; batch formed -> result processed, "
                   "load-back and forward included; -> first token at the client):", "", phases, ""] if phases else []
+        cpu = thread_table(run, device)
+        parts += ["Where the CPU went: CPU ms per measured L3 request, by thread (the server's processes during the "
+                  "measured rounds; `kvtier-*`: sgl-kvtier's named threads; a process's name: its other threads, "
+                  "the forward and its OpenMP team among them):", "", cpu, ""] if cpu else []
     parts += ["## References (device hit, recompute)", "", reference_table(run), "",
               "## Targets (issue #13)", "", *targets(run), "", "## Server commands", ""]
     for device in run["device_order"]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks.serving import client, configs, report, session
 from benchmarks.serving.policies import DeviceSetting, Round, unique_tokens
-from benchmarks.serving.probes import cpu_seconds, store_summary
+from benchmarks.serving.probes import cpu_seconds, store_summary, thread_cpu
 from benchmarks.serving.settle import settle, wait_l3
 from benchmarks.streaming import counters, plan, rounds
 
@@ -110,12 +110,16 @@ class BenchServer:
         before = counters.read(client.scrape(srv.url))
         started = time.time()
         peer0 = [p.cpu_s() for p in peers]
+        assert srv.proc is not None, "not started"
+        threads0 = thread_cpu(srv.proc.pid)
         m = session.measure_phase(srv, rnd.requests, rnd.concurrency, on_request)
+        threads = {k: round(v - threads0.get(k, 0.0), 4) for k, v in thread_cpu(srv.proc.pid).items()}
         peer = [round(p.cpu_s() - c0, 2) for p, c0 in zip(peers, peer0)]
         after = client.scrape(srv.url)
         moved = counters.delta(counters.read(after), before)
         rec = {"index": i, "kind": rnd.kind, "concurrency": rnd.concurrency, "measured": rnd.kind in rounds.LEVEL_OF,
-               "started": started, "settle": pre, "stream_counters": moved, "bind": counters.bind(after), **m}
+               "started": started, "settle": pre, "stream_counters": moved, "bind": counters.bind(after),
+               "thread_cpu_s": {k: v for k, v in threads.items() if v > 0}, **m}
         if peers:
             rec["peer_cpu_s"] = peer
             rec["drained"] = wait_l3(srv.url, self.base + self.unique[i], self.args.backup_wait, self.args.backup_stall)
@@ -148,7 +152,8 @@ class BenchServer:
             for c in sorted({r["concurrency"] for r in done if r["kind"] == kind}):
                 phases = [r for r in done if r["kind"] == kind and r["concurrency"] == c]
                 s = report.summarize(phases, self.kvbpt) | {"stream": counters.total(phases),
-                                                             "bind": phases[-1].get("bind", {})}
+                                                             "bind": phases[-1].get("bind", {}),
+                                                             "thread_cpu_s": counters.total(phases, "thread_cpu_s")}
                 self.res["levels"].setdefault(level, {})[str(c)] = s
                 console.log(f"{self.tag:28s} {level:9s} C={c}: TTFT p50 {s['ttft_p50_s']:.2f} s p99 "
                             f"{s['ttft_p99_s']:.2f} s, L3 tokens {s['cached_tokens']['storage']} of "
