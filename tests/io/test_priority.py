@@ -1,5 +1,6 @@
 """``io.priority``: ``KVTIER_IO_NICE`` raises the niceness of our IO threads, one thread at a time, never the
-process's; unset leaves them alone; a bad value is logged once and ignored."""
+process's; unset leaves them alone; a bad value is logged once and ignored. (A real engine's workers niced
+while the caller is not: ``test_threads``.)"""
 
 from __future__ import annotations
 
@@ -10,9 +11,6 @@ import threading
 import pytest
 
 from sgl_kvtier.io import priority
-from sgl_kvtier.io.buffers import AlignedBuffer
-from sgl_kvtier.io.engine import ThreadPoolEngine
-from sgl_kvtier.io.ops import IOOp, OpKind
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no setpriority on this platform")
 
@@ -29,30 +27,6 @@ def test_the_setting_is_read_and_checked(monkeypatch, caplog) -> None:
         assert [priority.io_nice({priority.ENV: bad}) for bad in ("high", "-1", "20")] == [0, 0, 0]
     warned = [r for r in caplog.records if priority.ENV in r.getMessage()]
     assert len(warned) == 1 and "'high'" in warned[0].getMessage()  # once, naming the value
-
-
-def test_an_engines_io_threads_run_niced_and_the_caller_does_not(monkeypatch, tmp_path) -> None:
-    """Two writes through the real thread-pool engine (two ops: they run on its workers): each write's
-    ``before_write``, called on the worker that moves it, sees the worker's niceness raised by 3."""
-    monkeypatch.setenv(priority.ENV, "3")
-    base = nice_of_this_thread()
-    seen: list[int] = []
-    engine = ThreadPoolEngine(2)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
-    bufs = [AlignedBuffer(4096) for _ in range(2)]
-    try:
-        def note(_parts: list[int]) -> None:
-            seen.append(nice_of_this_thread())
-
-        ops = [IOOp(OpKind.WRITE, fd, i * 4096, [b.view], before_write=note) for i, b in enumerate(bufs)]
-        assert all(r.ok for r in engine.run(ops))
-    finally:
-        engine.close()
-        os.close(fd)
-        for b in bufs:
-            b.close()
-    assert seen == [min(priority.MAX_NICE, base + 3)] * 2
-    assert nice_of_this_thread() == base  # the caller's thread (and the process) untouched
 
 
 def test_unset_leaves_a_thread_as_it_was(monkeypatch) -> None:

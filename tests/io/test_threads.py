@@ -65,7 +65,8 @@ def test_an_engines_workers_are_named_and_niced(monkeypatch, tmp_path) -> None:
             b.close()
     assert len(seen) == 2 and all(name.startswith("kvtier-io_") for name, _ in seen)
     assert {nice for _, nice in seen} == {min(priority.MAX_NICE, base + 2)}
-    assert os_name_of_this_thread() == caller  # the caller's thread keeps its name
+    assert os_name_of_this_thread() == caller  # the caller's thread keeps its name and its priority
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
 
 
 def test_a_refusing_libc_leaves_the_name_and_never_raises(monkeypatch) -> None:

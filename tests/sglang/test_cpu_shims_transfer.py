@@ -103,3 +103,26 @@ def test_the_cpu_plugin_installs_them_only_where_missing(monkeypatch):
     monkeypatch.setattr(host_mha, "transfer_kv_all_layer_direct_lf_pf", kernel)
     cpu_shims.install_transfer_kv_direct()
     assert host_mha.transfer_kv_all_layer_direct_lf_pf is kernel  # a real kernel is never replaced
+
+
+@pytest.mark.parametrize("shape", ["one run", "three runs", "scattered", "one slot"])
+def test_transfer_kv_direct_copies_exactly_the_listed_rows(shape):
+    """Whatever the runs, every listed row lands and no other row changes: slice copies for a few
+    contiguous stretches, index ops for scattered slots (``contiguous_runs`` says which)."""
+    gen = torch.Generator().manual_seed(3)
+    src = [torch.randn(64, 4, 8, generator=gen) for _ in range(2)]
+    dst = [torch.randn(64, 4, 8, generator=gen) for _ in range(2)]
+    si, di = {"one run": (range(8, 24), range(32, 48)),
+              "three runs": ([*range(0, 4), *range(12, 20), *range(40, 44)],
+                             [*range(4, 8), *range(20, 28), *range(28, 32)]),
+              "scattered": ([*range(0, 64, 4)], [*range(63, -1, -4)]),
+              "one slot": ([5], [60])}[shape]
+    src_idx, dst_idx = torch.tensor(list(si)), torch.tensor(list(di))
+    runs = cpu_shims.contiguous_runs(src_idx, dst_idx)
+    assert {"one run": [(8, 32, 16)], "three runs": [(0, 4, 4), (12, 20, 8), (40, 28, 4)], "scattered": None,
+            "one slot": [(5, 60, 1)]}[shape] == runs
+    want = [d.clone() for d in dst]
+    for s, w in zip(src, want):
+        w[dst_idx] = s[src_idx]
+    cpu_shims.transfer_kv_direct(src, dst, src_idx.to(torch.int32), dst_idx, page_size=1)
+    assert all(torch.equal(d, w) for d, w in zip(dst, want))

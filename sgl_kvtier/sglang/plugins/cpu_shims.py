@@ -9,8 +9,10 @@ Why each exists (measured, see shared/reference/sglang-on-cpu.md):
    `pin_memory=True`, which asks CUDA to register the buffer. No server flag turns it off.
 3. `sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct`: imported from `sgl_kernel.kvcacheio`
    only on CUDA/ROCm/XPU, so on CPU the name is simply missing and `--hicache-io-backend direct`
-   with `layer_first` fails with NameError. A torch stand-in does the same copy with index ops; so do
-   two more for `page_first_direct` (`transfer_kv_all_layer_direct_lf_pf`, device -> host pages, and
+   with `layer_first` fails with NameError. A torch stand-in does the same copy: one slice copy per
+   stretch where both index lists count up by one (at most `MAX_RUNS`: a load of pages allocated
+   together), else a gather and a scatter (index ops, two passes and a temporary). Two more, with index
+   ops, serve `page_first_direct` (`transfer_kv_all_layer_direct_lf_pf`, device -> host pages, and
    `transfer_kv_per_layer_direct_pf_lf`, one layer host -> device), in the MHA and the MLA host modules.
 
 A fourth shim is not about running at all but about measuring honestly on CPU:
@@ -126,6 +128,12 @@ def transfer_kv_direct(
     if not _transfer_logged:
         _transfer_logged = True
         logger.info("sgl_kvtier cpu shim: torch transfer_kv_direct in use (pid %d)", os.getpid())
+    runs = contiguous_runs(src_indices, dst_indices)
+    if runs is not None:  # one slice copy per run: no gathered temporary, one pass over the bytes
+        for src, dst in zip(src_layers, dst_layers):
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n])
+        return
     # index_select/index_copy_ need int64 indices on the tensor's own device.
     src_idx = src_indices.to(device=src_layers[0].device, dtype=torch.int64)
     dst_idx = dst_indices.to(device=dst_layers[0].device, dtype=torch.int64)
@@ -134,6 +142,23 @@ def transfer_kv_direct(
         if rows.device != dst.device:
             rows = rows.to(dst.device)
         dst.index_copy_(0, dst_idx, rows)
+
+
+MAX_RUNS = 8  # more runs than this: one gather + scatter per layer beats that many slice copies
+
+
+def contiguous_runs(src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                    max_runs: int = MAX_RUNS) -> list[tuple[int, int, int]] | None:
+    """``(src start, dst start, length)`` of the stretches where both index lists count up by one (a load of
+    pages allocated together), or None when there are more than ``max_runs``. Equal lengths assumed."""
+    n = src_indices.numel()
+    s, d = src_indices.reshape(-1).to(torch.int64), dst_indices.reshape(-1).to(torch.int64)
+    breaks = torch.nonzero(((s[1:] - s[:-1]) != 1) | ((d[1:] - d[:-1]) != 1)).flatten() + 1
+    if breaks.numel() >= max_runs:
+        return None
+    cuts = [0, *breaks.tolist(), n]
+    starts_s, starts_d = s[cuts[:-1]].tolist(), d[cuts[:-1]].tolist()
+    return [(a, b, cuts[i + 1] - cuts[i]) for i, (a, b) in enumerate(zip(starts_s, starts_d))]
 
 
 def _slots_to_copy(kernel: str, src_indices: torch.Tensor, dst_indices: torch.Tensor) -> bool:
