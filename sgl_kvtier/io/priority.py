@@ -2,8 +2,9 @@
 
 Every thread pool of ours that moves or verifies pages (the engine's ``kvtier-io``, the store's
 ``kvtier-parts``, read-ahead's ``kvtier-readahead``, streamed tails' ``kvtier-stream``) calls
-``lower_this_thread`` from its initializer (``io.threads.io_thread_started``): each worker, as it starts, raises its own niceness by N (Linux
-``setpriority`` on the thread id: one thread, never the process; raising it needs no privilege).
+``lower_this_thread`` from its initializer (``io.threads.io_thread_started``): each worker, as it starts,
+raises its own niceness by N (Linux ``setpriority`` on the thread id: one thread, never the process;
+raising it needs no privilege).
 
 Why: on a CPU engine a streamed L3 tail lands while its forward computes on the same cores, and an
 OpenMP team waits at each barrier for its slowest thread, so CPU the IO threads take can cost the forward

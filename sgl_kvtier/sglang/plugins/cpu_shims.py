@@ -144,7 +144,9 @@ def transfer_kv_direct(
         dst.index_copy_(0, dst_idx, rows)
 
 
-MAX_RUNS = 8  # more runs than this: one gather + scatter per layer beats that many slice copies
+# A hit's pages allocated together are one run or a few. More than this means scattered slots: one gather
+# and one scatter per layer keep the Python calls per layer at two, where slices would take one per run.
+MAX_RUNS = 8
 
 
 def contiguous_runs(src_indices: torch.Tensor, dst_indices: torch.Tensor,
