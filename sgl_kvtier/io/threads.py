@@ -14,7 +14,6 @@ thread keeps the name it inherited: naming never raises and never stops a thread
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 import threading
@@ -31,12 +30,14 @@ OS_NAME_BYTES = 15  # TASK_COMM_LEN - 1
 
 @cache
 def _libc() -> Any:
-    """libc's handle on Linux, else None."""
+    """libc's handle on Linux (the process's own symbols: no library search, which would spawn
+    ``ldconfig`` inside the first thread that names itself), else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "prctl") else None
+    except (OSError, AttributeError):
         return None
 
 

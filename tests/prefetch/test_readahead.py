@@ -56,6 +56,8 @@ def test_staged_pages_are_served_from_staging_with_the_stored_bytes(stored):
     ra = ReadAhead(store.get, PAGE_BYTES, budget_bytes=16 * PAGE_BYTES, chunk_pages=4)
     assert ra.stage([key(i) for i in range(8)]) == 8
     engine.gate.set()
+    for _ in range(2):  # both staged chunks' reads have started (counted) before the get's reads are counted
+        assert engine.reads_started.acquire(timeout=60)
     dst = HostMemory(8)
     ops_before = engine.read_ops
     assert read_into(ra, list(range(8)), dst) == [True] * 8
