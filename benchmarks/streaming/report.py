@@ -296,11 +296,11 @@ def control_lines(run: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def twin_env(run: Mapping[str, Any], device: str, twin: str) -> dict[str, str]:
-    """The environment the twin ran with and the server it repeats did not (``--twin-env``)."""
+def twin_env(run: Mapping[str, Any], device: str, twin: str, own: str) -> dict[str, str]:
+    """The environment the twin ran with and ``own``, the server it repeats, did not (``--twin-env``)."""
     slot = run["servers"][device]
-    own = slot.get(twin_of(twin) or "", {}).get("env", {})
-    return {k: v for k, v in slot[twin].get("env", {}).items() if own.get(k) != v}
+    base = slot.get(own, {}).get("env", {})
+    return {k: v for k, v in slot[twin].get("env", {}).items() if base.get(k) != v}
 
 
 def twin_lines(run: Mapping[str, Any]) -> list[str]:
@@ -309,10 +309,11 @@ def twin_lines(run: Mapping[str, Any]) -> list[str]:
     lines = []
     for device in run["device_order"]:
         twin = twin_key(run, device)
-        own = twin_of(twin or "")
-        if twin is None or own is None:
+        if twin is None:
             continue
-        env = " ".join(f"{k}={v}" for k, v in twin_env(run, device, twin).items())
+        own = twin_of(twin)
+        assert own is not None  # twin_key answers twin keys only
+        env = " ".join(f"{k}={v}" for k, v in twin_env(run, device, twin, own).items())
         what = f"with {env}" if env else f"noise floor (a second {own} server, interleaved)"
         for c in levels(run, device):
             r = ratio(run, device, c, mode=twin, base=own)
