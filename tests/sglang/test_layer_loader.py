@@ -1,5 +1,5 @@
-"""The layer loader (issue #13, F1): its per-layer gate, a gated load through SGLang's own classes, and a
-real CPU server whose load-backs run on the loader thread.
+"""The layer loader (issue #13, F1): a gated load through SGLang's own classes, and a real CPU server whose
+load-backs run on the loader thread (the gate itself: ``tests/prefetch/test_layer_gate.py``).
 
 No test sleeps to synchronise: waiters are known to be parked through the gate's ``on_block`` hook, and a
 copy is held in flight on a ``threading.Event``. Timeouts only bound a failure.
@@ -7,7 +7,6 @@ copy is held in flight on a ``threading.Event``. Timeouts only bound a failure.
 
 from __future__ import annotations
 
-import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -17,188 +16,14 @@ pytest.importorskip("sglang")
 
 import torch  # noqa: E402
 from hook_kit import keep_hooks  # noqa: E402
+from thread_kit import BOUND_S, HeldCopy, Parked, finished, start  # noqa: E402
 
 from sgl_kvtier.sglang.plugins import layer_loader  # noqa: E402
-from sgl_kvtier.sglang.plugins.layer_gate import THREAD_NAME, LayerGate, LayerLoad  # noqa: E402
 
-BOUND_S = 60.0  # upper bound on any join: reaching it is a failure, never a synchronisation
 # The loader acts only where SGLang's device module is torch.cpu (on GPUs SGLang pipelines natively).
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU route: the loader is inert with a GPU")
 
 
-def start(fn, *args) -> tuple[threading.Thread, list]:
-    """Run ``fn(*args)`` in a thread; its return value (or exception) lands in the list."""
-    out: list = []
-
-    def body() -> None:
-        try:
-            out.append(fn(*args))
-        except BaseException as exc:  # noqa: B036 - handed to the test
-            out.append(exc)
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    return t, out
-
-
-def finished(t: threading.Thread) -> bool:
-    t.join(BOUND_S)
-    return not t.is_alive()
-
-
-class Parked:
-    """``on_block`` hook: counts waiters about to block, and lets the test wait until ``n`` have."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.layers: list[int] = []
-
-    def __call__(self, layer: int) -> None:
-        with self.cond:
-            self.layers.append(layer)
-            self.cond.notify_all()
-
-    def wait_for(self, n: int) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.layers) >= n, BOUND_S), self.layers
-
-
-# ------------------------------------------------------------------------------------------ (a) the gate
-def test_waiters_are_released_in_layer_order() -> None:
-    parked = Parked()
-    gate = LayerGate(5, on_block=parked)
-    waiters = [start(gate.wait_until, layer) for layer in range(5)]
-    parked.wait_for(5)
-    for layer in range(5):
-        assert all(t.is_alive() for t, _ in waiters[layer:]), f"a waiter of layer >= {layer} returned early"
-        gate.advance(layer)
-        t, out = waiters[layer]
-        assert finished(t) and out == [True]
-    assert gate.complete and gate.wait_until(4) and gate.error is None
-
-
-def test_advance_releases_every_earlier_layer_and_never_goes_back() -> None:
-    gate = LayerGate(4)
-    gate.advance(2)
-    assert gate.done == 3 and gate.is_done(2) and not gate.is_done(3)
-    gate.advance(0)
-    assert gate.done == 3
-    assert gate.wait_until(3, timeout=0) is False  # not complete, not failed: the timeout answers
-    with pytest.raises(ValueError):
-        gate.advance(4)
-    with pytest.raises(ValueError):
-        LayerGate(-1)
-    gate.finish()
-    assert gate.complete and LayerGate(0).complete
-
-
-def test_fail_releases_every_waiter_of_a_missing_layer() -> None:
-    parked = Parked()
-    gate = LayerGate(4, on_block=parked)
-    gate.advance(1)
-    waiters = [start(gate.wait_until, layer) for layer in (2, 3, 3)]
-    parked.wait_for(3)
-    err = RuntimeError("copy failed")
-    gate.fail(err)
-    for t, out in waiters:
-        assert finished(t) and out == [False]
-    assert gate.error is err and gate.wait_until(1) and not gate.wait_until(2)
-    gate.advance(3)  # a thread that finished the load for the failed loader
-    assert gate.wait_until(3) and gate.error is err
-
-
-@pytest.mark.parametrize("round_", range(5))
-def test_no_lost_wakeups(round_: int) -> None:
-    layers, waiters_n = 48, 24
-    gate = LayerGate(layers)
-    barrier = threading.Barrier(waiters_n + 1)
-
-    def waiter(i: int) -> bool:
-        barrier.wait()
-        return all(gate.wait_until(layer) for layer in range((i * 7 + round_) % layers, layers, 5))
-
-    waiters = [start(waiter, i) for i in range(waiters_n)]
-    barrier.wait()  # advancing races with waiters entering and leaving their waits
-    for layer in range(layers):
-        gate.advance(layer)
-    for t, out in waiters:
-        assert finished(t) and out == [True]
-
-
-# ------------------------------------------------------------------------------------------ (b) LayerLoad
-class HeldCopy:
-    """A copy that records the layers it copied and holds ``held`` in flight until ``release``."""
-
-    def __init__(self, held: int, fail_at: int | None = None) -> None:
-        self.held = held
-        self.fail_at = fail_at
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.copied: list[int] = []
-
-    def __call__(self, layer: int) -> None:
-        if layer == self.held:
-            self.entered.set()
-            assert self.release.wait(BOUND_S)
-        if layer == self.fail_at:
-            self.fail_at = None  # fails once: the synchronous retry succeeds
-            raise RuntimeError(f"injected copy failure at layer {layer}")
-        self.copied.append(layer)
-
-
-def test_a_held_layer_blocks_its_waiter_while_earlier_layers_pass() -> None:
-    copy, parked, done = HeldCopy(held=3), Parked(), []
-    job = LayerLoad(6, copy, done.append, on_block=parked)
-    job.start()
-    assert copy.entered.wait(BOUND_S)
-    for layer in range(3):
-        job.wait(layer)  # returns at once: already landed
-    t, out = start(job.wait, 3)
-    parked.wait_for(1)
-    assert t.is_alive() and copy.copied == [0, 1, 2] and done == [0, 1, 2]
-    copy.release.set()
-    assert finished(t) and out == [None] and 3 in copy.copied
-    job.join()
-    assert job.complete and copy.copied == done == list(range(6)) and job.loader_error is None
-    assert job.blocked_waits == 1 and job.sync_layers == 0
-
-
-def test_a_loader_failure_is_finished_by_the_waiting_thread(caplog) -> None:
-    copy = HeldCopy(held=-1, fail_at=2)
-    job = LayerLoad(5, copy)
-    job.start()
-    job.wait(4)  # the loader fails at 2; this thread copies 2, 3, 4 itself
-    assert job.complete and copy.copied == [0, 1, 2, 3, 4]
-    assert isinstance(job.loader_error, RuntimeError) and job.sync_layers == 3
-    job.join()
-    assert "failed at layer 2 of 5" in caplog.text
-
-
-def test_join_finishes_a_failed_load_nobody_waited_for() -> None:
-    copy = HeldCopy(held=-1, fail_at=0)
-    job = LayerLoad(3, copy)
-    job.start()
-    job.join()
-    assert job.complete and copy.copied == [0, 1, 2] and job.sync_layers == 3
-
-
-def test_inline_waiters_copy_up_to_their_layer_in_their_own_thread() -> None:
-    where: list[tuple[int, int]] = []
-    done: list[int] = []
-    job = LayerLoad(5, lambda layer: where.append((layer, threading.get_ident())), done.append, inline=True)
-    job.start()  # no thread
-    assert where == [] and not any(t.name == THREAD_NAME for t in threading.enumerate())
-    job.wait(2)
-    assert where == [(0, threading.get_ident()), (1, threading.get_ident()), (2, threading.get_ident())]
-    job.wait(1)  # already copied: nothing
-    t, out = start(job.wait, 3)  # another reader copies layer 3 in its thread
-    assert finished(t) and out == [None] and where[3][0] == 3 and where[3][1] != threading.get_ident()
-    job.join()  # the layer nobody read
-    assert job.complete and [w[0] for w in where] == done == list(range(5))
-    assert job.inline_layers == 5 and job.sync_layers == 0 and job.blocked_waits == 0
-
-
-# ------------------------------------------------------------------------------------------ (b) real SGLang
 LAYERS, PAGE, HEADS, DIM = 6, 16, 2, 8
 
 
@@ -284,7 +109,7 @@ def test_forward_reads_wait_for_exactly_the_layer_in_flight(pools, monkeypatch) 
         p["device"].get_key_buffer(layer)
         assert landed(p, layer)
     t, out = start(p["device"].get_value_buffer, held)
-    parked.wait_for(1)
+    parked.wait_count(1)
     assert t.is_alive() and parked.layers == [held] and not landed(p, held)
     copy.release.set()
     assert finished(t) and isinstance(out[0], torch.Tensor) and landed(p, held)

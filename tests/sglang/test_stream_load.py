@@ -22,9 +22,10 @@ import pytest
 pytest.importorskip("sglang")
 
 import torch  # noqa: E402
+from thread_kit import BOUND_S, Parked, finished, start  # noqa: E402
 
+from sgl_kvtier.prefetch import layer_gate  # noqa: E402
 from sgl_kvtier.sglang.plugins import (  # noqa: E402
-    layer_gate,
     layer_loader,
     stream,
     stream_bind,
@@ -38,7 +39,6 @@ from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, TailSt
 if torch.cuda.is_available():  # pragma: no cover - the loader thread is the CPU route
     pytest.skip("CPU route: CPU pools and the torch.cpu device module", allow_module_level=True)
 
-BOUND_S = 60.0  # upper bound on any wait: reaching it is a failure, never a synchronisation
 PS, LAYERS, HEADS, DIM = 16, 6, 2, 8
 GROUPS = [range(0, 2), range(2, 4), range(4, 6)]
 PAGES = 2
@@ -103,42 +103,6 @@ class FakeStream:
 
     def wait_ended(self, timeout: float | None = None) -> bool:
         return self.ended
-
-
-class Parked:
-    """``on_block`` hook: the layers readers were about to block on; the test waits until one has."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.layers: list[int] = []
-
-    def __call__(self, layer: int) -> None:
-        with self.cond:
-            self.layers.append(layer)
-            self.cond.notify_all()
-
-    def wait_for(self, layer: int) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: layer in self.layers, BOUND_S), self.layers
-
-
-def start(fn, *args) -> tuple[threading.Thread, list]:
-    out: list = []
-
-    def body() -> None:
-        try:
-            out.append(fn(*args))
-        except BaseException as exc:  # noqa: B036 - handed to the test
-            out.append(exc)
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    return t, out
-
-
-def finished(t: threading.Thread) -> bool:
-    t.join(BOUND_S)
-    return not t.is_alive()
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -258,7 +222,7 @@ def test_a_held_group_blocks_exactly_the_readers_of_its_layers(env) -> None:
     assert p >= 0 and tail.state is TailState.LOADING  # a producer of ours: no load-back of SGLang's here
     device = env.k.device
     t_key, out_key = start(device.get_key_buffer, 0)  # SGLang's attention read path, layer 0
-    env.parked.wait_for(0)
+    env.parked.wait_layer(0)
     assert t_key.is_alive() and not layer_is(env, tail, 0, "host")  # group 0 has not landed: nothing copied
     fake.release(0)
     assert finished(t_key) and isinstance(out_key[0], torch.Tensor)
@@ -266,8 +230,8 @@ def test_a_held_group_blocks_exactly_the_readers_of_its_layers(env) -> None:
     assert layer_is(env, tail, 0, "host") and layer_is(env, tail, 1, "host")
     t2, _ = start(device.get_key_buffer, 2)
     t5, _ = start(device.get_value_buffer, 5)
-    env.parked.wait_for(2)
-    env.parked.wait_for(5)
+    env.parked.wait_layer(2)
+    env.parked.wait_layer(5)
     assert not layer_is(env, tail, 2, "host") and not layer_is(env, tail, 4, "host")
     fake.release(1)  # group 1 releases the reader of layer 2 only
     assert finished(t2)

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from sgl_kvtier.config import StoreConfig
-from sgl_kvtier.sglang.plugins.layer_gate import LayerLoad
+from sgl_kvtier.prefetch.layer_gate import LayerLoad
 from sgl_kvtier.sglang.plugins.layer_loader import layer_copier
 from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, StreamRegistry
 from sgl_kvtier.telemetry.counters import ErrorBoundary
