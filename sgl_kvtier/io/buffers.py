@@ -1,7 +1,11 @@
 """Caller memory as buffers, and aligned scratch memory for O_DIRECT.
 
 Callers (SGLang's host pool) hand pages over as *runs*: ``(address, length)`` pairs into memory they own
-and keep alive for the duration of the call. ``view`` wraps a run as a writable memoryview without copying.
+and keep alive for the duration of the call. ``view`` wraps a run as a writable memoryview without copying:
+a slice of one memoryview spanning the process's whole address space (``_ADDRESS_SPACE``, nothing mapped
+or touched by making it), so a view costs a slice (~0.13 us on this project's VM) instead of a ctypes
+array object per run (~0.8 us; a hit is 12,288 runs). As with any view of caller memory, the caller keeps
+the run's memory alive while the view is used.
 
 O_DIRECT needs every buffer address and length, and the file offset, aligned to the device's logical
 block size; we use ``ALIGN`` = 4096, which covers every device. A page whose runs are not all aligned is
@@ -12,17 +16,21 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 import threading
 from collections.abc import Sequence
 
 ALIGN = 4096
 
 Run = tuple[int, int]  # (address, length in bytes)
+_ADDRESS_SPACE = memoryview((ctypes.c_ubyte * sys.maxsize).from_address(0)).cast("B")
 
 
 def view(address: int, length: int) -> memoryview:
     """A writable, zero-copy view of ``length`` bytes at ``address`` (which the caller keeps alive)."""
-    return memoryview((ctypes.c_ubyte * int(length)).from_address(int(address))).cast("B")
+    if address <= 0 or length < 0 or address + length > sys.maxsize:
+        raise ValueError(f"no memory at address {address:#x} for {length} bytes")
+    return _ADDRESS_SPACE[address:address + length]
 
 
 def runs_aligned(runs: Sequence[Run], align: int = ALIGN) -> bool:

@@ -166,7 +166,7 @@ def run_op_blocking(op: IOOp) -> IOResult:
         crc = digest(op.buffers) if op.checksum else None
     start = time.perf_counter()
     try:
-        done = _transfer(os.pwritev if write else os.preadv, op)
+        done = _transfer(os.pwritev if write else os.preadv, op, want)
         seconds = time.perf_counter() - start
         if done != want:
             return IOResult(done, None, short_error(op, done), short=True, seconds=seconds)
@@ -177,14 +177,16 @@ def run_op_blocking(op: IOOp) -> IOResult:
         return IOResult(0, None, exc, seconds=time.perf_counter() - start)
 
 
-def _transfer(call: Callable[[int, list[memoryview], int], int], op: IOOp) -> int:
-    """Move all buffers, continuing after a partial transfer; stops at EOF (a 0-byte transfer)."""
+def _transfer(call: Callable[[int, list[memoryview], int], int], op: IOOp, want: int) -> int:
+    """Move the op's ``want`` bytes, continuing after a partial transfer; stops at EOF (a 0-byte transfer)."""
     buffers, offset, total = list(op.buffers), op.offset, 0
     while buffers:
         n = call(op.fd, buffers, offset)
         if n <= 0:
             break
         total += n
+        if total == want:  # the usual op: everything in one call, no bookkeeping of the buffers
+            break
         offset += n
         while buffers and n >= buffers[0].nbytes:
             n -= buffers[0].nbytes
