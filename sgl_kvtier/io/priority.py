@@ -1,10 +1,11 @@
-"""CPU priority of sgl-kvtier's IO threads: opt-in ``KVTIER_IO_NICE=N`` (1..19; unset or 0: unchanged).
+"""CPU priority of sgl-kvtier's IO threads: opt-in ``KVTIER_IO_NICE=N`` (-20..19; unset or 0: unchanged).
 
 Every thread pool of ours that moves or verifies pages (the engine's ``kvtier-io``, the store's
 ``kvtier-parts``, read-ahead's ``kvtier-readahead``, streamed tails' ``kvtier-stream``) calls
-``lower_this_thread`` from its initializer (``io.threads.io_thread_started``): each worker, as it starts,
-raises its own niceness by N (Linux ``setpriority`` on the thread id: one thread, never the process;
-raising it needs no privilege).
+``renice_this_thread`` from its initializer (``io.threads.io_thread_started``): each worker, as it starts,
+adds N to its own niceness (Linux ``setpriority`` on the thread id: one thread, never the process). A
+positive N (lower priority) needs no privilege; a negative one (the IO before other work) needs
+``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it, and where refused is logged once and left alone.
 
 Why: on a CPU engine a streamed L3 tail lands while its forward computes on the same cores, and an
 OpenMP team waits at each barrier for its slowest thread, so CPU the IO threads take can cost the forward
@@ -28,38 +29,43 @@ from collections.abc import Mapping
 logger = logging.getLogger(__name__)
 
 ENV = "KVTIER_IO_NICE"
-MAX_NICE = 19
+MIN_NICE, MAX_NICE = -20, 19
 _warned = False
 
 
 def io_nice(environ: Mapping[str, str] | None = None) -> int:
-    """The niceness increment ``KVTIER_IO_NICE`` asks for: 0..19 (0: leave threads as they are)."""
-    global _warned
+    """The niceness step ``KVTIER_IO_NICE`` asks for: -20..19 (0: leave threads as they are)."""
     raw = (os.environ if environ is None else environ).get(ENV, "").strip()
     if not raw:
         return 0
     try:
         value = int(raw)
     except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_NICE:
-        if not _warned:
-            _warned = True
-            logger.warning("%s=%r: expected an integer 0..%d; IO threads keep their priority", ENV, raw, MAX_NICE)
+        value = MAX_NICE + 1
+    if not MIN_NICE <= value <= MAX_NICE:
+        _warn_once("%s=%r: expected an integer %d..%d; IO threads keep their priority", ENV, raw, MIN_NICE, MAX_NICE)
         return 0
     return value
 
 
-def lower_this_thread() -> None:
-    """Thread-pool initializer: raise the calling thread's niceness by ``io_nice()``. Never raises."""
+def _warn_once(msg: str, *args: object) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning(msg, *args)
+
+
+def renice_this_thread() -> None:
+    """Thread-pool initializer: add ``io_nice()`` to the calling thread's niceness. Never raises."""
     step = io_nice()
     if not step or not hasattr(os, "setpriority"):
         return
     tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + step))
-    except OSError as exc:  # a sandbox without setpriority: the thread runs as it would have
-        logger.debug("%s: thread %d keeps its priority (%s)", ENV, tid, exc)
+        nice = os.getpriority(os.PRIO_PROCESS, tid) + step
+        os.setpriority(os.PRIO_PROCESS, tid, max(MIN_NICE, min(MAX_NICE, nice)))
+    except OSError as exc:  # no privilege to raise it, or a sandbox without setpriority: the thread runs as is
+        _warn_once("%s=%d: IO thread priority left as it is (%s)", ENV, step, exc.strerror or exc)
 
 
-__all__ = ["ENV", "MAX_NICE", "io_nice", "lower_this_thread"]
+__all__ = ["ENV", "MAX_NICE", "MIN_NICE", "io_nice", "renice_this_thread"]

@@ -11,13 +11,19 @@ strategy: write from ``get_data_page(flat=True)``, read into ``get_dummy_flat_da
 ``set_from_flat_data_page``. The strategy is chosen once per pool and checked against the flat page.
 Zero-copy pools of a layout whose layer groups are contiguous get a ``plan`` (``parts_plan``): the parts of
 the KV pool's namespace and the layer groups they form.
+
+Every layout SGLang ships places a page's runs at ``base + slot * stride`` per run, so a zero-copy pool's
+pages are one page's runs shifted (``RunTemplate``: the padding page's runs and the bytes between pages),
+found once per pool and checked against ``get_page_buffer_meta`` on a spread of the pool's pages; a hit's
+runs are then computed from its pages' first slots (~1 ms for 96 pages of 128 runs, against ~3 ms through
+SGLang's per-layer Python). A pool where the check fails keeps asking SGLang (``RunTemplate.of``: None).
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +38,38 @@ class Access(enum.Enum):
 
     ZERO_COPY = "zero_copy"
     COPY = "copy"
+
+
+@dataclass(frozen=True)
+class RunTemplate:
+    """A pool's pages as one page's runs shifted: the page at first slot ``s`` is ``runs`` moved by ``s //
+    page_tokens * stride`` bytes."""
+
+    runs: tuple[Run, ...]
+    stride: int
+    page_tokens: int
+
+    SAMPLE = 64  # pages checked across the pool (plus the first four)
+
+    @classmethod
+    def of(cls, meta: Callable[[int], list[Run]], pages: int, page_tokens: int) -> RunTemplate | None:
+        """The template of a pool of ``pages`` pages whose page ``i``'s runs are ``meta(i)``, or None where
+        a sampled page is not the first page's runs shifted by ``i`` strides."""
+        if pages < 2:
+            return None
+        first = meta(0)
+        stride = meta(1)[0][0] - first[0][0]
+        template = cls(tuple(first), stride, page_tokens)
+        step = max(1, pages // cls.SAMPLE)
+        for i in sorted({1, 2, 3, pages - 1, *range(0, pages, step)} & set(range(pages))):
+            if meta(i) != template.page(i * page_tokens):
+                return None
+        return template
+
+    def page(self, start: int) -> list[Run]:
+        """The runs of the page whose first slot is ``start``."""
+        shift = start // self.page_tokens * self.stride
+        return [(a + shift, n) for a, n in self.runs]
 
 
 def tensor_run(t: torch.Tensor) -> Run:
@@ -53,6 +91,7 @@ class HostPages:
     # The layer groups of a streamable layout (``parts_plan``): the KV pool's parts and read groups; None:
     # one part.
     plan: LayerPlan | None = None
+    template: RunTemplate | None = None  # a zero-copy pool's pages as one page's runs shifted (or None)
 
     @classmethod
     def of(cls, pool: Any) -> HostPages:
@@ -68,6 +107,9 @@ class HostPages:
             return hp
         if sum(n for _, n in runs) == page_bytes and hp._matches_flat_order(runs):
             hp.access = Access.ZERO_COPY
+            pages = int(getattr(pool, "size", 0)) // page_tokens
+            hp.template = RunTemplate.of(lambda i: hp._meta_runs(torch.arange(i * page_tokens, (i + 1) * page_tokens,
+                                                                              dtype=torch.int64))[0], pages, page_tokens)
         hp.plan = plan_for(hp)
         return hp
 
@@ -113,6 +155,8 @@ class HostPages:
 
     def page_runs(self, host_indices: torch.Tensor) -> list[list[Run]]:
         """Runs of each page of ``host_indices`` (``len == pages * page_tokens``); zero-copy pools only."""
+        if self.template is not None:
+            return [self.template.page(s) for s in self.page_starts(host_indices)]
         return self._meta_runs(host_indices)
 
     def page_starts(self, host_indices: torch.Tensor) -> list[int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 
 import xxhash
@@ -84,20 +85,11 @@ class PartMap:
     def split(self, runs: Sequence[Run]) -> list[list[Run]]:
         """A page's runs cut at the parts' boundaries: per part, the runs covering its bytes, in order.
 
+        Where each cut falls depends only on the runs' lengths, the same for every page of a pool: it is
+        worked out once per shape (``_cuts``) and applied to each page's addresses.
         Raises ValueError when the runs hold more bytes than a page (fewer leave the last parts short)."""
-        out: list[list[Run]] = [[] for _ in self.sizes]
-        part, left = 0, self.sizes[0]
-        for addr, length in runs:
-            while length > 0:
-                if left == 0:
-                    raise ValueError(f"page runs hold more than the page's {self.page_bytes} bytes")
-                take = min(length, left)
-                out[part].append((addr, take))
-                addr, length, left = addr + take, length - take, left - take
-                if left == 0 and part + 1 < len(self.sizes):
-                    part += 1
-                    left = self.sizes[part]
-        return out
+        cuts = _cuts(self.sizes, tuple(n for _, n in runs))
+        return [[(runs[i][0] + at, n) for i, at, n in part] for part in cuts]
 
     def run_digests(self, runs: Sequence[Run]) -> list[int]:
         """Each part's xxh3-64 over a page held in caller memory as ``runs``."""
@@ -118,4 +110,23 @@ class PartMap:
             raise ValueError(f"groups {[list(g) for g in plan]} must cover the {self.count} parts "
                              f"(0..{self.count - 1}) exactly once, none empty")
         return plan
+
+
+@lru_cache(maxsize=64)
+def _cuts(sizes: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per part, its pieces as ``(run index, offset in the run, bytes)``, for runs of these ``lengths``."""
+    out: list[list[tuple[int, int, int]]] = [[] for _ in sizes]
+    part, left = 0, sizes[0]
+    for i, length in enumerate(lengths):
+        at = 0
+        while length > 0:
+            if left == 0:
+                raise ValueError(f"page runs hold more than the page's {sum(sizes)} bytes")
+            take = min(length, left)
+            out[part].append((i, at, take))
+            at, length, left = at + take, length - take, left - take
+            if left == 0 and part + 1 < len(sizes):
+                part += 1
+                left = sizes[part]
+    return tuple(tuple(p) for p in out)
 

@@ -82,7 +82,13 @@ def test_part_map_cuts_runs_at_part_boundaries_and_checks_groups():
     pm = PartMap.of([3, 5, 8])
     assert pm.offsets == (0, 3, 8) and pm.page_bytes == 16
     assert pm.split([(100, 4), (200, 12)]) == [[(100, 3)], [(103, 1), (200, 4)], [(204, 8)]]
+    # Another page of the same shape reuses the cuts at its own addresses; other shapes cut their own way.
+    assert pm.split([(900, 4), (50, 12)]) == [[(900, 3)], [(903, 1), (50, 4)], [(54, 8)]]
+    assert pm.split([(0, 2), (10, 0), (20, 14)]) == [[(0, 2), (20, 1)], [(21, 5)], [(26, 8)]]
+    assert pm.split([(0, 10)]) == [[(0, 3)], [(3, 5)], [(8, 2)]]  # fewer bytes: the last part short
     with pytest.raises(ValueError, match="more than"):
+        pm.split([(0, 17)])
+    with pytest.raises(ValueError, match="more than"):  # not remembered as a good shape
         pm.split([(0, 17)])
     assert pm.plan() == [(0,), (1,), (2,)] and pm.plan([[2, 0], [1]]) == [(2, 0), (1,)]
     for bad in ([[0, 1]], [[0, 1], [1, 2]], [[0, 1, 2], []], [[0, 1, 3]]):
