@@ -84,6 +84,25 @@ def open_store(path: Path | str, capacity_pages: int = 64, page_bytes: int = PAG
     return PageStore.open(store_config(path, capacity_pages, page_bytes, **config), ns or namespace(page_bytes))
 
 
+def slot_file(store: PageStore, k: PageKey) -> tuple[Path, int]:
+    """The segment file holding page ``k``'s slot, and the slot's byte offset in it."""
+    slot = store.slot_of(k)
+    assert slot is not None
+    arena = store.layout.arenas[slot % len(store.layout.arenas)]
+    seg, index = divmod(slot // len(store.layout.arenas), arena.slots_per_segment)
+    return arena.dir / f"seg-{seg:05d}.dat", index * store.slot_bytes
+
+
+def flip(store: PageStore, k: PageKey, at: int) -> None:
+    """Flip one byte at offset ``at`` of page ``k``'s slot, in its segment file."""
+    path, base = slot_file(store, k)
+    with open(path, "r+b") as f:
+        f.seek(base + at)
+        byte = f.read(1)[0]
+        f.seek(base + at)
+        f.write(bytes([byte ^ 0x5A]))
+
+
 def random_key() -> PageKey:
     return PageKey(os.urandom(32))
 

@@ -5,10 +5,16 @@
 (``drive``):
 
     start(0) on every shard; then for each group g:
+        start(g + 1) on every shard  queued behind g on the read's part-read thread, which begins it the
+                                     moment g's IO ended, for the pages still hits (a page failing a part
+                                     gets no more IO), with no hand-back to the caller in between
         finish(g) on every shard     wait for g's IO: a page whose parts of g all verified stays a hit
-        start(g + 1) on every shard  only for the pages still hits: a page failing a part gets no more IO
         on_part(g, ok)               the caller's work on group g (copies, a gate) while g + 1 is read
-    close() on every shard           (also when on_part raises) wait for the IO in flight, unpin, settle
+    close() on every shard           (also when on_part raises) drop a group still queued, wait for the IO
+                                     in flight, unpin, settle
+
+So at most two groups of a read are outstanding (g landing, g + 1 queued or in flight), and a group starts
+only after ``on_part`` returned for the group two before it: an error raised there stops every later group.
 
 IO: one op per (page, span of a group's parts), a ``preadv`` of the span's bytes at ``slot offset + its first
 part's offset`` straight into the runs covering them (``PartMap.split``). A span is a run of consecutive
@@ -35,9 +41,11 @@ came short or failed the checksum; every part of a span whose IO failed or came 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -84,7 +92,11 @@ class PartRead:
         self._release = release
         self._pieces = [io.parts.split(runs) for _, runs, _ in items]  # per item, per part: its runs
         self.verdicts = [ReadVerdict.HIT] * len(items)
-        self._pending: Future[_Group] | None = None
+        self._outstanding: deque[Future[_Group]] = deque()  # started groups not landed, in order (caller's)
+        self._lock = threading.Lock()  # guards the three below, shared with the part-read thread
+        self._queued: deque[tuple[int, Future[_Group]]] = deque()  # started while a group was being read
+        self._reading = False  # a part-read thread runs this read's groups (``_chain``)
+        self._dead: set[int] = set()  # items a group read so far failed: no more IO for them
         self._finished = 0  # groups landed
         self._seconds = 0.0
         self._busy = [0.0] * io.devices
@@ -92,37 +104,62 @@ class PartRead:
         self._errlog = RateLimitedLog(log)
 
     def start(self, group: int) -> None:
-        """Send group ``group``'s IO for the pages still hits, on a part-read thread."""
-        assert self._pending is None, "a group is in flight already"
-        alive = [k for k, v in enumerate(self.verdicts) if v is ReadVerdict.HIT]
-        if alive:
-            self._pending = self._io.submit(partial(self._read_group, self._plan[group], alive))
+        """Send group ``group``'s IO for the pages still hits, on a part-read thread: at once, or, while a
+        group of this read is being read, on that thread right after it (the module docstring)."""
+        fut: Future[_Group] = Future()
+        with self._lock:
+            self._outstanding.append(fut)
+            if self._reading:
+                self._queued.append((group, fut))
+                return
+            self._reading = True
+        try:
+            self._io.submit(partial(self._chain, group, fut))
+        except BaseException:
+            with self._lock:
+                self._reading = False
+            self._outstanding.pop()
+            raise
 
     def finish(self, ok: list[bool]) -> None:
-        """Wait for the group started last; set ``ok[position]`` of each of this shard's pages that is still
-        a hit (every part of every group so far verified in its runs)."""
+        """Wait for the oldest group not landed; set ``ok[position]`` of each of this shard's pages that is
+        still a hit (every part of every group so far verified in its runs)."""
         self._land()
         self._finished += 1
         for (position, _, _), verdict in zip(self._items, self.verdicts):
             ok[position] = verdict is ReadVerdict.HIT
 
     def close(self) -> None:
-        """Wait for the IO in flight, then hand the verdicts to ``release`` (idempotent)."""
+        """Drop a group still queued, wait for the IO in flight, then hand the verdicts to ``release``
+        (idempotent). Raises what a group's read raised, once nothing is in flight."""
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            for _, fut in self._queued:
+                fut.cancel()  # never begun: no IO
+            self._queued.clear()
+        error: BaseException | None = None
         try:
-            self._land()
+            while self._outstanding:
+                try:
+                    self._land()
+                except CancelledError:
+                    pass
+                except BaseException as exc:  # noqa: B036 - raised below, after every group in flight ended
+                    error = error or exc
         finally:
             if self._finished < len(self._plan):  # left early: a page not read whole is a miss (kept)
                 self.verdicts = [ReadVerdict.SKIPPED if v is ReadVerdict.HIT else v for v in self.verdicts]
             self._release(self.verdicts, self._seconds, self._busy)
+        if error is not None:
+            raise error
 
     def _land(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """Wait for the oldest outstanding group and apply what it found (caller's thread)."""
+        if not self._outstanding:
             return
-        group = pending.result()
+        group = self._outstanding.popleft().result()
         for k, verdict in group.failed.items():
             self.verdicts[k] = verdict
         counters = self._io.counters
@@ -133,6 +170,26 @@ class PartRead:
         self._busy = [a + b for a, b in zip(self._busy, group.busy)]
 
     # ------------------------------------------------------------------ on a part-read thread
+    def _chain(self, group: int, fut: Future[_Group]) -> None:
+        """Read ``group``, then each group queued behind it meanwhile, in order, on this thread."""
+        while True:
+            if fut.set_running_or_notify_cancel():  # False: ``close`` dropped it
+                try:
+                    with self._lock:
+                        alive = [k for k in range(len(self._items)) if k not in self._dead]
+                    result = self._read_group(self._plan[group], alive) if alive else _Group(busy=[0.0] * self._io.devices)
+                except BaseException as exc:  # noqa: B036 - handed to the caller through the future
+                    fut.set_exception(exc)
+                else:
+                    with self._lock:
+                        self._dead.update(result.failed)  # before the next group picks its pages
+                    fut.set_result(result)
+            with self._lock:
+                if not self._queued:
+                    self._reading = False
+                    return
+                group, fut = self._queued.popleft()
+
     def _read_group(self, parts: tuple[int, ...], alive: list[int]) -> _Group:
         io = self._io
         started = time.perf_counter()
@@ -253,12 +310,12 @@ def drive(reads: Sequence[PartRead], size: int, groups: int, on_part: OnPart) ->
         for read in reads:
             read.start(0)
         for g in range(groups):
+            if g + 1 < groups:
+                for read in reads:
+                    read.start(g + 1)  # queued behind g: begun by the read's thread as soon as g's IO ended
             ok = [False] * size
             for read in reads:
                 read.finish(ok)
-            if g + 1 < groups:
-                for read in reads:
-                    read.start(g + 1)
             done = list(ok)
             on_part(g, ok)
     except BaseException:

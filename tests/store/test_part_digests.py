@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from support import EngineWrapper, HostMemory, key, namespace, store_config
+from support import EngineWrapper, HostMemory, flip, key, namespace, slot_file, store_config
 
 from sgl_kvtier.io import probe as probes
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind
@@ -39,25 +39,6 @@ def ns(parts: Sequence[int]):
 def expected_sums(page: bytes, parts: Sequence[int]) -> list[int]:
     pm = PartMap.of(parts)
     return [xxhash.xxh3_64_intdigest(page[a:a + n]) for a, n in zip(pm.offsets, pm.sizes)]
-
-
-def flip(store: PageStore, k, at: int) -> None:
-    """Flip one byte at offset ``at`` of page ``k``'s slot, in its segment file."""
-    path, base = slot_file(store, k)
-    with open(path, "r+b") as f:
-        f.seek(base + at)
-        byte = f.read(1)[0]
-        f.seek(base + at)
-        f.write(bytes([byte ^ 0x5A]))
-
-
-def slot_file(store: PageStore, k) -> tuple[Path, int]:
-    """The segment file holding page ``k``'s slot, and the slot's byte offset in it."""
-    slot = store.slot_of(k)
-    assert slot is not None
-    arena = store.layout.arenas[slot % len(store.layout.arenas)]
-    seg, index = divmod(slot // len(store.layout.arenas), arena.slots_per_segment)
-    return arena.dir / f"seg-{seg:05d}.dat", index * store.slot_bytes
 
 
 def trailer_sums(store: PageStore, k) -> list[int]:

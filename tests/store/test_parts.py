@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from support import EngineWrapper, HostMemory, key, namespace, store_config
+from support import EngineWrapper, HostMemory, flip, key, namespace, store_config
 
 from sgl_kvtier.errors import StoreFormatError
 from sgl_kvtier.io.engine import IOOp, IOResult
@@ -48,19 +48,6 @@ def keys(n: int = N):
 
 def runs(mem: HostMemory, n: int = N):
     return [mem.runs(i) for i in range(n)]
-
-
-def flip(store: PageStore, k, at: int) -> None:
-    """Flip one byte at offset ``at`` of page ``k``'s slot, in its segment file."""
-    slot = store.slot_of(k)
-    assert slot is not None
-    arena = store.layout.arenas[slot % len(store.layout.arenas)]
-    seg, index = divmod(slot // len(store.layout.arenas), arena.slots_per_segment)
-    with open(arena.dir / f"seg-{seg:05d}.dat", "r+b") as f:
-        f.seek(index * store.slot_bytes + at)
-        byte = f.read(1)[0]
-        f.seek(index * store.slot_bytes + at)
-        f.write(bytes([byte ^ 0x5A]))
 
 
 class Recording(EngineWrapper):
