@@ -37,8 +37,13 @@ def reads(fd: int, buf: AlignedBuffer, pages: range) -> list[IOOp]:
                  checksum=True) for i in pages]
 
 
+def io_workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("kvtier-io_")}
+
+
 def test_a_batch_lands_every_op_in_order_on_at_most_depth_workers(data_file) -> None:
     buf = AlignedBuffer(64 * PAGE)
+    before = io_workers()  # other engines' (a test run shares the process)
     engine = ThreadPoolEngine(3)
     try:
         for _ in range(3):  # the same workers serve batch after batch
@@ -47,7 +52,7 @@ def test_a_batch_lands_every_op_in_order_on_at_most_depth_workers(data_file) -> 
             assert [r.checksum for r in results] == [xxhash.xxh3_64_intdigest(bytes([i]) * PAGE) for i in range(64)]
             assert bytes(buf.view[:64 * PAGE]) == b"".join(bytes([i]) * PAGE for i in range(64))
             assert engine.in_flight == 0
-        workers = [t for t in threading.enumerate() if t.name.startswith("kvtier-io_")]
+        workers = io_workers() - before
         assert 1 <= len(workers) <= 3 and all(t.daemon for t in workers)
     finally:
         engine.close()
@@ -57,13 +62,14 @@ def test_a_batch_lands_every_op_in_order_on_at_most_depth_workers(data_file) -> 
 
 def test_one_op_runs_on_the_calling_thread_and_an_empty_batch_is_nothing(data_file) -> None:
     buf = AlignedBuffer(PAGE)
+    before = io_workers()
     engine = ThreadPoolEngine(4)
     seen: list[int] = []
     op = IOOp(OpKind.WRITE, data_file, 0, [buf.view[:PAGE]], before_write=lambda _: seen.append(threading.get_ident()))
     try:
         assert engine.run([]) == []
         assert engine.run([op])[0].ok and seen == [threading.get_ident()]
-        assert not any(t.name.startswith("kvtier-io_") for t in threading.enumerate())  # none started
+        assert io_workers() <= before  # none started
     finally:
         engine.close()
         buf.close()
