@@ -5,16 +5,17 @@
 (``drive``):
 
     start(0) on every shard; then for each group g:
-        start(g + 1) on every shard  queued behind g on the read's part-read thread, which begins it the
-                                     moment g's IO ended, for the pages still hits (a page failing a part
-                                     gets no more IO), with no hand-back to the caller in between
+        start(g + 1) on every shard  sent at once, on another part-read thread, for the pages still hits
+                                     as far as the caller knows (groups up to g - 1 landed), so the device
+                                     has g + 1's IO queued behind g's and never idles between groups
         finish(g) on every shard     wait for g's IO: a page whose parts of g all verified stays a hit
         on_part(g, ok)               the caller's work on group g (copies, a gate) while g + 1 is read
-    close() on every shard           (also when on_part raises) drop a group still queued, wait for the IO
-                                     in flight, unpin, settle
+    close() on every shard           (also when on_part raises) wait for the IO in flight, unpin, settle
 
-So at most two groups of a read are outstanding (g landing, g + 1 queued or in flight), and a group starts
-only after ``on_part`` returned for the group two before it: an error raised there stops every later group.
+So at most two groups of a read are in flight (g landing, g + 1), a page failing a part in group g gets
+no IO from group g + 2 on (g + 1 was sent before g's verdicts were known; its bytes land in the failed
+page's runs, which hold bytes that must not be used either way), and a group is sent only after
+``on_part`` returned for the group two before it: an error raised there stops every later group.
 
 IO: one op per (page, span of a group's parts), a ``preadv`` of the span's bytes at ``slot offset + its first
 part's offset`` straight into the runs covering them (``PartMap.split``). A span is a run of consecutive
@@ -30,7 +31,7 @@ part-read threads (``PageIO.submit``): the caller's thread is free meanwhile.
 
 Safety, as ``get``'s: every page's slot is pinned from ``PageShard.part_read`` until ``close``, so no
 writer reuses a slot under the read; bounce buffers are taken and given back inside one group's task;
-``close`` waits for the task in flight before anything is unpinned, so no IO lands in caller memory after
+``close`` waits for every task in flight before anything is unpinned, so no IO lands in caller memory after
 ``get_parts`` returns or raises. Verdicts (``ReadVerdict``): a part short or failing its checksum makes
 its page ``CORRUPT`` (dropped at settle, as ``get`` drops it); a failed IO ``IO_ERROR`` and an open
 breaker ``SKIPPED`` (misses, the page kept); a page not read whole because ``on_part`` raised, ``SKIPPED``.
@@ -41,7 +42,6 @@ came short or failed the checksum; every part of a span whose IO failed or came 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -92,11 +92,7 @@ class PartRead:
         self._release = release
         self._pieces = [io.parts.split(runs) for _, runs, _ in items]  # per item, per part: its runs
         self.verdicts = [ReadVerdict.HIT] * len(items)
-        self._outstanding: deque[Future[_Group]] = deque()  # started groups not landed, in order (caller's)
-        self._lock = threading.Lock()  # guards the three below, shared with the part-read thread
-        self._queued: deque[tuple[int, Future[_Group]]] = deque()  # started while a group was being read
-        self._reading = False  # a part-read thread runs this read's groups (``_chain``)
-        self._dead: set[int] = set()  # items a group read so far failed: no more IO for them
+        self._outstanding: deque[Future[_Group]] = deque()  # groups sent and not landed, in order
         self._finished = 0  # groups landed
         self._seconds = 0.0
         self._busy = [0.0] * io.devices
@@ -104,22 +100,9 @@ class PartRead:
         self._errlog = RateLimitedLog(log)
 
     def start(self, group: int) -> None:
-        """Send group ``group``'s IO for the pages still hits, on a part-read thread: at once, or, while a
-        group of this read is being read, on that thread right after it (the module docstring)."""
-        fut: Future[_Group] = Future()
-        with self._lock:
-            self._outstanding.append(fut)
-            if self._reading:
-                self._queued.append((group, fut))
-                return
-            self._reading = True
-        try:
-            self._io.submit(partial(self._chain, group, fut))
-        except BaseException:
-            with self._lock:
-                self._reading = False
-            self._outstanding.pop()
-            raise
+        """Send group ``group``'s IO for the pages still hits (as landed so far), on a part-read thread."""
+        alive = [k for k, v in enumerate(self.verdicts) if v is ReadVerdict.HIT]
+        self._outstanding.append(self._io.submit(partial(self._read_group, self._plan[group], alive)))
 
     def finish(self, ok: list[bool]) -> None:
         """Wait for the oldest group not landed; set ``ok[position]`` of each of this shard's pages that is
@@ -130,15 +113,13 @@ class PartRead:
             ok[position] = verdict is ReadVerdict.HIT
 
     def close(self) -> None:
-        """Drop a group still queued, wait for the IO in flight, then hand the verdicts to ``release``
-        (idempotent). Raises what a group's read raised, once nothing is in flight."""
+        """Wait for the IO in flight, then hand the verdicts to ``release`` (idempotent). Raises what a
+        group's read raised, once nothing is in flight."""
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            for _, fut in self._queued:
-                fut.cancel()  # never begun: no IO
-            self._queued.clear()
+        for fut in self._outstanding:
+            fut.cancel()  # a group not begun on its thread yet: no IO
         error: BaseException | None = None
         try:
             while self._outstanding:
@@ -170,26 +151,6 @@ class PartRead:
         self._busy = [a + b for a, b in zip(self._busy, group.busy)]
 
     # ------------------------------------------------------------------ on a part-read thread
-    def _chain(self, group: int, fut: Future[_Group]) -> None:
-        """Read ``group``, then each group queued behind it meanwhile, in order, on this thread."""
-        while True:
-            if fut.set_running_or_notify_cancel():  # False: ``close`` dropped it
-                try:
-                    with self._lock:
-                        alive = [k for k in range(len(self._items)) if k not in self._dead]
-                    result = self._read_group(self._plan[group], alive) if alive else _Group(busy=[0.0] * self._io.devices)
-                except BaseException as exc:  # noqa: B036 - handed to the caller through the future
-                    fut.set_exception(exc)
-                else:
-                    with self._lock:
-                        self._dead.update(result.failed)  # before the next group picks its pages
-                    fut.set_result(result)
-            with self._lock:
-                if not self._queued:
-                    self._reading = False
-                    return
-                group, fut = self._queued.popleft()
-
     def _read_group(self, parts: tuple[int, ...], alive: list[int]) -> _Group:
         io = self._io
         started = time.perf_counter()
@@ -312,7 +273,7 @@ def drive(reads: Sequence[PartRead], size: int, groups: int, on_part: OnPart) ->
         for g in range(groups):
             if g + 1 < groups:
                 for read in reads:
-                    read.start(g + 1)  # queued behind g: begun by the read's thread as soon as g's IO ended
+                    read.start(g + 1)  # in flight beside g: the device never idles between groups
             ok = [False] * size
             for read in reads:
                 read.finish(ok)

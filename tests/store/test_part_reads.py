@@ -1,6 +1,7 @@
-"""``store.part_reads.PartRead``: a group started while another is read is queued behind it and begun by the
-read's own thread as soon as the one before ended (no hand-back to the caller in between), for the pages
-still hits; ``close`` drops a group still queued (no IO for it) and waits for the one in flight.
+"""``store.part_reads.PartRead``: the next group is sent while the one before is still in flight, so the
+device has it queued and never idles between groups; it reads the pages still hits as far as the caller
+knows, so a page failing in group g gets no IO from group g + 2 on; ``close`` waits for every group in
+flight.
 
 No test sleeps to synchronise: a group's IO is held in the engine on a ``threading.Event``.
 """
@@ -32,6 +33,7 @@ class Held(EngineWrapper):
         super().__init__()
         self.hold = -1
         self.entered, self.release = threading.Event(), threading.Event()
+        self.second = threading.Event()  # set when a batch after the held one reaches the engine
         self.batches: list[tuple[int, int]] = []  # (thread ident, ops)
 
     def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
@@ -40,6 +42,8 @@ class Held(EngineWrapper):
         if index == self.hold:
             self.entered.set()
             assert self.release.wait(BOUND_S)
+        elif index > self.hold >= 0:
+            self.second.set()
         return self.inner.run(ops)
 
 
@@ -60,59 +64,59 @@ def held(tmp_path) -> Iterator[tuple[PageStore, HostMemory, list[bytes], Held]]:
 
 
 def two_started(store: PageStore, mem: HostMemory, engine: Held) -> PartRead:
-    """A read of every page with group 0 held in flight and group 1 started behind it (queued: no second
-    batch yet, and group 0's verdicts not known)."""
+    """A read of every page with group 0 held in flight and group 1 sent beside it, group 0's verdicts not
+    known yet."""
     read = store.part_read([key(i) for i in range(N)], [mem.runs(i) for i in range(N)], PLAN)
     read.start(0)
     assert engine.entered.wait(BOUND_S)
     read.start(1)
-    assert len(engine.batches) == 1
     return read
 
 
-def test_a_group_started_behind_another_is_begun_by_the_reads_thread_when_that_one_ends(held) -> None:
+def test_the_next_group_is_in_flight_while_the_one_before_is_held(held) -> None:
     store, mem, expected, engine = held
     read = two_started(store, mem, engine)
-    engine.hold, engine.entered = 1, threading.Event()  # now hold group 1 as it begins
+    assert engine.second.wait(BOUND_S)  # group 1 reached the engine with group 0 still held
+    assert [n for _, n in engine.batches] == [N, N]
+    assert engine.batches[0][0] != engine.batches[1][0]  # on another part-read thread
     engine.release.set()
-    # Group 1 begins with the caller nowhere near: nobody has called finish for group 0.
-    assert engine.entered.wait(BOUND_S)
-    assert [t for t, _ in engine.batches] == [engine.batches[0][0]] * 2  # on the read's one thread
     ok = [False] * N
-    read.finish(ok)  # group 0 landed meanwhile
+    read.finish(ok)
     assert ok == [True] * N
-    read.finish(ok)
-    read.start(2)
-    read.finish(ok)
-    read.start(3)
+    for g in (2, 3):
+        read.start(g)
+        read.finish(ok)
     read.finish(ok)
     read.close()
     assert ok == [True] * N and read.verdicts == [ReadVerdict.HIT] * N
     assert [mem.page(i).tobytes() for i in range(N)] == expected and not store._slots._pins
 
 
-def test_close_drops_a_queued_group_and_waits_for_the_one_in_flight(held) -> None:
+def test_close_waits_for_every_group_in_flight(held) -> None:
     store, mem, _, engine = held
     read = two_started(store, mem, engine)
+    assert engine.second.wait(BOUND_S)
     closer, out = start(read.close)
     closer.join(0.2)
     assert closer.is_alive() and store._slots._pins  # waits for group 0, its slots still pinned
     engine.release.set()
     assert finished(closer) and out == [None]
-    assert len(engine.batches) == 1  # group 1 never read
     assert read.verdicts == [ReadVerdict.SKIPPED] * N and not store._slots._pins
     assert len(store) == N and store.counters.corrupt_pages == 0  # not read whole: misses, pages kept
 
 
-def test_a_page_failing_a_group_gets_no_io_in_the_group_queued_behind_it(held) -> None:
+def test_a_page_failing_group_0_is_in_group_1_sent_beside_it_and_not_in_group_2(held) -> None:
     store, mem, _, engine = held
     flip(store, key(2), 10)  # page 2's part 0 corrupt
     read = two_started(store, mem, engine)
+    assert engine.second.wait(BOUND_S)
     engine.release.set()
     ok = [False] * N
     read.finish(ok)
     assert ok == [i != 2 for i in range(N)]
+    read.start(2)  # after group 0 landed: without page 2
+    read.finish(ok)
     read.finish(ok)
     read.close()
-    assert [n for _, n in engine.batches] == [N, N - 1]  # group 1 read without page 2
+    assert [n for _, n in engine.batches] == [N, N, N - 1] and ok == [i != 2 for i in range(N)]
     assert read.verdicts[2] is ReadVerdict.CORRUPT
