@@ -247,8 +247,8 @@ class PageShard(ClosedOnExit, abc.ABC):
                   groups: Sequence[Sequence[int]] | None = None) -> list[bool]:
         """Read pages group-major (``store.part_reads``): the parts of group 0 of every page (by default
         group ``p`` is part ``p``), verified, then ``on_part(0, ok)`` (``ok[i]``: page i's groups so far
-        are verified in its runs), then group 1, ... A page failing a part gets no more IO. Returns what
-        ``get`` would: True for the pages read whole.
+        are verified in its runs), then group 1, ... A page failing a part in group g gets no IO from group
+        g + 2 on (g + 1 is in flight beside g). Returns what ``get`` would: True for the pages read whole.
 
         Raises ValueError when ``groups`` do not cover every part once; what ``on_part`` raises, once the
         IO in flight landed and the batch's pins and buffers are released."""

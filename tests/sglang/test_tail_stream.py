@@ -204,6 +204,26 @@ def test_a_corrupt_part_fails_that_pages_group_on_and_nothing_else(tmp_path) -> 
         backend.close()
 
 
+def test_a_page_failing_a_group_settles_only_after_the_group_sent_beside_it_landed(tmp_path) -> None:
+    """The store sends read group g + 1 before g's verdicts (``part_reads``): a page failing in group 1 may
+    still be written by group 2's IO, so its slots are not settled (SGLang may not get them back,
+    ``binding.claim_released``) until group 2 landed; pages that land stay unsettled until their last group."""
+    backend, pool, keys, want = streamed(tmp_path)
+    try:
+        plan = backend.kv.pages.plan
+        flip(backend, keys[2], group_slice(plan, 1, 0).start + 5)  # page 2, group 1's K range
+        seen: list[tuple[int, bool, bool]] = []
+        backend.binder.observer = lambda stream, group: seen.append(
+            (group, stream.page_settled(2), stream.page_settled(3)))
+        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        assert stream.wait_ended(BOUND_S) and stream.groups == 4
+        assert seen == [(0, False, False), (1, False, False), (2, True, False), (3, True, True)]
+        assert stream.wait_group(1, 2, None) is GroupVerdict.FAILED and stream.wait_group(0, 2, None) is GroupVerdict.LANDED
+        assert dst_bytes(pool)[3:] == want[3:]
+    finally:
+        backend.close()
+
+
 def test_read_errors_fail_every_group_and_answer_nothing(tmp_path) -> None:
     backend, pool, keys, _ = streamed(tmp_path, fault_injection={"read_error_rate": 1.0, "seed": 1})
     try:

@@ -22,7 +22,8 @@ thread ends early) and ``settled`` (the page's slots get no more writes from thi
 
 - A page's group g is LANDED only once its verified bytes are in its slots (``done > g``); a page that
   failed never lands again (``failed`` is final), and ``done`` only grows: ``landed_pages`` (leading pages
-  with every group verified) is monotonic and such a page is settled.
+  with every group verified) is monotonic and such a page is settled. A page that failed in read group g
+  settles once group g + 1 landed (the store sends g + 1 before g's verdicts, ``part_reads``), or at the end.
 - ``wait_group(g, first_page)``: LANDED when every page from ``first_page`` has g verified, FAILED as soon
   as one of them failed at g or earlier, else it waits (TIMEOUT when ``timeout`` passes). Once the
   stream ended every page is landed or failed, so every wait is decided.
@@ -106,6 +107,7 @@ class TailStream:
         self._tail_bytes = [sum(self._group_bytes[i:]) for i in range(g + 1)]  # bytes of groups >= i
         self._done = [0] * n
         self._failed: list[int | None] = [None] * n
+        self._failed_in: list[int | None] = [None] * n  # the read group a page failed in (store-side failures)
         self._settled = [False] * n
         self._landed = 0  # leading pages with every group verified
         self._bytes = 0  # verified bytes landed
@@ -304,15 +306,23 @@ class TailStream:
                 raise _Cancelled
             last = group + 1 == self.groups
             for i, page in enumerate(pages):
+                failed_in = self._failed_in[page]
+                if failed_in is not None:
+                    # Crash-ordering of slot reuse: the read group sent beside the one a page failed in may
+                    # still write its slots (part_reads), so the page settles, and its slots may be handed
+                    # back (binding.claim_released), only once the group after the failing one has landed.
+                    self._settled[page] = self._settled[page] or failed_in < group
+                    continue
                 if self._failed[page] is not None or self._done[page] > group:
                     continue
                 if ok[i]:
                     self._done[page] = group + 1
                     self._bytes += self._group_bytes[group]
                     self._settled[page] = last
-                else:  # the store gives this page no more IO (part_reads: a failed page is not read on)
+                else:  # failed: nothing in its slots is used from here on
                     self._failed[page] = self._done[page]
-                    self._settled[page] = True
+                    self._failed_in[page] = group
+                    self._settled[page] = last
             self._landed_locked()
 
     def _copy_staged(self, runs: list[list[Run]]) -> None:
