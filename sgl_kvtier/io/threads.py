@@ -20,7 +20,7 @@ import threading
 from functools import cache
 from typing import Any
 
-from sgl_kvtier.io.priority import renice_this_thread
+from sgl_kvtier.io.priority import apply_gil_switch, renice_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,11 @@ def name_this_thread(name: str | None = None) -> bool:
 
 
 def io_thread_started() -> None:
-    """Thread-pool initializer of our IO pools: the worker named after itself, then niced (``io.priority``)."""
+    """Thread-pool initializer of our IO pools: the worker named after itself, then niced, and the process's
+    GIL switch interval set where asked (``io.priority``)."""
     name_this_thread()
     renice_this_thread()
+    apply_gil_switch()
 
 
 __all__ = ["io_thread_started", "name_this_thread", "os_name"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 import pytest
@@ -87,3 +88,24 @@ def test_a_refused_raise_leaves_the_thread_and_warns_once(monkeypatch, caplog) -
     warned = [r.getMessage() for r in caplog.records if priority.ENV in r.getMessage()]
     assert len(warned) == 1 and "-5" in warned[0] and "not permitted" in warned[0]
 
+
+
+def test_the_gil_switch_interval_is_read_checked_and_set_once_per_process(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(priority, "_switch_warned", False)
+    assert priority.gil_switch_s({}) is None and priority.gil_switch_s({priority.SWITCH_ENV: "1000"}) == 0.001
+    with caplog.at_level(logging.WARNING, logger=priority.__name__):
+        assert [priority.gil_switch_s({priority.SWITCH_ENV: bad}) for bad in ("fast", "10", "200000")] == [None] * 3
+    warned = [r.getMessage() for r in caplog.records if priority.SWITCH_ENV in r.getMessage()]
+    assert len(warned) == 1 and "'fast'" in warned[0]
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(priority, "_switch_applied", False)
+    monkeypatch.setenv(priority.SWITCH_ENV, "700")
+    try:
+        priority.apply_gil_switch()
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+        monkeypatch.setenv(priority.SWITCH_ENV, "2000")
+        priority.apply_gil_switch()  # once per process: a later call changes nothing
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        sys.setswitchinterval(before)
