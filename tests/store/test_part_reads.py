@@ -9,6 +9,7 @@ No test sleeps to synchronise: a group's IO is held in the engine on a ``threadi
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -34,6 +35,7 @@ class Held(EngineWrapper):
         self.hold = -1
         self.entered, self.release = threading.Event(), threading.Event()
         self.second = threading.Event()  # set when a batch after the held one reaches the engine
+        self.hold_also = -1  # a second batch held on the same release
         self.batches: list[tuple[int, int]] = []  # (thread ident, ops)
 
     def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
@@ -44,6 +46,8 @@ class Held(EngineWrapper):
             assert self.release.wait(BOUND_S)
         elif index > self.hold >= 0:
             self.second.set()
+            if index == self.hold_also:
+                assert self.release.wait(BOUND_S)
         return self.inner.run(ops)
 
 
@@ -120,3 +124,29 @@ def test_a_page_failing_group_0_is_in_group_1_sent_beside_it_and_not_in_group_2(
     read.close()
     assert [n for _, n in engine.batches] == [N, N, N - 1] and ok == [i != 2 for i in range(N)]
     assert read.verdicts[2] is ReadVerdict.CORRUPT
+
+
+def test_the_read_time_counts_overlapping_groups_once(held, monkeypatch) -> None:
+    """Both groups held in flight over the same stretch: the seconds the store's read rates learn are the
+    wall time the read had IO in flight (within the read's own span), not the groups' times summed."""
+    store, mem, _, engine = held
+    recorded: list[float] = []
+    real = store.read_rates.record
+    monkeypatch.setattr(store.read_rates, "record", lambda dev, nbytes, seconds, busy: (
+        recorded.append(seconds), real(dev, nbytes, seconds, busy)))
+    engine.hold_also = 1  # group 1 waits on the same release as group 0
+    t0 = time.perf_counter()
+    read = two_started(store, mem, engine)
+    assert engine.second.wait(BOUND_S)
+    threading.Event().wait(0.2)  # both held: time passes with two groups in flight (not a synchronisation)
+    engine.release.set()
+    ok = [False] * N
+    for g in (2, 3):
+        read.finish(ok)
+        read.start(g)
+    read.finish(ok)
+    read.finish(ok)
+    read.close()
+    wall = time.perf_counter() - t0
+    assert ok == [True] * N and len(recorded) == 1
+    assert 0.2 <= recorded[0] <= wall  # summed, the two held groups alone would count 0.4
