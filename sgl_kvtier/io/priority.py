@@ -26,7 +26,9 @@ around the syscall, so a landing can queue behind it for milliseconds per hand-o
 IO threads to start in a process sets the interval to N us (``apply_gil_switch``): process-wide, every
 thread's hand-overs come sooner (more switching). Measured on a 2-vCPU VM (``benchmarks/RESULTS.md``,
 session 18): a streamed 201 MB hit through a throttled device beside a pure-Python thread holding the GIL
-landed its last group at 700 ms with 5 ms, 619 with 1 ms (594 alone).
+landed its last group at 700 ms with 5 ms, 619 with 1 ms (594 alone); in a server at break-even
+(session 19, a twin at 1000 in the same turns) twin / on read paired 0.97, at the edge of the noise floor,
+so it stays opt-in. ``KVTIER_IO_NICE=-10`` (the IO ahead of the forward, session 18): paired 0.98 and 1.01.
 """
 
 from __future__ import annotations
