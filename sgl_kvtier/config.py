@@ -282,7 +282,7 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
 
 THROTTLE_KEYS = ("read_bytes_per_s", "write_bytes_per_s", "latency_s")
 FAULT_RATES = ("read_error_rate", "write_error_rate", "enospc_rate", "stall_rate", "torn_write_rate")
-FAULT_KNOBS = (*FAULT_RATES, "stall_s", "down")  # what a live control file may set
+FAULT_KNOBS = (*FAULT_RATES, "stall_s", "down", "from_group")  # what a live control file may set
 FAULT_KEYS = ("seed", "control_file", *FAULT_KNOBS)
 
 
@@ -321,6 +321,7 @@ class FaultSpec:
     torn_write_rate: float = 0.0
     stall_s: float = 0.0  # in [0, 3600]
     down: tuple[int, ...] = ()  # device indices whose every op fails
+    from_group: int = 0  # > 0: faults strike only reads of a group-major read's group >= this (io.faulty)
 
     def __post_init__(self) -> None:
         for key in FAULT_RATES:
@@ -362,6 +363,10 @@ def _fault_fields(table: Mapping[str, Any]) -> dict[str, Any]:
         if key == "seed":
             if isinstance(raw, bool) or not isinstance(raw, int):
                 raise ConfigError(field, f"expected an integer, got {raw!r}")
+            out[key] = raw
+        elif key == "from_group":
+            if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+                raise ConfigError(field, f"expected a read group index >= 0, got {raw!r}")
             out[key] = raw
         elif key == "control_file":
             if not isinstance(raw, str) or not raw:

@@ -68,6 +68,9 @@ def test_not_a_mapping():
     ({"control_file": ""}, "fault_injection.control_file"),
     ({"down": 0}, "fault_injection.down"),
     ({"down": [-1]}, "fault_injection.down"),
+    ({"from_group": -1}, "fault_injection.from_group"),
+    ({"from_group": 1.5}, "fault_injection.from_group"),
+    ({"from_group": True}, "fault_injection.from_group"),
 ])  # fmt: skip
 def test_fault_injection_errors_name_the_key(table, field):
     with pytest.raises(ConfigError) as info:
@@ -86,8 +89,8 @@ def test_fault_injection_table_round_trips_and_parses():
 
 def test_control_file_knobs_replace_only_what_they_name():
     base = FaultSpec(seed=3, control_file="/c", read_error_rate=0.5, stall_s=1.0)
-    live = base.with_knobs({"read_error_rate": 0.0, "down": [0]})
-    assert live == FaultSpec(seed=3, control_file="/c", read_error_rate=0.0, stall_s=1.0, down=(0,))
+    live = base.with_knobs({"read_error_rate": 0.0, "down": [0], "from_group": 1})
+    assert live == FaultSpec(seed=3, control_file="/c", read_error_rate=0.0, stall_s=1.0, down=(0,), from_group=1)
     with pytest.raises(ConfigError) as info:  # the seed is the config's, not a live knob
         base.with_knobs({"seed": 9})
     assert info.value.field == "fault_injection.control_file.seed"

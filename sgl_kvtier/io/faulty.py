@@ -8,6 +8,10 @@ config is built; its errors name ``fault_injection.<key>``). Faults, per op:
     torn_write_rate                      only the first half of a write reaches the device, reported done
                                          (with the digests of the whole write: ``prepare_write`` runs first)
     down                                 device indices whose every op fails with EIO (the device is gone)
+    from_group                           > 0: the knobs above strike only reads of a group-major read's
+                                         read group >= this (``IOOp.group``, set by ``store.part_reads``);
+                                         every other op runs untouched. So a test fails a streamed tail's
+                                         group 1 while its group 0, sent beside it, lands (0: every op)
 ``control_file``, if given, is a JSON file with any of these keys; it is re-read when it changes, so a test
 can make a device vanish and come back under a running server; a half-written or invalid control file
 leaves the previous knobs in force (an invalid one is logged). Every decision comes from one RNG seeded
@@ -121,6 +125,8 @@ class FaultyEngine:
         return fault
 
     def _draw(self, op: IOOp, knobs: FaultSpec) -> Fault | None:
+        if knobs.from_group and (op.group is None or op.group < knobs.from_group):
+            return None  # not a read of the groups the faults are aimed at
         if op.device in knobs.down:
             return Fault.DOWN
         r = self._rng.random

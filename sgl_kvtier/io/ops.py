@@ -60,6 +60,9 @@ class IOOp:
     digest_ranges: Sequence[tuple[int, int]] | None = None
     # A write's: called with the ranges' digests before its bytes go out (fills e.g. a trailer in its buffers)
     before_write: Callable[[list[int]], None] | None = None
+    # The read group of a group-major read the op belongs to (store.part_reads); None: any other op. Only
+    # fault injection looks at it (``io.faulty``: ``from_group``).
+    group: int | None = None
 
 
 @dataclass

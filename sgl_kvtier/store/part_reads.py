@@ -74,6 +74,7 @@ class _Group:
     parts_read: int = 0
     parts_failed: int = 0
     io_errors: int = 0
+    index: int = 0  # which read group of the plan
     began: float = 0.0  # perf_counter when its task began
     seconds: float = 0.0
     busy: list[float] = field(default_factory=list)
@@ -107,7 +108,7 @@ class PartRead:
     def start(self, group: int) -> None:
         """Send group ``group``'s IO for the pages still hits (as landed so far), on a part-read thread."""
         alive = [k for k, v in enumerate(self.verdicts) if v is ReadVerdict.HIT]
-        self._outstanding.append(self._io.submit(partial(self._read_group, self._plan[group], alive)))
+        self._outstanding.append(self._io.submit(partial(self._read_group, group, alive)))
 
     def finish(self, ok: list[bool]) -> None:
         """Wait for the oldest group not landed; set ``ok[position]`` of each of this shard's pages that is
@@ -162,10 +163,10 @@ class PartRead:
         self._busy = [a + b for a, b in zip(self._busy, group.busy)]
 
     # ------------------------------------------------------------------ on a part-read thread
-    def _read_group(self, parts: tuple[int, ...], alive: list[int]) -> _Group:
-        io = self._io
+    def _read_group(self, index: int, alive: list[int]) -> _Group:
+        io, parts = self._io, self._plan[index]
         started = time.perf_counter()
-        group = _Group(began=started, busy=[0.0] * io.devices)
+        group = _Group(index=index, began=started, busy=[0.0] * io.devices)
         chunk: list[tuple[int, Span, bool]] = []  # (item, parts, through a bounce buffer)
         bounced = 0
         for k in alive:
@@ -223,13 +224,13 @@ class PartRead:
                     size = io.parts.sizes[span[0]]
                     buf, low = spare.pop(), at // ALIGN * ALIGN
                     op = IOOp(OpKind.READ, fd, base + low, [buf.view[:round_up(at + size) - low]], checksum=False,
-                              device=device, digest_ranges=((at - low, size),))
+                              device=device, digest_ranges=((at - low, size),), group=group.index)
                     placed.append((k, span, op, buf, at - low))
                 else:
                     buffers = [view(a, n) for p in span for a, n in self._pieces[k][p]]
                     ranges = None if len(span) == 1 else tuple((io.parts.offsets[p] - at, io.parts.sizes[p]) for p in span)
                     op = IOOp(OpKind.READ, fd, base + at, buffers, checksum=ranges is None, device=device,
-                              digest_ranges=ranges)
+                              digest_ranges=ranges, group=group.index)
                     placed.append((k, span, op, None, 0))
             results = io.engine.run([op for _, _, op, _, _ in placed])
             for (k, span, op, bounce_buf, skip), res in zip(placed, results):

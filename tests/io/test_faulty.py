@@ -32,8 +32,9 @@ class NullEngine:
         pass
 
 
-def ops(n: int, kind: OpKind = OpKind.READ, device: int = 0) -> list[IOOp]:
-    return [IOOp(kind, -1, 0, [memoryview(bytearray(8192))], checksum=False, device=device) for _ in range(n)]
+def ops(n: int, kind: OpKind = OpKind.READ, device: int = 0, group: int | None = None) -> list[IOOp]:
+    return [IOOp(kind, -1, 0, [memoryview(bytearray(8192))], checksum=False, device=device, group=group)
+            for _ in range(n)]
 
 
 def test_the_same_seed_gives_the_same_faults():
@@ -51,6 +52,16 @@ def test_each_fault_kind():
     assert [r.error.errno for r in full] == [errno.ENOSPC] * 3 and inner.ops == 0  # nothing reached the device
     torn = FaultyEngine(inner, FaultSpec(torn_write_rate=1.0)).run(ops(1, OpKind.WRITE))
     assert torn[0].ok and torn[0].nbytes == 8192 and inner.ops == 1  # reported whole; half was sent
+
+
+def test_from_group_aims_the_faults_at_later_read_groups_only():
+    inner = NullEngine()
+    eng = FaultyEngine(inner, FaultSpec(read_error_rate=1.0, write_error_rate=1.0, down=(0,), from_group=1))
+    assert all(r.ok for r in eng.run(ops(3, group=0)))  # group 0 of a group-major read: untouched
+    assert all(r.ok for r in eng.run(ops(2)) + eng.run(ops(2, OpKind.WRITE)))  # whole reads, writes: untouched
+    assert not any(r.ok for r in eng.run(ops(3, group=1)) + eng.run(ops(2, group=4)))
+    assert inner.ops == 7 and eng.injected[Fault.DOWN.value] == 5
+    assert not any(r.ok for r in FaultyEngine(inner, FaultSpec(read_error_rate=1.0)).run(ops(2, group=0)))  # 0: all
 
 
 def test_control_file_knobs_apply_live_and_a_bad_file_keeps_the_previous_ones(tmp_path, caplog):

@@ -90,14 +90,16 @@ def test_claim_released_withholds_exactly_the_unfinished_slots(tmp_path) -> None
         assert hold.reached.wait(BOUND_S)
         assert stream.wait_group(0, 3, timeout=0) is GroupVerdict.FAILED and stream.landed_pages() == 2
         released, withheld = backend.binder.claim_released(slots(DST))
-        assert torch.equal(released, slots([DST[0], DST[1], DST[3]]))  # landed, landed, failed: no more writes
+        assert torch.equal(released, slots([DST[0], DST[1]]))  # landed: no more writes
         assert len(withheld) == 1 and withheld[0][0] is stream
-        assert torch.equal(withheld[0][1], slots([DST[2], DST[4], DST[5]]))  # group 1 still in flight there
+        # Group 1 is still in flight there, page 3 included: it was sent beside group 0, before page 3 failed
+        # (part_reads), so the failed page's slots may still be written until group 1 lands.
+        assert torch.equal(withheld[0][1], slots([DST[2], DST[3], DST[4], DST[5]]))
         assert stream.cancelled and backend.binder.bound_pages() == 0
         hold.release()
         assert stream.wait_ended(BOUND_S) and backend.binder.live_streams() == 0
         assert dst_bytes(pool)[:2] == want[:2]
-        assert backend.binder.counts().withheld_pages == 3
+        assert backend.binder.counts().withheld_pages == 4
     finally:
         backend.close()
 

@@ -17,17 +17,16 @@ uses fresh ``cache_salt``\\ s: it stores the prefix under one first (the primer)
 prefix, and nothing it computes is ever hit again. The cold answers are computed first, each once, under a
 salt of their own (a salt changes the keys, never the computation), and their writes are waited for.
 
-How a fault is made to strike *after* admission: the hit is read group-major, one IO batch per group, and a
-batch's faults are drawn when it starts (``io.faulty``). The test arms a watch on the control file, rewrites
-it (no faults, a new mtime), sends the request and waits until the engine opened the file: an IO batch
-started, fault-free, in the normal case group 0's. It then switches to the fault, which group 1's batch
-draws when group 0 lands. Group 0 lands, the gate admits the request, and group 1 fails (or stalls) while
-the forward waits on it: the loader's warning names group 1, the verdict line names the request
-``retracted``. If another batch took that first open (a backup write of an earlier request still running),
-group 0 gets the fault and the tail is given up before admission; and if the test's switch comes only after
-group 1's batch started (a test thread slower than one group's read on a loaded machine: seen once in CI),
-no batch draws it and the tail lands whole. Either way the answer is checked all the same, nothing may be
-retracted, and the scenario runs again under a new salt (at most ``ATTEMPTS`` times).
+How a fault is made to strike *after* admission: the hit is read group-major, one IO batch per read group,
+group 1's sent beside group 0's (``store.part_reads``), each op naming its read group. The fault is set
+before the request with ``from_group = 1`` (``io.faulty``): only reads of group 1 draw it, so group 0 lands,
+the gate admits the request, and group 1 fails (or stalls) while the forward waits on it (the throttle
+charges a failed read its time, so group 1 ends a group's read after group 0): the loader's warning names
+group 1, the verdict line names the request ``retracted``. Should the scheduler reach the gate only after
+group 1's failure was known (a loaded machine), the tail is given up before admission instead: the answer is
+checked all the same, nothing may be retracted, and the scenario runs again under a new salt (at most
+``ATTEMPTS`` times). Holding group 0 (scenario 3) arms a watch on the control file, rewrites it (a stall, a
+new mtime), sends the request and clears the stall once an IO batch opened the file.
 
 Scenarios (per layout):
 1. streamed tails answer exactly as cold (one at a time, then two at once), landed through the tail loader
@@ -53,6 +52,7 @@ import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -210,30 +210,33 @@ def clean(streamed: Streamed) -> Iterator[Streamed]:
     assert tracebacks_through(streamed.log.since(mark)) == []
 
 
-def switch_after_group0(env: Streamed, name: str, rid: str, fault: dict[str, Any],
-                        first: dict[str, Any] | None = None) -> tuple[Future[dict[str, Any]], int]:
-    """Send ``name`` (its prefix primed under the salt ``rid``); once an IO batch started after the request under
-    the knobs ``first`` (none: no faults; group 0's batch, see the module docstring), set ``fault``. Returns the
-    answer and the log mark taken before the request."""
+def send_held(env: Streamed, name: str, rid: str, first: dict[str, Any] | None = None) -> tuple[Future[dict[str, Any]], int]:
+    """Send ``name`` (its prefix primed under the salt ``rid``) under the knobs ``first`` (none: no faults); once an
+    IO batch started under them (group 0's, and group 1's beside it, see the module docstring), clear them.
+    Returns the answer and the log mark taken before the request."""
     env.prime(name, rid)
     mark = env.log.mark()
     with env.control.watch() as opened:
         env.control.set(**(first or {}))  # a new mtime: the engine opens the file again at its next batch
         answer = in_background(lambda: env.ask(name, rid, rid))
         assert opened.wait(60), "the store's engine never read the control file: no IO for the request"
-    env.control.set(**fault)
+    env.control.set()
     return answer, mark
 
 
 def fail_group1(env: Streamed, name: str, scenario: str, fault: dict[str, Any], failure: str,
                 then: Callable[[str], None] | None = None) -> tuple[str, str, dict[str, float]]:
-    """Run ``name`` with ``fault`` from its group 1 on until the loader reports group 1 ``failure`` (retried
-    under a new salt when group 0 drew the fault, see the module docstring). ``then(rid)`` runs once the
-    failure is reported, faults off. Returns the request's rid, the log of its run, the counts before it."""
+    """Run ``name`` with ``fault`` aimed at its read group 1 (``from_group``) until the loader reports group 1
+    ``failure`` (retried under a new salt when the failure was known before admission, see the module
+    docstring). ``then(rid)`` runs once the failure is reported, faults off. Returns the request's rid, the
+    log of its run, the counts before it."""
     for attempt in range(ATTEMPTS):
         rid = f"{scenario}-{env.layout}-{attempt}"
         before = env.counts()
-        answer, mark = switch_after_group0(env, name, rid, fault)
+        env.prime(name, rid)
+        mark = env.log.mark()
+        env.control.set(**fault, from_group=1)  # group 0, sent beside group 1, lands
+        answer = in_background(partial(env.ask, name, rid, rid))
         seen = env.log.wait_for(f"request {rid}: layer group 1 {failure}", mark, stop=answer)
         env.control.set()  # the retry (loaded whole, or computed), its backups, later requests: a healthy device
         if seen is not None and then is not None:
@@ -242,12 +245,11 @@ def fail_group1(env: Streamed, name: str, scenario: str, fault: dict[str, Any], 
         log = env.log.since(mark)
         if seen is not None:
             return rid, log, before
-        # The fault missed group 1 either way (module docstring): group 0 drew it (given up before admission,
-        # no verdict), or group 1's batch had drawn its faults before the switch (the tail landed whole).
-        # Neither retracts anything; the answer was checked above.
+        # Group 1's failure was known before the gate admitted the request (module docstring): the tail was
+        # given up before admission, no verdict, nothing retracted; the answer was checked above.
         verdict = verdict_of(log, rid)
-        assert verdict in (None, "landed") and env.retracted() == before[RETRACTED], verdict
-    raise AssertionError(f"group 0 drew the fault in all {ATTEMPTS} attempts")
+        assert verdict is None and env.retracted() == before[RETRACTED], verdict
+    raise AssertionError(f"group 1 failed before admission in all {ATTEMPTS} attempts")
 
 
 def check_retracted(env: Streamed, rid: str, log: str, before: dict[str, float], failure: str) -> None:
@@ -358,7 +360,7 @@ def test_a_sharer_never_sees_a_streaming_tail(clean: Streamed) -> None:
     for attempt in range(ATTEMPTS):
         rid = f"held-{env.layout}-{attempt}"
         before = env.retracted()
-        answer, mark = switch_after_group0(env, "held", rid, {}, first={"stall_rate": 1.0, "stall_s": HOLD_S})
+        answer, mark = send_held(env, "held", rid, first={"stall_rate": 1.0, "stall_s": HOLD_S})
         sharer = env.ask("held-sharer", f"sharer-{rid}", rid)
         assert sharer["meta_info"]["cached_tokens"] == 0, cached_tiers(sharer)  # nothing of the unverified tail
         env.answer_as_cold("held-sharer", sharer)
@@ -380,7 +382,7 @@ def test_a_verified_tail_serves_later_requests(clean: Streamed) -> None:
     """Alone, the prompt streams and lands; then its tail is the tree's: the same prompt and a sharer of its
     prefix hit it on the device."""
     env, rid = clean, f"held-alone-{clean.layout}"
-    answer, mark = switch_after_group0(env, "held", rid, {})
+    answer, mark = send_held(env, "held", rid)
     env.answer_as_cold("held", answer.result(600))
     assert verdict_of(env.log.since(mark), rid) == "landed"  # its forward waited for group 1 and kept it
     again = env.ask("held", f"again-{rid}", rid)  # no flush

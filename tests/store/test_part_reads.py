@@ -37,10 +37,12 @@ class Held(EngineWrapper):
         self.second = threading.Event()  # set when a batch after the held one reaches the engine
         self.hold_also = -1  # a second batch held on the same release
         self.batches: list[tuple[int, int]] = []  # (thread ident, ops)
+        self.groups: list[set[int | None]] = []  # per batch, its ops' read groups (``IOOp.group``)
 
     def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
         index = len(self.batches)
         self.batches.append((threading.get_ident(), len(ops)))
+        self.groups.append({op.group for op in ops})
         if index == self.hold:
             self.entered.set()
             assert self.release.wait(BOUND_S)
@@ -63,6 +65,7 @@ def held(tmp_path) -> Iterator[tuple[PageStore, HostMemory, list[bytes], Held]]:
         assert store.put([key(i) for i in range(N)], [mem.runs(i) for i in range(N)]) == [True] * N
         mem.clear()
         engine.batches.clear()
+        engine.groups.clear()
         engine.hold = 0  # the read's first group
         yield store, mem, expected, engine
 
@@ -123,6 +126,7 @@ def test_a_page_failing_group_0_is_in_group_1_sent_beside_it_and_not_in_group_2(
     read.finish(ok)
     read.close()
     assert [n for _, n in engine.batches] == [N, N, N - 1] and ok == [i != 2 for i in range(N)]
+    assert engine.groups == [{0}, {1}, {2}]  # each op names its read group (fault injection aims by it)
     assert read.verdicts[2] is ReadVerdict.CORRUPT
 
 
