@@ -13,8 +13,8 @@ of one K|V range are consecutive in the page, one IO per page and range). The tr
   67 ms read whole, i.e. 0.07-0.1 ms per extra IO, where that hit's forward computes for 0.6-0.8 s; after
   session 18's engine work 122 ms in 8, 102 in 6, 88 in 4, 62 in 2 and 43 whole (0.05-0.06 ms per IO).
   ``OP_CPU_S`` stays at 0.1 ms: in a server the landing's IO threads also wait for the GIL and the cores
-  behind the forward, so an IO costs the forward more than its own CPU (6 read groups at break-even). Where the landing is off the compute's cores (a GPU forward), ``op_cpu_s`` is 0 and the finest
-  groups win.
+  behind the forward, so an IO costs the forward more than its own CPU (6 read groups at break-even).
+  Where the landing is off the compute's cores (a GPU forward), ``op_cpu_s`` is 0 and the finest groups win.
 
 So ``G' = argmin over 2..G of  R / G' + pages * ranges * G' * op_cpu_s`` (the finest on a tie). Never fewer
 than 2 read groups (one is a whole load with extra steps) unless the pool has fewer layer groups; unknown
