@@ -12,6 +12,12 @@
         on_part(g, ok)               the caller's work on group g (copies, a gate) while g + 1 is read
     close() on every shard           (also when on_part raises) wait for the IO in flight, unpin, settle
 
+Order: a group hands its IO to the engine only after the group before it did (``_take_turn``): the two
+tasks run on different threads and build their ops at once, and whichever gets the GIL first would reach
+the device first; g + 1 ahead of g would make the forward wait a whole group longer for g. (A group whose
+predecessor has not handed over within ``TURN_WAIT_S`` goes anyway: order is a speed rule, never a wait
+without end.)
+
 So at most two groups of a read are in flight (g landing, g + 1), a page failing a part in group g gets
 no IO from group g + 2 on (g + 1 was sent before g's verdicts were known; its bytes land in the failed
 page's runs, which hold bytes that must not be used either way), and a group is sent only after
@@ -44,6 +50,7 @@ count their shared stretch once, and each device's busy time is scaled by the sa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -59,6 +66,7 @@ from sgl_kvtier.store.transfer import PageIO, ReadVerdict, busy_seconds
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 
 log = logging.getLogger(__name__)
+TURN_WAIT_S = 1.0  # longest a group waits for the group before it to hand its IO over (module docstring)
 OnPart = Callable[[int, list[bool]], None]  # (group, per page of the batch: all its groups so far verified)
 PartItem = tuple[int, Sequence[Run], tuple[int, Checksum]]  # (position in the batch, runs, (slot, checksums))
 Release = Callable[[list[ReadVerdict], float, list[float]], None]  # (verdicts, IO seconds, busy s per device)
@@ -96,6 +104,7 @@ class PartRead:
         self._release = release
         self._pieces = [io.parts.split(runs) for _, runs, _ in items]  # per item, per part: its runs
         self.verdicts = [ReadVerdict.HIT] * len(items)
+        self._turns = [threading.Event() for _ in plan]  # set once group g handed its IO over (or has none)
         self._outstanding: deque[Future[_Group]] = deque()  # groups sent and not landed, in order
         self._finished = 0  # groups landed
         self._seconds = 0.0  # wall seconds with a group of this read in flight (overlaps counted once)
@@ -169,20 +178,33 @@ class PartRead:
         group = _Group(index=index, began=started, busy=[0.0] * io.devices)
         chunk: list[tuple[int, Span, bool]] = []  # (item, parts, through a bounce buffer)
         bounced = 0
-        for k in alive:
-            if not io.health.usable(self._items[k][2][0] % io.devices):
-                group.fail(k, ReadVerdict.SKIPPED)  # its device's circuit is open: no IO
-                continue
-            for span, bounce in self._spans(k, parts):
-                if bounce and bounced == io.bounces.count:
-                    self._run_chunk(chunk, bounced, group)
-                    chunk, bounced = [], 0
-                chunk.append((k, span, bounce))
-                bounced += bounce
-        if chunk:
-            self._run_chunk(chunk, bounced, group)
+        try:
+            for k in alive:
+                if not io.health.usable(self._items[k][2][0] % io.devices):
+                    group.fail(k, ReadVerdict.SKIPPED)  # its device's circuit is open: no IO
+                    continue
+                for span, bounce in self._spans(k, parts):
+                    if bounce and bounced == io.bounces.count:
+                        self._run_chunk(chunk, bounced, group)
+                        chunk, bounced = [], 0
+                    chunk.append((k, span, bounce))
+                    bounced += bounce
+            if chunk:
+                self._run_chunk(chunk, bounced, group)
+        finally:
+            self._turns[index].set()  # no IO (left), or all of it handed over: the next group's turn
         group.seconds = time.perf_counter() - started
         return group
+
+    def _take_turn(self, index: int) -> None:
+        """Before group ``index`` hands its first IO to the engine: wait until the group before it did (module
+        docstring, "Order"), then let the group after it go."""
+        turn = self._turns[index]
+        if turn.is_set():
+            return
+        if index > 0 and not self._turns[index - 1].wait(TURN_WAIT_S):
+            log.warning("read group %d went before group %d handed its IO over", index, index - 1)
+        turn.set()  # just before this group's ``engine.run``: the next one, its ops built, follows it in
 
     def _spans(self, k: int, parts: tuple[int, ...]) -> list[tuple[Span, bool]]:
         """Page ``k``'s ops for ``parts``: runs of consecutive parts read in place, one op each; a part that
@@ -204,6 +226,8 @@ class PartRead:
 
     def _run_chunk(self, chunk: list[tuple[int, Span, bool]], bounced: int, group: _Group) -> None:
         io = self._io
+        if bounced:
+            self._take_turn(group.index)  # before taking bounce buffers: a group waiting its turn holds none
         taken = io.bounces.acquire_many(bounced)  # all at once (``BouncePool``), all given back below
         try:
             spare = list(taken)
@@ -232,6 +256,7 @@ class PartRead:
                     op = IOOp(OpKind.READ, fd, base + at, buffers, checksum=ranges is None, device=device,
                               digest_ranges=ranges, group=group.index)
                     placed.append((k, span, op, None, 0))
+            self._take_turn(group.index)  # its ops built: hand them over right after the group before did
             results = io.engine.run([op for _, _, op, _, _ in placed])
             for (k, span, op, bounce_buf, skip), res in zip(placed, results):
                 io.health.record(op.device, res.ok or res.short, res.seconds)

@@ -154,3 +154,47 @@ def test_the_read_time_counts_overlapping_groups_once(held, monkeypatch) -> None
     wall = time.perf_counter() - t0
     assert ok == [True] * N and len(recorded) == 1
     assert 0.2 <= recorded[0] <= wall  # summed, the two held groups alone would count 0.4
+
+
+class ReportsWaits(threading.Event):
+    """An event that reports the first wait on it (``waited``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()
+        return super().wait(timeout)
+
+
+def test_a_group_hands_its_io_over_only_after_the_group_before_it(held, monkeypatch) -> None:
+    """Group 0 is slow to build its ops (held in ``_spans``) while group 1, sent beside it, has built its own:
+    group 1 waits for group 0's turn, so the engine gets group 0's IO first."""
+    store, mem, expected, engine = held
+    engine.hold = -1  # nothing held in the engine
+    read = store.part_read([key(i) for i in range(N)], [mem.runs(i) for i in range(N)], PLAN)
+    building = threading.Event()
+    real = read._spans
+
+    def spans(k: int, parts: tuple[int, ...]) -> list:
+        if parts == PLAN[0]:
+            assert building.wait(BOUND_S)
+        return real(k, parts)
+
+    monkeypatch.setattr(read, "_spans", spans)
+    read._turns[0] = turn0 = ReportsWaits()
+    read.start(0)
+    read.start(1)
+    assert turn0.waited.wait(BOUND_S)  # group 1's ops are built: it waits for group 0's turn
+    assert engine.batches == []
+    building.set()
+    ok = [False] * N
+    read.finish(ok)
+    for g in (2, 3):
+        read.start(g)
+        read.finish(ok)
+    read.finish(ok)
+    read.close()
+    assert engine.groups == [{0}, {1}, {2}, {3}] and ok == [True] * N
+    assert [mem.page(i).tobytes() for i in range(N)] == expected
