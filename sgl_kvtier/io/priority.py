@@ -45,31 +45,35 @@ ENV = "KVTIER_IO_NICE"
 MIN_NICE, MAX_NICE = -20, 19
 SWITCH_ENV = "KVTIER_GIL_SWITCH_US"
 MIN_SWITCH_US, MAX_SWITCH_US = 50, 100_000
-_warned = False
-_switch_warned = False
+_warned: set[str] = set()  # the settings whose trouble was logged (once each)
 _switch_applied = False
+
+
+def _setting(environ: Mapping[str, str] | None, name: str, low: int, high: int, kept: str) -> int | None:
+    """The integer ``name`` asks for, in ``low..high``; None where unset, or not such an integer (logged once:
+    ``kept`` says what stays as it was)."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = high + 1
+    if not low <= value <= high:
+        _warn_once(name, "%s=%r: expected an integer %d..%d; %s", name, raw, low, high, kept)
+        return None
+    return value
+
+
+def _warn_once(name: str, msg: str, *args: object) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning(msg, *args)
 
 
 def io_nice(environ: Mapping[str, str] | None = None) -> int:
     """The niceness step ``KVTIER_IO_NICE`` asks for: -20..19 (0: leave threads as they are)."""
-    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        value = MAX_NICE + 1
-    if not MIN_NICE <= value <= MAX_NICE:
-        _warn_once("%s=%r: expected an integer %d..%d; IO threads keep their priority", ENV, raw, MIN_NICE, MAX_NICE)
-        return 0
-    return value
-
-
-def _warn_once(msg: str, *args: object) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        logger.warning(msg, *args)
+    return _setting(environ, ENV, MIN_NICE, MAX_NICE, "IO threads keep their priority") or 0
 
 
 def renice_this_thread() -> None:
@@ -82,26 +86,14 @@ def renice_this_thread() -> None:
         nice = os.getpriority(os.PRIO_PROCESS, tid) + step
         os.setpriority(os.PRIO_PROCESS, tid, max(MIN_NICE, min(MAX_NICE, nice)))
     except OSError as exc:  # no privilege to raise it, or a sandbox without setpriority: the thread runs as is
-        _warn_once("%s=%d: IO thread priority left as it is (%s)", ENV, step, exc.strerror or exc)
+        _warn_once(ENV, "%s=%d: IO thread priority left as it is (%s)", ENV, step, exc.strerror or exc)
 
 
 def gil_switch_s(environ: Mapping[str, str] | None = None) -> float | None:
     """The switch interval ``KVTIER_GIL_SWITCH_US`` asks for, in seconds (None: leave Python's)."""
-    global _switch_warned
-    raw = (os.environ if environ is None else environ).get(SWITCH_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not MIN_SWITCH_US <= value <= MAX_SWITCH_US:
-        if not _switch_warned:
-            _switch_warned = True
-            logger.warning("%s=%r: expected an integer %d..%d (microseconds); Python's switch interval kept",
-                           SWITCH_ENV, raw, MIN_SWITCH_US, MAX_SWITCH_US)
-        return None
-    return value / 1e6
+    micros = _setting(environ, SWITCH_ENV, MIN_SWITCH_US, MAX_SWITCH_US,
+                      "Python's switch interval kept (the value is in microseconds)")
+    return None if micros is None else micros / 1e6
 
 
 def apply_gil_switch() -> None:

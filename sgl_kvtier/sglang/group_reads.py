@@ -7,8 +7,8 @@ with the groups of ``reads``, a ``ReadPlan`` of the tier's ``LayerPlan``; None: 
 group): read group 0 of every page, verified, then ``on_group(0, layers, ok)``, then
 group 1, ... While ``on_group(g)`` runs, group g + 1 is in flight; groups after g + 1 have not been
 read. ``ok[i]``: page ``i`` has every part of groups 0..g verified in its slots (a page failing a part in
-group g gets no IO from group g + 2 on, and its slots then hold bytes that must not be used). Returns, per page, whether it was read
-whole and verified.
+group g gets no IO from group g + 2 on, and its slots then hold bytes that must not be used). Returns, per
+page, whether it was read whole and verified.
 
 Only tiers whose pool streams (``HostPages.plan``) and moves zero-copy are read this way; any other raises
 ``KVTierError`` (callers load those pages whole, as today).

@@ -61,7 +61,7 @@ class RunTemplate:
         stride = meta(1)[0][0] - first[0][0]
         template = cls(tuple(first), stride, page_tokens)
         step = max(1, pages // cls.SAMPLE)
-        for i in sorted({1, 2, 3, pages - 1, *range(0, pages, step)} & set(range(pages))):
+        for i in sorted(i for i in {1, 2, 3, pages - 1, *range(0, pages, step)} if i < pages):
             if meta(i) != template.page(i * page_tokens):
                 return None
         return template
@@ -102,14 +102,12 @@ class HostPages:
         page_bytes = flat.numel() * flat.element_size()
         hp = cls(pool, page_tokens, page_bytes, Access.COPY, mla)
         try:
-            runs = hp._meta_runs(torch.arange(0, page_tokens, dtype=torch.int64))[0]
+            runs = hp._page_meta(0)
         except (AttributeError, NotImplementedError, ValueError, AssertionError):
             return hp
         if sum(n for _, n in runs) == page_bytes and hp._matches_flat_order(runs):
             hp.access = Access.ZERO_COPY
-            pages = int(getattr(pool, "size", 0)) // page_tokens
-            hp.template = RunTemplate.of(lambda i: hp._meta_runs(torch.arange(i * page_tokens, (i + 1) * page_tokens,
-                                                                              dtype=torch.int64))[0], pages, page_tokens)
+            hp.template = RunTemplate.of(hp._page_meta, int(getattr(pool, "size", 0)) // page_tokens, page_tokens)
         hp.plan = plan_for(hp)
         return hp
 
@@ -126,6 +124,11 @@ class HostPages:
     def dtype(self) -> str:
         """The KV dtype without ``torch.``, part of the namespace."""
         return str(getattr(self.pool, "dtype", "unknown")).replace("torch.", "")
+
+    def _page_meta(self, page: int) -> list[Run]:
+        """Page ``page``'s runs (the pool's slots ``page * page_tokens`` on), as SGLang's meta gives them."""
+        start = page * self.page_tokens
+        return self._meta_runs(torch.arange(start, start + self.page_tokens, dtype=torch.int64))[0]
 
     def _meta_runs(self, host_indices: torch.Tensor) -> list[list[Run]]:
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)

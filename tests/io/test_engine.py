@@ -33,8 +33,8 @@ def data_file(tmp_path: Path):
 
 def reads(fd: int, buf: AlignedBuffer, pages: range) -> list[IOOp]:
     """One checksummed read per page, page ``i`` into ``buf``'s page ``i``, in two buffers each."""
-    return [IOOp(OpKind.READ, fd, i * PAGE, [buf.view[i * PAGE:i * PAGE + 1000], buf.view[i * PAGE + 1000:(i + 1) * PAGE]],
-                 checksum=True) for i in pages]
+    return [IOOp(OpKind.READ, fd, i * PAGE, [buf.view[i * PAGE:i * PAGE + 1000],
+                                             buf.view[i * PAGE + 1000:(i + 1) * PAGE]], checksum=True) for i in pages]
 
 
 def io_workers() -> set[threading.Thread]:

@@ -22,7 +22,7 @@ def nice_of_this_thread() -> int:
 
 
 def test_the_setting_is_read_and_checked(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(priority, "_warned", False)
+    monkeypatch.setattr(priority, "_warned", set())
     assert priority.io_nice({}) == 0 and priority.io_nice({priority.ENV: " "}) == 0
     assert priority.io_nice({priority.ENV: "7"}) == 7 and priority.io_nice({priority.ENV: "19"}) == 19
     assert priority.io_nice({priority.ENV: "-20"}) == -20 and priority.io_nice({priority.ENV: " -5 "}) == -5
@@ -56,7 +56,7 @@ def in_a_thread(fn) -> list:
 
 
 def test_a_negative_step_raises_priority_where_allowed_and_is_logged_once_where_refused(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(priority, "_warned", False)
+    monkeypatch.setattr(priority, "_warned", set())
     monkeypatch.setenv(priority.ENV, "-3")
     base = nice_of_this_thread()
 
@@ -75,7 +75,7 @@ def test_a_negative_step_raises_priority_where_allowed_and_is_logged_once_where_
 
 
 def test_a_refused_raise_leaves_the_thread_and_warns_once(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(priority, "_warned", False)
+    monkeypatch.setattr(priority, "_warned", set())
     monkeypatch.setenv(priority.ENV, "-5")
 
     def refuse(*_args) -> None:
@@ -89,9 +89,8 @@ def test_a_refused_raise_leaves_the_thread_and_warns_once(monkeypatch, caplog) -
     assert len(warned) == 1 and "-5" in warned[0] and "not permitted" in warned[0]
 
 
-
 def test_the_gil_switch_interval_is_read_checked_and_set_once_per_process(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(priority, "_switch_warned", False)
+    monkeypatch.setattr(priority, "_warned", set())
     assert priority.gil_switch_s({}) is None and priority.gil_switch_s({priority.SWITCH_ENV: "1000"}) == 0.001
     with caplog.at_level(logging.WARNING, logger=priority.__name__):
         assert [priority.gil_switch_s({priority.SWITCH_ENV: bad}) for bad in ("fast", "10", "200000")] == [None] * 3

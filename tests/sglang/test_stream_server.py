@@ -210,7 +210,8 @@ def clean(streamed: Streamed) -> Iterator[Streamed]:
     assert tracebacks_through(streamed.log.since(mark)) == []
 
 
-def send_held(env: Streamed, name: str, rid: str, first: dict[str, Any] | None = None) -> tuple[Future[dict[str, Any]], int]:
+def send_held(env: Streamed, name: str, rid: str,
+              first: dict[str, Any] | None = None) -> tuple[Future[dict[str, Any]], int]:
     """Send ``name`` (its prefix primed under the salt ``rid``) under the knobs ``first`` (none: no faults); once an
     IO batch started under them (group 0's, and group 1's beside it, see the module docstring), clear them.
     Returns the answer and the log mark taken before the request."""

@@ -218,7 +218,8 @@ def test_a_page_failing_a_group_settles_only_after_the_group_sent_beside_it_land
         stream = backend.binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S) and stream.groups == 4
         assert seen == [(0, False, False), (1, False, False), (2, True, False), (3, True, True)]
-        assert stream.wait_group(1, 2, None) is GroupVerdict.FAILED and stream.wait_group(0, 2, None) is GroupVerdict.LANDED
+        assert stream.wait_group(1, 2, None) is GroupVerdict.FAILED
+        assert stream.wait_group(0, 2, None) is GroupVerdict.LANDED
         assert dst_bytes(pool)[3:] == want[3:]
     finally:
         backend.close()
