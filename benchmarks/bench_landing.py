@@ -37,6 +37,7 @@ from benchmarks.common import RESULTS, args_json, can_drop_caches, drop_caches, 
 from benchmarks.machine import machine_info, machine_line
 from sgl_kvtier.config import GiB, IOEngineName
 from sgl_kvtier.keys import parse_keys
+from sgl_kvtier.policy.stream_read import even_cuts
 from sgl_kvtier.sglang import KVTierStorage
 
 console = make_console()
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
         def streamed(g: int) -> Any:
             def read() -> None:
-                stream = backend.binder.bind(parse_keys(keys), dst, read_groups=g)
+                stream = backend.binder.bind(parse_keys(keys), dst, cuts=even_cuts(plan.group_count, g))
                 if stream is None or not stream.wait_ended(600) or stream.landed_pages() != args.pages:
                     raise SystemExit(f"the stream in {g} read groups did not land")
             return read

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sgl_kvtier.sglang.parts_plan import LayerPlan, even_bounds
+from sgl_kvtier.policy.stream_read import even_cuts
+from sgl_kvtier.sglang.parts_plan import LayerPlan
 
 KV_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -80,7 +81,7 @@ class Geometry:
         """The layer groups of a page: ``groups`` groups of layers as even as can be (parts_plan's rule)."""
         if not 1 <= groups <= self.layers:
             raise ValueError(f"{self.name}: groups must be in 1..{self.layers}, got {groups}")
-        return LayerPlan("layer_first", self.layers, 2, self.layer_bytes, even_bounds(self.layers, groups))
+        return LayerPlan("layer_first", self.layers, 2, self.layer_bytes, even_cuts(self.layers, groups))
 
     def layer_flops(self) -> float:
         """FLOPs of one stand-in layer for the suffix: projections, attention over prefix + suffix, MLP."""

@@ -4,14 +4,16 @@ figures it learns on the running server. Pure Python: no clock, no SGLang; calle
 A hit loaded whole costs its request ``W`` (SGLang's prefetch, from the op's start to its result) before
 the suffix's compute ``c`` starts, plus ``X``, the host -> device copy of the hit that SGLang makes when it
 admits the request (on a CPU engine a synchronous copy before the forward's clock starts; 0 where it
-is asynchronous). A streamed hit waits at the gate until the rest of its read hides under
-the first ``(1 - 1/G)`` of ``c`` (``stream_gate``), at least for group 0, and its forward then runs while
-the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take the cores
-the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on a GPU
-the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
-model) and ``B = (1 - 1/G) * (c + k * bytes)`` (what the streamed forward hides, as the gate counts it):
+is asynchronous). A streamed hit waits at the gate until each read group of the rest is predicted to land
+before the forward computed the layers before it (``stream_gate``), at least for group 0, and its forward then
+runs while the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take
+the cores the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on
+a GPU the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
+model), read in groups of ``shares`` (``policy.stream_read``; even over ``G`` where not given), and
+``S = stream_read.stall_s(shares, R, c + k * bytes)`` (the pipeline's fill and stalls; even groups:
+``max(R / G, R - (1 - 1/G) * (c + k * bytes))``):
 
-    gain  =  W + X  -  max(R / G, R - B)  -  k * bytes
+    gain  =  W + X  -  S  -  k * bytes
     STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + X + c)    (else WHOLE: today's path)
 
 Learned figures (``StreamCosts``, thread-safe; W and X weighted halving every ``HALF_LIFE`` samples, k over
@@ -64,6 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sgl_kvtier.estimation import TransferEstimator
+from sgl_kvtier.policy.stream_read import stall_s
 from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot
 
 MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT
@@ -95,12 +98,16 @@ class BindInputs:
     load_back_s: float | None = None  # learned X for this hit (None: not learned yet, taken as 0)
     measured_whole_s: float | None = None  # a whole load's measured excess over compute for this hit (None: too few)
     measured_stream_s: float | None = None  # a streamed hit's measured excess (None: too few)
+    shares: tuple[float, ...] = ()  # each read group's share of the hit ((): even over ``groups``)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.hit_bytes < 0:
             raise ValueError(f"hit_bytes must be >= 0, got {self.hit_bytes}")
+        if self.shares and (len(self.shares) != self.groups or not math.isclose(sum(self.shares), 1.0)
+                            or min(self.shares) <= 0):
+            raise ValueError(f"shares must be {self.groups} positive shares summing to 1, got {self.shares}")
 
 
 @dataclass(frozen=True)
@@ -136,10 +143,9 @@ def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDe
     if _known(inputs.load_back_s):
         assert inputs.load_back_s is not None
         whole += inputs.load_back_s
-    g = inputs.groups
     interference = k * inputs.hit_bytes
-    gate = max(read / g, read - (1.0 - 1.0 / g) * (c + interference))
-    gain = whole - gate - interference
+    shares = inputs.shares or (1.0 / inputs.groups,) * inputs.groups
+    gain = whole - stall_s(shares, read, c + interference) - interference
     if gain >= min_gain_share * (whole + c):
         return BindDecision(BindVerdict.STREAM, "predicted faster: streamed", gain)
     return BindDecision(BindVerdict.WHOLE, "predicted no faster: loaded whole", gain)
@@ -241,13 +247,13 @@ class StreamCosts:
         return None if per_byte is None else per_byte * nbytes
 
     def decide(self, hit_bytes: int, groups: int, read_s: float | None, suffix_compute_s: float | None,
-               predict: Predict | None = None) -> BindDecision:
+               predict: Predict | None = None, shares: tuple[float, ...] = ()) -> BindDecision:
         """``decide`` with the learned figures (k against ``predict``); every ``explore_every``-th decided hit
         takes the other path."""
         decision = decide(BindInputs(hit_bytes, groups, read_s, suffix_compute_s, self.whole_wait_s(hit_bytes),
                                      self.interference_s_per_byte(predict), self.load_back_s(hit_bytes),
                                      self.measured_s(BindVerdict.WHOLE, hit_bytes, predict),
-                                     self.measured_s(BindVerdict.STREAM, hit_bytes, predict)))
+                                     self.measured_s(BindVerdict.STREAM, hit_bytes, predict), shares))
         if decision.gain_s is None or self._explore_every <= 0:
             return decision
         with self._lock:

@@ -1,15 +1,24 @@
 """The T_hide admission rule of a streamed L3 tail (issue #13, design §2.2 step 5): pure, no SGLang, no torch.
 
 A request whose tail is still streaming is admitted once the rest of its read is predicted to hide under
-the prefill of its own suffix. The forward computes layer by layer and the tail lands group by group
-(G groups), so the last group is needed only after ``(1 - 1/G)`` of the forward has run. The forward of a
-request whose tail lands meanwhile runs ``c = suffix_compute_s + interference_s``: the prefill model's
+the prefill of its own suffix. The forward computes layer by layer and the tail lands read group by read
+group (``shares``: each group's share of the tail's layers, ``policy.stream_read``; even over ``groups``
+where not given), so group k is needed only once the forward computed the layers before it. The forward
+of a request whose tail lands meanwhile runs ``c = suffix_compute_s + interference_s``: the prefill model's
 time plus what the landing costs it (the bind rule's learned ``k`` x the tail's bytes: on a CPU engine the
 reads, checksums and copies take the forward's cores; about 0 on a GPU). Measured on a 2-core CPU (8
 groups, a 201 MB tail at 235 MB/s): without it, the gate admitted at the third group's landing (0.35 s after
 registration), where the forward it hid under ran 0.1-0.3 s longer than the model's compute:
 
-    READY  when  remaining_bytes / read_rate  <=  (1 - 1/G) * c
+    READY  when  stream_read.stall_s(shares, remaining_bytes / read_rate, c, landed, first=1)  <=  0
+
+i.e. no read group after the first lands later than the forward needs it; group 0 is the forward's to wait
+on either way (but the only group of a one-group tail is not left out). ``landed``, the tail's share
+already landed, is ``1 - remaining_bytes / tail_bytes`` (at least group 0's share once it landed). Once
+group 0 landed, with even groups only the last one can bind: ``remaining_bytes / read_rate <= (1 - 1/G) *
+c``. Before group 0 landed on every page (a rate is known from the first pages' landings) only the last
+group is checked, ``read <= (1 - s_last) * c``: counted from now, the forward cannot compute before group 0
+lands, so the middle groups' terms would hold group 0's read against it (even groups: today's rule).
 
 The read rate is the stream's own, counted between its landings once a second one landed. Until then
 (group 0 landed, nothing after it) the stream's rate is counted from its thread's start and holds the
@@ -25,9 +34,9 @@ landed on every tail page (the forward's first layers never wait on a group not 
 
 DROP (the request computes the tail itself; its host slots are freed once their reads end) when:
 - a group has FAILED on a tail page before admission (nothing unverified is ever admitted);
-- waiting is predicted slower than recomputing: streaming TTFT ``max(read, (1 - 1/G) c) + c/G`` against
-  the recompute TTFT of tail + suffix (the same prefill model's). The caller passes the latter only
-  with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``): otherwise, as a hit loaded whole under SGLang's
+- waiting is predicted slower than recomputing: streaming TTFT ``c`` + the stall above (even groups:
+  ``max(read, (1 - 1/G) c) + c/G``) against the recompute TTFT of tail + suffix (the same prefill
+  model's). The caller passes the latter only with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``): otherwise, as a hit loaded whole under SGLang's
   own policy, the tail is waited for (measured: an early, low read rate dropped tails that then landed in
   well under their recompute time);
 - the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
@@ -47,6 +56,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+
+from sgl_kvtier.policy.stream_read import stall_s
 
 
 class Verdict(enum.Enum):
@@ -72,6 +83,8 @@ class GateInputs:
     full_compute_s: float | None = None  # predicted prefill of tail + suffix (None: no model, or no cost policy)
     interference_s: float = 0.0  # what the landing adds to the forward (learned k x tail bytes; 0: unknown)
     busy: bool = False  # another request runs or waits on the engine: admitted only once landed whole
+    shares: tuple[float, ...] = ()  # each read group's share of the tail's layers ((): even over ``groups``)
+    tail_bytes: int = 0  # the tail's bytes, landed or not (0: unknown; then only group 0 counts as landed)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -80,6 +93,20 @@ class GateInputs:
             raise ValueError(f"remaining_bytes must be >= 0, got {self.remaining_bytes}")
         if not self.interference_s >= 0:
             raise ValueError(f"interference_s must be >= 0, got {self.interference_s}")
+        if self.shares and (len(self.shares) != self.groups or not math.isclose(sum(self.shares), 1.0)
+                            or min(self.shares) <= 0):
+            raise ValueError(f"shares must be {self.groups} positive shares summing to 1, got {self.shares}")
+
+    def group_shares(self) -> tuple[float, ...]:
+        """Each read group's share of the tail (even over ``groups`` where ``shares`` is not given)."""
+        return self.shares or (1.0 / self.groups,) * self.groups
+
+    def landed_share(self) -> float:
+        """The tail's share already landed: from its bytes where known, at least group 0's once it landed."""
+        group0 = self.group_shares()[0] if self.group0_landed else 0.0
+        if self.tail_bytes <= 0:
+            return group0
+        return min(1.0, max(group0, 1.0 - self.remaining_bytes / self.tail_bytes))
 
     def forward_s(self) -> float | None:
         """The streamed forward's predicted seconds ``c``: the suffix's compute plus the interference."""
@@ -110,9 +137,16 @@ def predicted_read_s(inputs: GateInputs) -> float | None:
 
 
 def hide_budget_s(inputs: GateInputs) -> float | None:
-    """How much read time the streamed forward hides: ``(1 - 1/G) * c``."""
+    """The compute before the last read group: ``(1 - s_last) * c`` (even groups: ``(1 - 1/G) * c``)."""
     c = inputs.forward_s()
-    return None if c is None else (1.0 - 1.0 / inputs.groups) * c
+    return None if c is None else (1.0 - inputs.group_shares()[-1]) * c
+
+
+def stall_after_admission_s(inputs: GateInputs, read_s: float, compute_s: float) -> float:
+    """How long a forward admitted now waits on the read groups after the first (module docstring)."""
+    group_shares = inputs.group_shares()
+    first = min(1, len(group_shares) - 1) if inputs.group0_landed else len(group_shares) - 1
+    return stall_s(group_shares, read_s, compute_s, inputs.landed_share(), first=first)
 
 
 def decide(inputs: GateInputs) -> Verdict:
@@ -125,15 +159,12 @@ def decide(inputs: GateInputs) -> Verdict:
         return Verdict.DROP
     if inputs.busy:
         return Verdict.WAIT  # admitted once landed whole (above), as a hit loaded whole
-    read_s, budget_s = predicted_read_s(inputs), hide_budget_s(inputs)
-    if read_s is None or budget_s is None or inputs.suffix_compute_s is None:
+    read_s, compute = predicted_read_s(inputs), inputs.forward_s()
+    if read_s is None or compute is None:
         return Verdict.READY if inputs.group0_landed else Verdict.WAIT  # unmeasured: the safe minimum
-    if read_s <= budget_s:
+    stall = stall_after_admission_s(inputs, read_s, compute)
+    if stall <= 1e-9:
         return Verdict.READY
-    if inputs.full_compute_s is not None:
-        compute = inputs.forward_s()
-        assert compute is not None
-        streamed_ttft = max(read_s, budget_s) + compute / inputs.groups
-        if streamed_ttft > inputs.full_compute_s:
-            return Verdict.DROP  # recomputing the tail is predicted faster than waiting for it
+    if inputs.full_compute_s is not None and compute + stall > inputs.full_compute_s:
+        return Verdict.DROP  # recomputing the tail is predicted faster than waiting for it
     return Verdict.WAIT

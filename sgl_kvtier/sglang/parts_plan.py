@@ -28,8 +28,11 @@ the same parts (they are part of the namespace's identity when there are several
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from sgl_kvtier.policy.stream_read import even_cuts
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,16 @@ class LayerPlan:
         """How to read these pages in ``count`` read groups (clamped to 1..``group_count``): the layer groups
         merged in order, as evenly as can be (``ReadPlan``)."""
         count = max(1, min(int(count), self.group_count))
-        return ReadPlan(self, even_bounds(self.group_count, count))
+        return ReadPlan(self, even_cuts(self.group_count, count))
+
+    def read_in(self, cuts: Sequence[int]) -> ReadPlan:
+        """How to read these pages in the read groups ``cuts`` (``policy.stream_read.Cuts``: read group r is
+        layer groups ``[cuts[r], cuts[r + 1])``). Raises ValueError for cuts that are not ``0 < .. < G``."""
+        cut = tuple(int(c) for c in cuts)
+        g = self.group_count
+        if len(cut) < 2 or cut[0] != 0 or cut[-1] != g or any(a >= b for a, b in zip(cut, cut[1:])):
+            raise ValueError(f"read cuts must rise from 0 to {g}, got {cut}")
+        return ReadPlan(self, cut)
 
 
 @dataclass(frozen=True)
@@ -133,11 +145,6 @@ def choose_groups(num_layers: int, layer_bytes: int, lo: int = MIN_GROUPS, hi: i
         if (num_layers // g) * layer_bytes >= min_io:
             return g
     return bottom
-
-
-def even_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
-    """Layer boundaries of ``groups`` groups as even as can be (sizes differ by at most one)."""
-    return tuple(g * num_layers // groups for g in range(groups + 1))
 
 
 def plan_for(pages: Any, groups: int | None = None) -> LayerPlan | None:
@@ -187,4 +194,4 @@ def _plan(pages: Any, groups: int | None) -> tuple[LayerPlan | None, str]:
     g = choose_groups(num_layers, layer_bytes) if groups is None else groups
     if not 1 <= g <= num_layers:
         raise ValueError(f"groups must be in 1..{num_layers}, got {g}")
-    return LayerPlan(layout, num_layers, ranges, layer_bytes, even_bounds(num_layers, g)), ""
+    return LayerPlan(layout, num_layers, ranges, layer_bytes, even_cuts(num_layers, g)), ""

@@ -58,6 +58,7 @@ from sgl_kvtier.config import Streaming
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
 from sgl_kvtier.policy.stream_bind import StreamCosts
+from sgl_kvtier.policy.stream_read import Cuts
 from sgl_kvtier.sglang.host_pages import check_indices
 from sgl_kvtier.sglang.page_keys import keys_or_none, keys_until_invalid, parent_of, prefix_keys, warm_page_hash
 from sgl_kvtier.sglang.pool_tier import PoolTier
@@ -150,11 +151,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """The stream plugin is on for this backend: ``counts()`` reads its counters (``telemetry().stream``)."""
         self._stream_hooks = counts
 
-    def bind_hit(self, hashes: list[str], host_indices: torch.Tensor, read_groups: int | None = None) -> None:
+    def bind_hit(self, hashes: list[str], host_indices: torch.Tensor, cuts: Cuts | None = None) -> None:
         """SGLang allocated ``host_indices`` for the hit of ``hashes`` (its leading ``len(host_indices) //
-        page_tokens`` pages; the allocation may be shorter than the hit): stream them in now, in
-        ``read_groups`` read groups (None: the pool's layer groups). Never raises (a failure is counted at
-        the boundary and the hit loads as today)."""
+        page_tokens`` pages; the allocation may be shorter than the hit): stream them in now, in the read
+        groups ``cuts`` (``policy.stream_read``; None: the pool's layer groups). Never raises (a failure is
+        counted at the boundary and the hit loads as today)."""
         def bind() -> None:
             tier = self.kv
             if not self.streaming_enabled or tier is None:
@@ -162,7 +163,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             pages = host_indices.numel() // tier.pages.page_tokens
             keys = keys_until_invalid(hashes[:pages])
             if pages and len(keys) == pages:
-                self.binder.bind(keys, host_indices, read_groups)
+                self.binder.bind(keys, host_indices, cuts)
 
         self._guarded("bind_hit", bind, lambda: None)
 

@@ -57,6 +57,23 @@ def test_the_interference_lengthens_the_forward_the_read_hides_under():
     assert decide(inputs(1.0, whole=2.0, k_per_mb=2e-3)).gain_s == pytest.approx(2.0 - (1.0 - 0.75 * 0.9) - 0.4)
 
 
+def test_the_gain_is_priced_in_the_read_groups_shares():
+    # R = 0.12 s, c = 0.47 s, W = 0.12 s: even 2 groups wait a 0.06 s fill, a small group 0 of 1/8 0.015 s
+    even = BindInputs(HIT, 2, 0.12, 0.47, 0.12, 0.0)
+    assert decide(even).gain_s == pytest.approx(0.12 - 0.06)
+    assert decide(BindInputs(HIT, 2, 0.12, 0.47, 0.12, 0.0, shares=(0.125, 0.875))).gain_s == pytest.approx(
+        0.12 - (0.12 - 0.47 / 8))  # group 1 (7/8) lands at 0.12 s, needed after 0.059 s: waited for
+    small_first = BindInputs(HIT, 3, 0.12, 0.47, 0.12, 0.0, shares=(0.125, 0.25, 0.625))
+    assert decide(small_first).gain_s == pytest.approx(0.12 - 0.015)  # the fill only
+    costs = StreamCosts(explore_every=0)
+    for _ in range(2):
+        costs.record_stream_forward(HIT, SHAPE, 0.5)  # as predicted: k = 0
+    assert costs.decide(HIT, 3, 0.12, 0.47, PREDICT).gain_s == pytest.approx(0.12 - 0.04)  # even thirds
+    assert costs.decide(HIT, 3, 0.12, 0.47, PREDICT, shares=(0.125, 0.25, 0.625)).gain_s == pytest.approx(0.105)
+    with pytest.raises(ValueError, match="shares"):
+        BindInputs(HIT, 3, 0.12, 0.47, shares=(0.5, 0.5))
+
+
 def test_bad_inputs_are_refused_and_nan_is_unmeasured():
     with pytest.raises(ValueError, match="groups"):
         BindInputs(HIT, 0, 0.1, 0.1)

@@ -110,3 +110,49 @@ def test_helpers_and_validation():
     for bad in (-0.1, math.nan):
         with pytest.raises(ValueError, match="interference_s"):
             inputs(interference_s=bad)
+
+
+def test_uneven_groups_wait_for_the_group_that_would_land_late():
+    # 1 MB at 10 MB/s (0.1 s), group 0 landed (1/8 of the tail), c = 0.2 s; (0, 1, 3, 8) of 8 layer groups
+    small_first = (0.125, 0.25, 0.625)
+    base = dict(read_rate_Bps=1e7, suffix_compute_s=0.2, group0_landed=True, groups=3, tail_bytes=8_000_000,
+                remaining_bytes=7_000_000)
+    # 7 MB left: group 1 lands at 0.2 s, needed at 0.025 s: waits; the last's (1 - 0.625) c = 0.075 s too
+    assert decide(inputs(**base, shares=small_first)) is Verdict.WAIT
+    ready = {**base, "remaining_bytes": 1_000_000, "read_rate_Bps": 2e7}  # 0.05 s left, groups 1-2 in flight
+    # landed 7/8: the rest (the last group's) lands at 0.05 s, needed after 0.375 c = 0.075 s: admitted
+    assert decide(inputs(**ready, shares=small_first)) is Verdict.READY
+    # a large middle group that lands after the compute reached it: waits where the last group alone would not
+    middle = (0.125, 0.75, 0.125)
+    late = {**base, "read_rate_Bps": 7e7, "suffix_compute_s": 0.45}  # 0.1 s left; the last group needed at 0.39 s
+    assert decide(inputs(**late, shares=middle)) is Verdict.WAIT  # group 1 lands at 0.086 s, needed at 0.056 s
+    # group 1 at 0.014 s (needed at 0.056 s), group 2 at 0.1 s (needed at 0.1125 s)
+    assert decide(inputs(**late, shares=(0.125, 0.125, 0.75))) is Verdict.READY
+
+
+def test_the_landed_share_comes_from_the_tails_bytes_and_group_0():
+    assert inputs(groups=4, group0_landed=True).landed_share() == 0.25  # bytes unknown: group 0
+    assert inputs(groups=4).landed_share() == 0.0
+    assert inputs(groups=4, tail_bytes=4_000_000, remaining_bytes=1_000_000).landed_share() == 0.75
+    assert inputs(groups=4, tail_bytes=4_000_000, remaining_bytes=3_900_000, group0_landed=True).landed_share() == 0.25
+
+
+def test_before_group_0_landed_only_the_last_group_is_checked():
+    # uneven, group 0 not landed: 0.1 s of read against (1 - 0.625) x 0.3 s = 0.1125 s before the last group
+    early = dict(read_rate_Bps=1e7, suffix_compute_s=0.3, groups=3, shares=(0.125, 0.25, 0.625))
+    assert decide(inputs(**early)) is Verdict.READY
+    assert decide(inputs(**{**early, "suffix_compute_s": 0.25})) is Verdict.WAIT  # 0.094 s: the last lands late
+    assert hide_budget_s(inputs(**early)) == pytest.approx(0.1125)
+
+
+def test_the_streamed_ttft_against_recomputing_counts_the_uneven_stall():
+    # 1 s of read, group 0 landed, c = 0.2 s, last group 0.625: stall 1 - 0.375 x 0.2 = 0.925, TTFT 1.125
+    slow = dict(read_rate_Bps=1e6, suffix_compute_s=0.2, group0_landed=True, groups=3, shares=(0.125, 0.25, 0.625))
+    assert decide(inputs(**slow, full_compute_s=1.1)) is Verdict.DROP
+    assert decide(inputs(**slow, full_compute_s=1.2)) is Verdict.WAIT
+
+
+@pytest.mark.parametrize("bad", [(0.5, 0.5), (0.5, 0.25, 0.2), (1.0, 0.0, 0.0), (1.5, -0.25, -0.25)])
+def test_shares_must_be_one_per_group_and_sum_to_one(bad):
+    with pytest.raises(ValueError, match="shares"):
+        inputs(groups=3, shares=bad)

@@ -149,10 +149,10 @@ class FakeBinder:
         self._index: dict[int, tuple[FakeStream, int]] = {}  # host page -> (stream, page in it)
         self._lock = threading.Lock()
         self.claims: list[tuple[FakeStream, torch.Tensor]] = []
-        self.read_groups: list[int | None] = []  # what each bind was asked for (``policy.stream_read``)
+        self.cuts: list[tuple[int, ...] | None] = []  # what each bind was asked for (``policy.stream_read``)
 
-    def bind(self, hashes: list[str], host_indices: torch.Tensor, read_groups: int | None = None) -> FakeStream:
-        self.read_groups.append(read_groups)
+    def bind(self, hashes: list[str], host_indices: torch.Tensor, cuts: tuple[int, ...] | None = None) -> FakeStream:
+        self.cuts.append(cuts)
         stream = FakeStream(self.backend, hashes, host_indices, min(self.head, len(hashes)))
         with self._lock:
             self.streams.append(stream)
@@ -226,8 +226,8 @@ class StreamingTestStorage(KVTierStorage):
     def streaming_enabled(self) -> bool:
         return True
 
-    def bind_hit(self, hashes, host_indices, read_groups=None):
-        self.binder.bind(list(hashes), host_indices, read_groups)
+    def bind_hit(self, hashes, host_indices, cuts=None):
+        self.binder.bind(list(hashes), host_indices, cuts)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None):
         """SGLang's IO thread: bound slots get the stream's head answer at once, others a real read."""

@@ -22,7 +22,7 @@ from sgl_kvtier.errors import KVTierError  # noqa: E402
 from sgl_kvtier.keys import parse_keys  # noqa: E402
 from sgl_kvtier.sglang.group_reads import read_layer_groups  # noqa: E402
 from sgl_kvtier.sglang.host_pages import HostPages  # noqa: E402
-from sgl_kvtier.sglang.parts_plan import choose_groups, even_bounds, plan_for  # noqa: E402
+from sgl_kvtier.sglang.parts_plan import choose_groups, plan_for  # noqa: E402
 
 STREAMABLE = [("mha", "layer_first"), ("mha", "page_first_direct"), ("mla", "page_first_direct"), ("mla", "layer_first")]
 UNSTREAMABLE = [("mha", "page_first"), ("mha", "page_head"), ("mla", "page_first")]
@@ -85,7 +85,6 @@ def test_choose_groups_follows_the_geometry() -> None:
     assert choose_groups(64, 64 << 10) == 8 and choose_groups(64, 4 << 10) == 4
     assert choose_groups(40, 16 << 10) == 5  # 8 layers x 16 KiB at G = 5; G = 6..8 fall short
     assert choose_groups(2, 4 << 10) == 2 and choose_groups(3, 1 << 20) == 3  # never more groups than layers
-    assert even_bounds(10, 4) == (0, 2, 5, 7, 10)
 
 
 def test_kvheavy_pool_gets_eight_groups_of_128_kib() -> None:
@@ -176,29 +175,38 @@ def test_read_plans_merge_layer_groups_in_order() -> None:
     assert plan.reads(8).groups == plan.groups and [list(plan.reads(8).layers(g)) for g in range(8)] == [
         list(plan.layers(g)) for g in range(8)]
     assert plan.reads(99).group_count == 8 and plan.reads(0).group_count == 1  # clamped
+    small_first = plan.read_in((0, 1, 3, 8))  # ``policy.stream_read``'s uneven cuts: a small group 0
+    assert small_first.group_count == 3
+    assert small_first.groups == [[0, 8], [1, 2, 9, 10], [3, 4, 5, 6, 7, 11, 12, 13, 14, 15]]
+    assert [list(small_first.layers(r)) for r in range(3)] == [[0], [1, 2], [3, 4, 5, 6, 7]]
+    assert plan.read_in([0, 8]).group_count == 1
+    for bad in ((0, 3), (1, 8), (0, 4, 4, 8), (0, 5, 3, 8), (8,), (0, 9)):
+        with pytest.raises(ValueError, match="read cuts must rise from 0 to 8"):
+            plan.read_in(bad)
 
 
 @pytest.mark.parametrize(("kind", "layout"), STREAMABLE)
 def test_a_read_in_merged_groups_hands_over_their_layers_verified(tmp_path, kind, layout) -> None:
-    """Two read groups over the pool's four layer groups: each hands over its four layers' bytes, exactly;
-    every stored part was still verified (``parts_read``), and a read plan of another pool is refused."""
+    """Two read groups over the pool's four layer groups, even and uneven: each hands over its layers' bytes,
+    exactly; every stored part was still verified (``parts_read``), and a read plan of another pool is refused."""
     with stored_pages(tmp_path, kind, layout, seed=6) as st:
         pool, tier, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
         assert plan.group_count == 4
         assert st.backend.batch_set_v1(keys, slots(src)) == [True] * 6
         want = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
                 for p in src]
-        zero(pool)
-        reads = plan.reads(2)
-        seen: list[tuple[int, list[int]]] = []
-        before = tier.store.own.counters.parts_read
-        assert read_layer_groups(tier, parse_keys(keys), slots(dst), lambda g, layers, ok: seen.append(
-            (g, list(layers))), reads) == [True] * 6
-        assert seen == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
-        got = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
-               for p in dst]
-        assert got == want
-        assert tier.store.own.counters.parts_read - before == 6 * ranges * 4
+        for reads, landed in ((plan.reads(2), [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]),
+                              (plan.read_in((0, 1, 4)), [(0, [0, 1]), (1, [2, 3, 4, 5, 6, 7])])):  # uneven
+            zero(pool)
+            seen: list[tuple[int, list[int]]] = []
+            before = tier.store.own.counters.parts_read
+            assert read_layer_groups(tier, parse_keys(keys), slots(dst), lambda g, layers, ok, seen=seen: seen.append(
+                (g, list(layers))), reads) == [True] * 6
+            assert seen == landed
+            got = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
+                   for p in dst]
+            assert got == want
+            assert tier.store.own.counters.parts_read - before == 6 * ranges * 4
         other = plan_for(HostPages.of(make_pool(kind, layout, layers=4)))
         assert other is not None
         with pytest.raises(ValueError, match="not of this pool"):

@@ -614,9 +614,10 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     reap_all(env, registry)
 
 
-def test_the_hit_is_bound_in_the_read_groups_the_read_rule_picks(consumer, monkeypatch):
+def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkeypatch):
     """``policy.stream_read`` is asked with the pool's layer groups, the hit's predicted read (the store's read
-    model), its pages and K|V ranges, and the binder is handed its answer."""
+    model), its suffix's compute (the prefill model's), its pages and K|V ranges, and the binder is handed its
+    cut; the bind rule weighs the hit in that cut's shares."""
     from sgl_kvtier.estimation import DeviceModel
     from sgl_kvtier.policy.cost_inputs import ReadPath
 
@@ -625,14 +626,23 @@ def test_the_hit_is_bound_in_the_read_groups_the_read_rule_picks(consumer, monke
     model = DeviceModel(1e9, 1e-3)
     monkeypatch.setattr(env.backend.cost, "read_path", lambda: ReadPath(pages.page_tokens, pages.page_bytes, model))
     asked: list[tuple] = []
-    monkeypatch.setattr(stream_bind, "read_groups", lambda *a: asked.append(a) or 7)
+    cut = (0, 1, pages.plan.group_count)
+    monkeypatch.setattr(stream_bind, "read_cuts", lambda *a: asked.append(a) or cut)
+    weighed: list[tuple] = []
+    decide = env.backend.stream_costs.decide
+    monkeypatch.setattr(env.backend.stream_costs, "decide", lambda *a: weighed.append(a) or decide(*a))
     req = new_req("r-groups")
     registry = registered(env, req, head=3)
     tail = registry.get(req.rid)
-    assert tail is not None and env.backend.binder.read_groups == [7]
-    ((stored, read_s, n, ranges),) = asked
-    assert (stored, n, ranges) == (pages.plan.group_count, env.backend.binder.streams[0].pages, 2)
+    assert tail is not None and env.backend.binder.cuts == [cut]
+    ((bounds, read_s, compute_s, n, ranges),) = asked
+    assert (bounds, n, ranges) == (pages.plan.bounds, env.backend.binder.streams[0].pages, 2)
     assert read_s == pytest.approx(model.load_time(n, pages.page_bytes))
+    prefill = env.backend.cost.prefill.model()
+    assert (compute_s is None) == (prefill is None)
+    ((_, groups, _, weighed_compute, _, shares),) = weighed
+    first = len(pages.plan.layers(0)) / pages.plan.num_layers
+    assert groups == 2 and weighed_compute == compute_s and shares == pytest.approx((first, 1 - first))
     stream_core.drop(env.cache, registry, tail, "test over")
     tail.stream.finish()
     reap_all(env, registry)

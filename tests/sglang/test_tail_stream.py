@@ -130,26 +130,26 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
         backend.close()
 
 
-def test_a_stream_in_two_read_groups_lands_two_layer_groups_at_a_time(tmp_path) -> None:
-    """``read_groups=2`` over the pool's 4 layer groups: read group 0 is layers 0-3 (layer groups 0 and 1,
-    each still verified by its own checksums), read group 1 the rest; the binder counts the read groups."""
+def test_a_stream_in_two_uneven_read_groups_lands_their_layer_groups_together(tmp_path) -> None:
+    """``cuts=(0, 1, 4)`` over the pool's 4 layer groups (``policy.stream_read``'s small group 0): read group 0
+    is layers 0-1 (layer group 0), read group 1 layers 2-7 (layer groups 1-3, each still verified by its own
+    checksums); the binder counts the read groups."""
     backend, pool, keys, want = streamed(tmp_path)
     try:
         plan = backend.kv.pages.plan
         hold = Hold.on(backend)
         before = parts_read(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST), read_groups=2)
+        stream = backend.binder.bind(parse_keys(keys), slots(DST), cuts=(0, 1, 4))
         assert stream is not None and stream.groups == 2
-        assert [list(stream.layers(g)) for g in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert [list(stream.layers(g)) for g in range(2)] == [[0, 1], [2, 3, 4, 5, 6, 7]]
         assert hold.reached.wait(BOUND_S)
         assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.LANDED
         assert stream.wait_group(1, 0, timeout=0) is GroupVerdict.TIMEOUT  # in flight, not recorded
         per_group = plan.page_bytes // 4
-        assert stream.remaining_bytes(0) == N * 2 * per_group
-        for got, exp in zip(dst_bytes(pool), want):  # layer groups 0 and 1 are in the slots, verified
+        assert stream.remaining_bytes(0) == N * 3 * per_group
+        for got, exp in zip(dst_bytes(pool), want):  # layer group 0 is in the slots, verified
             for rng in (0, 1):
-                for g in (0, 1):
-                    assert got[group_slice(plan, g, rng)] == exp[group_slice(plan, g, rng)]
+                assert got[group_slice(plan, 0, rng)] == exp[group_slice(plan, 0, rng)]
         hold.release()
         assert stream.wait_ended(BOUND_S) and hold.seen == [0, 1]
         assert dst_bytes(pool) == want and stream.landed_pages() == N

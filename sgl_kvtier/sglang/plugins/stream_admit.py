@@ -234,8 +234,10 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
         # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
         full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
     settled = stream.rate_settled()
+    layers = [len(stream.layers(g)) for g in range(stream.groups)]
     return stream_gate.decide(stream_gate.GateInputs(
-        groups=stream.groups, remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
+        groups=stream.groups, shares=tuple(n / sum(layers) for n in layers), tail_bytes=kv_bytes(cache, tail.tokens),
+        remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
         read_rate_Bps=stream.read_rate(), rate_settled=settled,
         device_rate_Bps=None if settled or not landed0 or model is None else _device_rate(backend),  # else unused

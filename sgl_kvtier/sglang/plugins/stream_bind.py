@@ -15,8 +15,9 @@ The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_ad
    ``stream_load``'s start hook around ``start_loading``), and a forward that ran with tails is timed by
    the prefill samplers (``stall_marks``). The rule's verdict is logged when it changes; every hit it
    loads whole is counted by its reason (``STATS.not_registered``). A hit that streams is read in the
-   read groups ``policy.stream_read`` picks from its predicted read (fewer, larger IOs where it reads fast),
-   and the rule weighs it in those.
+   read groups ``policy.stream_read`` cuts from its predicted read and its suffix's compute (fewer, larger
+   IOs where it reads fast; a small group 0 where the compute outlasts the read), and the rule weighs it in
+   those.
    ``allocate_storage_hit`` runs in a drain after the op's storage query: ``note_prompt`` has run.
 2. **Prompt end** (AFTER ``prefetch_from_storage``, ``:2081``): the op is told where the request's prompt
    ends: SGLang spans an op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``); the
@@ -36,8 +37,9 @@ import time
 import weakref
 from typing import Any
 
+from sgl_kvtier.policy import stream_read
 from sgl_kvtier.policy.stream_bind import BindDecision, BindVerdict
-from sgl_kvtier.policy.stream_read import read_groups
+from sgl_kvtier.policy.stream_read import Cuts, read_cuts
 from sgl_kvtier.sglang.plugins.stream_core import (
     HCC,
     STATS,
@@ -90,13 +92,14 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
             STATS.not_registered["withheld cap: loaded whole"] += 1
             return
-        groups = _read_groups(backend, pages)
-        decision = _bind_rule(cache, backend, operation, pages, groups)
+        costs = _hit_costs(cache, backend, operation, pages)
+        cuts = _read_cuts(backend, pages, costs)
+        decision = _bind_rule(cache, backend, pages, costs, cuts)
         if decision is not None and decision.verdict is BindVerdict.WHOLE:
             STATS.not_registered[decision.reason] += 1
             setattr(operation, WHOLE_ALONE, True)  # its load is the rule's sample of W (register_tail)
             return
-        backend.bind_hit(list(operation.hash_value[:pages]), host_indices, groups)
+        backend.bind_hit(list(operation.hash_value[:pages]), host_indices, cuts)
         STATS.bind_calls += 1
         kv = backend.kv
         if decision is not None and kv is not None:  # the rule's choice: timed to its first token (stall_marks)
@@ -107,42 +110,56 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
     return None
 
 
-def _read_groups(backend: Any, pages: int) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class _HitCosts:
+    """One hit's predicted read (the store's read model) and its suffix's compute (the backend's prefill
+    model, over the prompt's end ``note_prompt`` put on the op); None: not measured / no model."""
+
+    read_s: float | None
+    compute_s: float | None
+    predict: Any  # the prefill model's batch time (None: no model)
+
+
+def _hit_costs(cache: Any, backend: Any, operation: Any, pages: int) -> _HitCosts:
+    kv = backend.kv
+    read = backend.cost.read_path()
+    model = backend.cost.prefill.model()
+    hit_end = int(operation.storage_start) + pages * cache.page_size
+    prompt_end = getattr(operation, PROMPT_END, None)
+    compute = None if model is None or prompt_end is None else model.time(max(1, int(prompt_end) + 1 - hit_end),
+                                                                          hit_end)
+    read_s = None if read is None or kv is None else read.device.load_time(pages, kv.pages.page_bytes)
+    return _HitCosts(read_s, compute, None if model is None else model.batch_time)
+
+
+def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
     """The read groups of this hit's stream (``policy.stream_read``: fewer, larger IOs where the hit reads
-    fast); None (the pool's layer groups) under the testing knob or without a layer plan. Streaming runs on
-    CPU engines only in this version (``stream_core``): the landing's IOs take the forward's cores."""
+    fast, a small group 0 where the compute outlasts the read); None (the pool's layer groups) under the
+    testing knob or without a layer plan. Streaming runs on CPU engines only in this version
+    (``stream_core``): the landing's IOs take the forward's cores."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
     plan = kv.pages.plan
-    read = backend.cost.read_path()
-    read_s = None if read is None else read.device.load_time(pages, kv.pages.page_bytes)
-    return read_groups(plan.group_count, read_s, pages, plan.ranges)
+    return read_cuts(plan.bounds, costs.read_s, costs.compute_s, pages, plan.ranges)
 
 
-def _bind_rule(cache: Any, backend: Any, operation: Any, pages: int, groups: int | None) -> BindDecision | None:
-    """Stream this hit or load it whole (``policy.stream_bind``): its predicted read (the store's read model) and
-    its suffix's compute (the prefill model, over the prompt's end ``note_prompt`` put on the op), read in
-    ``groups`` read groups (None: the pool's layer groups). None: the testing knob (every hit streams)."""
+def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cuts | None) -> BindDecision | None:
+    """Stream this hit or load it whole (``policy.stream_bind``), read in the read groups ``cuts`` (None: the
+    pool's layer groups). None: the testing knob (every hit streams)."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
-    ps, page_bytes = cache.page_size, kv.pages.page_bytes
-    read = backend.cost.read_path()
-    model = backend.cost.prefill.model()
-    hit_end = int(operation.storage_start) + pages * ps
-    prompt_end = getattr(operation, PROMPT_END, None)
-    compute = None if model is None or prompt_end is None else model.time(max(1, int(prompt_end) + 1 - hit_end),
-                                                                          hit_end)
-    read_s = None if read is None else read.device.load_time(pages, page_bytes)
-    predict = None if model is None else model.batch_time
-    decision: BindDecision = backend.stream_costs.decide(pages * page_bytes, groups or kv.pages.plan.group_count, read_s,
-                                                         compute, predict)
+    plan = kv.pages.plan
+    groups = plan.group_count if cuts is None else len(cuts) - 1
+    shares: tuple[float, ...] = () if cuts is None else stream_read.shares(plan.bounds, cuts)
+    decision: BindDecision = backend.stream_costs.decide(pages * kv.pages.page_bytes, groups, costs.read_s,
+                                                         costs.compute_s, costs.predict, shares)
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
                     "-" if decision.gain_s is None else f"{decision.gain_s:.3f}s",
-                    dataclasses.asdict(backend.stream_costs.snapshot(predict)))
+                    dataclasses.asdict(backend.stream_costs.snapshot(costs.predict)))
     return decision
 
 

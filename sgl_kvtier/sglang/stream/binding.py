@@ -42,6 +42,7 @@ import torch
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.io.threads import io_thread_started
 from sgl_kvtier.keys import PageKey
+from sgl_kvtier.policy.stream_read import Cuts
 from sgl_kvtier.sglang.host_pages import Access, check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.stream.tail_stream import Observer, TailStream
@@ -116,9 +117,9 @@ class StreamBinder:
 
     # ------------------------------------------------------------------ bind (scheduler thread)
     def bind(self, keys: Sequence[PageKey], host_indices: torch.Tensor,
-             read_groups: int | None = None) -> TailStream | None:
-        """Start streaming ``keys`` into ``host_indices`` in ``read_groups`` read groups (None: the pool's
-        layer groups; ``TailStream``); None when streaming is off or the hit empty."""
+             cuts: Cuts | None = None) -> TailStream | None:
+        """Start streaming ``keys`` into ``host_indices`` in the read groups ``cuts`` (``policy.stream_read``;
+        None: the pool's layer groups; ``TailStream``); None when streaming is off or the hit empty."""
         if not keys or not self._enabled():
             return None
         tier = self._tier()
@@ -142,7 +143,7 @@ class StreamBinder:
                 self._executor = ThreadPoolExecutor(self._max_streams, thread_name_prefix="kvtier-stream",
                                                     initializer=io_thread_started)
             stream = TailStream(tier, keys, host_indices, self._executor, self._boundary, self.observer,
-                                on_end=self._ended, read_groups=read_groups)
+                                on_end=self._ended, cuts=cuts)
             bound = _Bound(stream, {hp: i for i, hp in enumerate(hpages)})
             for i, hp in enumerate(hpages):
                 self._index[hp] = (bound, i)

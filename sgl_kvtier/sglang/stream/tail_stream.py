@@ -4,7 +4,7 @@ group by group, straight into the host slots SGLang allocated for it (``contract
 One ``TailStream`` per bound hit (``binding.StreamBinder.bind``), run on one thread of the binder's small
 executor (a stream queued behind others is still correct, just later). Its groups are *read groups*
 (``parts_plan.ReadPlan``): the pool's stored layer groups, or fewer, larger ones merged from them
-(``read_groups``; the binder's choice, ``policy.stream_read``); everything below counts in read groups.
+(``cuts``, even or not; the binder's choice, ``policy.stream_read``); everything below counts in read groups.
 Its thread:
 
 1. takes the hit's pages that read-ahead staged at ``batch_exists`` (``ReadAhead.take``) and copies those
@@ -51,6 +51,7 @@ import torch
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.keys import PageKey
+from sgl_kvtier.policy.stream_read import Cuts
 from sgl_kvtier.prefetch.readahead import ReadAhead, StagedPage
 from sgl_kvtier.sglang.group_reads import read_layer_groups
 from sgl_kvtier.sglang.host_pages import check_indices
@@ -85,11 +86,11 @@ class TailStream:
     def __init__(self, tier: PoolTier, keys: Sequence[PageKey], host_indices: torch.Tensor, executor: Executor,
                  boundary: ErrorBoundary, observer: Observer | None = None,
                  on_end: Callable[[TailStream], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, read_groups: int | None = None):
+                 clock: Callable[[], float] = time.monotonic, cuts: Cuts | None = None):
         stored = tier.pages.plan
         if stored is None:
             raise KVTierError(f"pool {tier.name} ({tier.pages.layout}) does not stream in layer groups")
-        plan = stored.reads(stored.group_count if read_groups is None else read_groups)
+        plan = stored.reads(stored.group_count) if cuts is None else stored.read_in(cuts)
         problem = check_indices(host_indices, len(keys), tier.pages.page_tokens)
         if problem is not None:
             raise ValueError(problem)
