@@ -36,9 +36,9 @@ DROP (the request computes the tail itself; its host slots are freed once their 
 - a group has FAILED on a tail page before admission (nothing unverified is ever admitted);
 - waiting is predicted slower than recomputing: streaming TTFT ``c`` + the stall above (even groups:
   ``max(read, (1 - 1/G) c) + c/G``) against the recompute TTFT of tail + suffix (the same prefill
-  model's). The caller passes the latter only with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``): otherwise, as a hit loaded whole under SGLang's
-  own policy, the tail is waited for (measured: an early, low read rate dropped tails that then landed in
-  well under their recompute time);
+  model's). The caller passes the latter only with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``):
+  otherwise, as a hit loaded whole under SGLang's own policy, the tail is waited for (measured: an early,
+  low read rate dropped tails that then landed in well under their recompute time);
 - the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
   never parks a request for longer than SGLang itself would have waited on it).
 
@@ -134,12 +134,6 @@ def predicted_read_s(inputs: GateInputs) -> float | None:
         return 0.0
     rate = read_rate_Bps(inputs)
     return None if rate is None else inputs.remaining_bytes / rate
-
-
-def hide_budget_s(inputs: GateInputs) -> float | None:
-    """The compute before the last read group: ``(1 - s_last) * c`` (even groups: ``(1 - 1/G) * c``)."""
-    c = inputs.forward_s()
-    return None if c is None else (1.0 - inputs.group_shares()[-1]) * c
 
 
 def stall_after_admission_s(inputs: GateInputs, read_s: float, compute_s: float) -> float:

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from sgl_kvtier.policy.stream_gate import GateInputs, Verdict, decide, hide_budget_s, predicted_read_s, read_rate_Bps
+from sgl_kvtier.policy.stream_gate import (
+    GateInputs,
+    Verdict,
+    decide,
+    predicted_read_s,
+    read_rate_Bps,
+    stall_after_admission_s,
+)
 
 
 def inputs(**kw) -> GateInputs:
@@ -33,8 +40,9 @@ def test_the_landing_s_interference_lengthens_the_forward_it_hides_under():
     assert decide(inputs(read_rate_Bps=1e7, suffix_compute_s=0.1)) is Verdict.WAIT
     admitted = inputs(read_rate_Bps=1e7, suffix_compute_s=0.1, interference_s=0.05)
     assert decide(admitted) is Verdict.READY
-    assert admitted.forward_s() == pytest.approx(0.15) and hide_budget_s(admitted) == pytest.approx(0.1125)
-    assert inputs().forward_s() is None and hide_budget_s(inputs(interference_s=1.0)) is None  # no model: unknown
+    assert admitted.forward_s() == pytest.approx(0.15) and stall_after_admission_s(admitted, 0.1, 0.15) == 0.0
+    assert stall_after_admission_s(admitted, 0.1, 0.1) == pytest.approx(0.025)  # the last group: 0.1 - 0.075
+    assert inputs().forward_s() is None and inputs(interference_s=1.0).forward_s() is None  # no model: unknown
 
 
 def test_interference_counts_in_the_streamed_ttft_against_recomputing():
@@ -93,7 +101,7 @@ def test_unmeasured_inputs_fall_back_to_group_zero(rate, compute):
 
 
 def test_one_group_hides_nothing():
-    assert hide_budget_s(inputs(groups=1, suffix_compute_s=5.0)) == 0.0
+    assert stall_after_admission_s(inputs(groups=1), 1e-6, 5.0) == pytest.approx(1e-6)  # the only group: waited
     assert decide(inputs(groups=1, read_rate_Bps=1e12, suffix_compute_s=5.0, full_compute_s=9.0)) is Verdict.WAIT
 
 
@@ -101,8 +109,7 @@ def test_helpers_and_validation():
     assert predicted_read_s(inputs(remaining_bytes=0)) == 0.0
     assert predicted_read_s(inputs(read_rate_Bps=2e6)) == pytest.approx(0.5)
     assert predicted_read_s(inputs()) is None
-    assert hide_budget_s(inputs()) is None
-    assert hide_budget_s(inputs(suffix_compute_s=-1.0)) == 0.0
+    assert inputs(suffix_compute_s=-1.0).forward_s() == 0.0
     with pytest.raises(ValueError):
         inputs(groups=0)
     with pytest.raises(ValueError):
@@ -142,7 +149,7 @@ def test_before_group_0_landed_only_the_last_group_is_checked():
     early = dict(read_rate_Bps=1e7, suffix_compute_s=0.3, groups=3, shares=(0.125, 0.25, 0.625))
     assert decide(inputs(**early)) is Verdict.READY
     assert decide(inputs(**{**early, "suffix_compute_s": 0.25})) is Verdict.WAIT  # 0.094 s: the last lands late
-    assert hide_budget_s(inputs(**early)) == pytest.approx(0.1125)
+    assert stall_after_admission_s(inputs(**early), 0.1, 0.25) == pytest.approx(0.1 - 0.375 * 0.25)
 
 
 def test_the_streamed_ttft_against_recomputing_counts_the_uneven_stall():
