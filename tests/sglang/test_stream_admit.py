@@ -614,10 +614,10 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     reap_all(env, registry)
 
 
-def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkeypatch):
+def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkeypatch, caplog):
     """``policy.stream_read`` is asked with the pool's layer groups, the hit's predicted read (the store's read
     model), its suffix's compute (the prefill model's), its pages and K|V ranges, and the binder is handed its
-    cut; the bind rule weighs the hit in that cut's shares."""
+    cut (logged when it changes); the bind rule weighs the hit in that cut's shares."""
     from sgl_kvtier.estimation import DeviceModel
     from sgl_kvtier.policy.cost_inputs import ReadPath
 
@@ -632,9 +632,11 @@ def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkey
     decide = env.backend.stream_costs.decide
     monkeypatch.setattr(env.backend.stream_costs, "decide", lambda *a: weighed.append(a) or decide(*a))
     req = new_req("r-groups")
-    registry = registered(env, req, head=3)
+    with caplog.at_level("INFO", logger=stream_bind.logger.name):
+        registry = registered(env, req, head=3)
     tail = registry.get(req.rid)
     assert tail is not None and env.backend.binder.cuts == [cut]
+    assert sum(f"read in layer groups {cut}" in r.getMessage() for r in caplog.records) == 1  # a new cut: said
     ((bounds, read_s, compute_s, n, ranges),) = asked
     assert (bounds, n, ranges) == (pages.plan.bounds, env.backend.binder.streams[0].pages, 2)
     assert read_s == pytest.approx(model.load_time(n, pages.page_bytes))

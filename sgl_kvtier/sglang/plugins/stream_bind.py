@@ -141,7 +141,12 @@ def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
     plan = kv.pages.plan
-    return read_cuts(plan.bounds, costs.read_s, costs.compute_s, pages, plan.ranges)
+    cuts = read_cuts(plan.bounds, costs.read_s, costs.compute_s, pages, plan.ranges)
+    if cuts != _last_cuts.get(backend):
+        _last_cuts[backend] = cuts
+        logger.info("kvtier stream: hits of %d pages read in layer groups %s (predicted read %s, compute %s)",
+                    pages, cuts, *("-" if x is None else f"{x:.3f}s" for x in (costs.read_s, costs.compute_s)))
+    return cuts
 
 
 def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cuts | None) -> BindDecision | None:
@@ -164,6 +169,7 @@ def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cut
 
 
 _last_verdict: weakref.WeakKeyDictionary[Any, BindVerdict] = weakref.WeakKeyDictionary()
+_last_cuts: weakref.WeakKeyDictionary[Any, Cuts] = weakref.WeakKeyDictionary()  # logged when it changes
 
 
 def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, new_input_tokens: Any, *args: Any,
