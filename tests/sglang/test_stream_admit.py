@@ -617,7 +617,8 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
 def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkeypatch, caplog):
     """``policy.stream_read`` is asked with the pool's layer groups, the hit's predicted read (the store's read
     model), its suffix's compute (the prefill model's), its pages and K|V ranges, and the binder is handed its
-    cut (logged when it changes); the bind rule weighs the hit in that cut's shares."""
+    cut (logged when it changes, at most every CUTS_LOG_EVERY_S); the bind rule weighs the hit in that cut's
+    shares."""
     from sgl_kvtier.estimation import DeviceModel
     from sgl_kvtier.policy.cost_inputs import ReadPath
 
@@ -648,6 +649,17 @@ def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkey
     stream_core.drop(env.cache, registry, tail, "test over")
     tail.stream.finish()
     reap_all(env, registry)
+    # hits of other sizes change the cut: logged again only CUTS_LOG_EVERY_S after the last line
+    logged_at = stream_bind._last_cuts[env.backend][1]
+    other = (0, 2, pages.plan.group_count)
+    monkeypatch.setattr(stream_bind, "read_cuts", lambda *a: other)
+    costs = stream_bind._HitCosts(0.1, 0.5, None)
+    for dt, said in ((1.0, 0), (stream_bind.CUTS_LOG_EVERY_S, 1)):
+        monkeypatch.setattr(stream_bind, "_clock", lambda dt=dt: logged_at + dt)
+        caplog.clear()
+        with caplog.at_level("INFO", logger=stream_bind.logger.name):
+            assert stream_bind._read_cuts(env.backend, 4, costs) == other
+        assert sum(f"read in layer groups {other}" in r.getMessage() for r in caplog.records) == said
 
 
 def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_load(consumer, monkeypatch):

@@ -57,6 +57,7 @@ MAX_WITHHELD = 0.25  # at most this share of the host pool in registered tails (
 ENV_TEST_GATE = "KVTIER_TEST_STREAM_GATE"  # testing only: "group0" (module docstring)
 TEST_GATE_GROUP0 = os.environ.get(ENV_TEST_GATE) == "group0"  # read once: the gate polls on every scheduler step
 PROMPT_END = "kvtier_prompt_end"  # attribute of a prefetch op: the end of the request's prefix span (tokens)
+CUTS_LOG_EVERY_S = 60.0  # a read cut that changed is logged at most this often (the first one at once)
 WHOLE_ALONE = "kvtier_whole_alone"  # attribute of a prefetch op: loaded whole by the bind rule, alone
 _clock = time.monotonic  # replaceable in tests (SGLang's op start_time is on this clock)
 
@@ -134,16 +135,18 @@ def _hit_costs(cache: Any, backend: Any, operation: Any, pages: int) -> _HitCost
 
 def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
     """The read groups of this hit's stream (``policy.stream_read``: fewer, larger IOs where the hit reads
-    fast, a small group 0 where the compute outlasts the read); None (the pool's layer groups) under the
-    testing knob or without a layer plan. Streaming runs on CPU engines only in this version
-    (``stream_core``): the landing's IOs take the forward's cores."""
+    fast, a small group 0 where the compute outlasts the read; logged when it changed, at most every
+    ``CUTS_LOG_EVERY_S``); None (the pool's layer groups) under the testing knob or without a layer plan.
+    Streaming runs on CPU engines only in this version (``stream_core``): the landing's IOs take the
+    forward's cores."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
     plan = kv.pages.plan
     cuts = read_cuts(plan.bounds, costs.read_s, costs.compute_s, pages, plan.ranges)
-    if cuts != _last_cuts.get(backend):
-        _last_cuts[backend] = cuts
+    last, now = _last_cuts.get(backend), _clock()
+    if last is None or (cuts != last[0] and now - last[1] >= CUTS_LOG_EVERY_S):  # hits of many sizes: no flood
+        _last_cuts[backend] = (cuts, now)
         logger.info("kvtier stream: hits of %d pages read in layer groups %s (predicted read %s, compute %s)",
                     pages, cuts, *("-" if x is None else f"{x:.3f}s" for x in (costs.read_s, costs.compute_s)))
     return cuts
@@ -169,7 +172,7 @@ def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cut
 
 
 _last_verdict: weakref.WeakKeyDictionary[Any, BindVerdict] = weakref.WeakKeyDictionary()
-_last_cuts: weakref.WeakKeyDictionary[Any, Cuts] = weakref.WeakKeyDictionary()  # logged when it changes
+_last_cuts: weakref.WeakKeyDictionary[Any, tuple[Cuts, float]] = weakref.WeakKeyDictionary()  # last logged, when
 
 
 def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, new_input_tokens: Any, *args: Any,
