@@ -32,9 +32,11 @@ IOs for the least fill (kvheavy on the fast device, R 0.12 s, c 0.47 s: ``(0, 2,
 the 3 even groups ``(0, 2, 5, 8)`` in a third fewer IOs); where it is slower, what the forward computes
 after the last group lands is the wait, so the last group is small and the ones before it may be large
 (break-even, R 0.86 s, c 0.55 s: ``(0, 1, 4, 6, 7, 8)`` against the even ``(0, 1, 2, 3, 4, 5, 6, 8)``,
-whose last group of 2 leaves 69 ms more to compute after the read). Without a compute estimate ``c`` the cut is even,
-in ``read_groups(..)`` groups (``R / G' + G' x pages x ranges x op_cpu_s``, the finest on a tie: on a fast
-device 2-3, at break-even 7-8); unknown or non-finite ``R``: the stored groups as they are.
+whose last group of 2 leaves 69 ms more to compute after the read). Measured against even cuts in the same
+run (``benchmarks/RESULTS.md``, session 20): 0-4% lower TTFT at break-even, the forward's waits on groups
+halved. Without a compute estimate ``c`` the cut is even, in ``read_groups(..)`` groups (``R / G' + G' x
+pages x ranges x op_cpu_s``, the finest on a tie: on a fast device 2-3, at break-even 7-8); unknown or
+non-finite ``R``: the stored groups as they are.
 """
 
 from __future__ import annotations
