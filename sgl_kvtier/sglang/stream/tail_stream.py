@@ -2,10 +2,8 @@
 group by group, straight into the host slots SGLang allocated for it (``contract.TailStream``).
 
 One ``TailStream`` per bound hit (``binding.StreamBinder.bind``), run on one thread of the binder's small
-executor (a stream queued behind others is still correct, just later). Its groups are *read groups*
-(``parts_plan.ReadPlan``): the pool's stored layer groups, or fewer, larger ones merged from them
-(``cuts``, even or not; the binder's choice, ``policy.stream_read``); everything below counts in read groups.
-Its thread:
+executor (a stream queued behind others is still correct, just later). Its groups are *read groups* (the
+stored layer groups merged in ``cuts``, ``policy.stream_read``); everything below counts in read groups. Its thread:
 
 1. takes the hit's pages that read-ahead staged at ``batch_exists`` (``ReadAhead.take``) and copies those
    whose staged read already ended into their slots, whole: every layer group of such a page lands at once;
