@@ -56,9 +56,12 @@ def test_a_twin_is_a_second_off_server_per_device() -> None:
         plan.plan_servers(["fast"], [ON], references=False, breakeven_known=True, twin=OFF)
     args = bench.parse_args(["--devices", "fast", "--twin"])
     assert [r.key for r in args.server_runs] == ["off", "on", "off-twin"] and args.twin_env == {}
-    # Three servers take turns; the order reverses at odd rounds, so each goes first as often as last.
+    # Three servers take turns; the order rotates with the round, so each takes each turn alike.
     trio = [r.key for r in args.server_runs]
-    assert [servers.order(trio, i)[0] for i in range(4)] == ["off", "off-twin"] * 2
+    turns = [servers.order(trio, i) for i in range(3)]
+    assert turns == [["off", "on", "off-twin"], ["on", "off-twin", "off"], ["off-twin", "off", "on"]]
+    assert all(sorted(t[p] for t in turns) == sorted(trio) for p in range(3))
+    assert servers.order(trio, 3) == turns[0]
 
 
 def test_an_on_twin_runs_with_its_own_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -328,8 +328,8 @@ def twin_lines(run: Mapping[str, Any]) -> list[str]:
 def schedule_line(run: Mapping[str, Any]) -> str:
     if run.get("schedule", "sequential") == "sequential":
         return "Schedule: sequential (one server at a time, each serving all its rounds)."
-    return ("Schedule: interleaved (a device's off and on servers up at once, serving each round in turn, the first "
-            "alternating; a server's write-back drained before its peer measures; every server --sleep-on-idle).")
+    return ("Schedule: interleaved (a device's off and on servers up at once, serving each round in turn, the turns "
+            "rotating; a server's write-back drained before its peer measures; every server --sleep-on-idle).")
 
 
 def breakeven_line(run: Mapping[str, Any]) -> str:

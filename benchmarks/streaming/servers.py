@@ -13,8 +13,10 @@ Schedules (``--schedule``), for the servers of one device (``off`` and ``on``):
   phase are recorded as ``peer_cpu_s``). A shared machine's drift (up to 25% between servers measured
   minutes apart, benchmarks/RESULTS.md) then hits both modes alike, round by round, and each measured round
   is one paired on/off comparison (``streaming.paired``). With ``--twin`` a third server (a second ``off``
-  or ``on``, with ``--twin-env`` over the environment) takes its turn too: the order reverses at odd i, so
-  each server goes first or last alike.
+  or ``on``, with ``--twin-env`` over the environment) takes its turn too: the order rotates with i, so
+  each server takes each turn alike (until session 20 it reversed at odd i, which left the ``on`` server
+  always in the middle turn, right after another server's round: measured, an ``on`` server that streamed
+  nothing read 1.06 paired against its ``off`` while the twin read 0.93, RESULTS session 20).
 - ``sequential``: one server at a time, each serving all its rounds (the session 7-8 runs).
 
 Every server runs with ``--sleep-on-idle``: an idle SGLang scheduler otherwise polls its sockets in a busy
@@ -58,8 +60,10 @@ def batches(schedule: Schedule, group: Sequence[Any]) -> list[list[Any]]:
 
 
 def order(servers: Sequence[Any], i: int) -> list[Any]:
-    """Who serves round ``i`` first: the servers in their order at even i, reversed at odd i."""
-    return list(servers) if i % 2 == 0 else list(reversed(servers))
+    """Who serves round ``i`` in which turn: the servers' order rotated by ``i`` (two servers: in their
+    order at even i, reversed at odd i; three: each takes each turn once every three rounds)."""
+    k = i % len(servers) if servers else 0
+    return [*servers[k:], *servers[:k]]
 
 
 class BenchServer:
