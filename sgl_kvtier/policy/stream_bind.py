@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sgl_kvtier.estimation import TransferEstimator
-from sgl_kvtier.policy.stream_read import stall_s
+from sgl_kvtier.policy.stream_read import check_shares, or_even, stall_s
 from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot
 
 MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT
@@ -105,9 +105,7 @@ class BindInputs:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.hit_bytes < 0:
             raise ValueError(f"hit_bytes must be >= 0, got {self.hit_bytes}")
-        if self.shares and (len(self.shares) != self.groups or not math.isclose(sum(self.shares), 1.0)
-                            or min(self.shares) <= 0):
-            raise ValueError(f"shares must be {self.groups} positive shares summing to 1, got {self.shares}")
+        check_shares(self.shares, self.groups)
 
 
 @dataclass(frozen=True)
@@ -144,8 +142,7 @@ def decide(inputs: BindInputs, min_gain_share: float = MIN_GAIN_SHARE) -> BindDe
         assert inputs.load_back_s is not None
         whole += inputs.load_back_s
     interference = k * inputs.hit_bytes
-    shares = inputs.shares or (1.0 / inputs.groups,) * inputs.groups
-    gain = whole - stall_s(shares, read, c + interference) - interference
+    gain = whole - stall_s(or_even(inputs.shares, inputs.groups), read, c + interference) - interference
     if gain >= min_gain_share * (whole + c):
         return BindDecision(BindVerdict.STREAM, "predicted faster: streamed", gain)
     return BindDecision(BindVerdict.WHOLE, "predicted no faster: loaded whole", gain)

@@ -57,7 +57,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from sgl_kvtier.policy.stream_read import stall_s
+from sgl_kvtier.policy.stream_read import check_shares, or_even, stall_s
 
 
 class Verdict(enum.Enum):
@@ -93,13 +93,11 @@ class GateInputs:
             raise ValueError(f"remaining_bytes must be >= 0, got {self.remaining_bytes}")
         if not self.interference_s >= 0:
             raise ValueError(f"interference_s must be >= 0, got {self.interference_s}")
-        if self.shares and (len(self.shares) != self.groups or not math.isclose(sum(self.shares), 1.0)
-                            or min(self.shares) <= 0):
-            raise ValueError(f"shares must be {self.groups} positive shares summing to 1, got {self.shares}")
+        check_shares(self.shares, self.groups)
 
     def group_shares(self) -> tuple[float, ...]:
         """Each read group's share of the tail (even over ``groups`` where ``shares`` is not given)."""
-        return self.shares or (1.0 / self.groups,) * self.groups
+        return or_even(self.shares, self.groups)
 
     def landed_share(self) -> float:
         """The tail's share already landed: from its bytes where known, at least group 0's once it landed."""

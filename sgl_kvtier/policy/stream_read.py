@@ -61,6 +61,18 @@ def shares(layer_bounds: Sequence[int], cuts: Sequence[int]) -> tuple[float, ...
     return tuple((layer_bounds[b] - layer_bounds[a]) / total for a, b in zip(cuts, cuts[1:]))
 
 
+def or_even(group_shares: tuple[float, ...], groups: int) -> tuple[float, ...]:
+    """``group_shares``, or ``groups`` even shares where it is empty (the callers' inputs' default)."""
+    return group_shares or (1.0 / groups,) * groups
+
+
+def check_shares(group_shares: Sequence[float], groups: int) -> None:
+    """Raises ValueError unless ``group_shares`` is empty (even) or ``groups`` positive shares summing to 1."""
+    if group_shares and (len(group_shares) != groups or not math.isclose(sum(group_shares), 1.0)
+                         or min(group_shares) <= 0):
+        raise ValueError(f"shares must be {groups} positive shares summing to 1, got {tuple(group_shares)}")
+
+
 def stall_s(group_shares: Sequence[float], read_s: float, compute_s: float, landed: float = 0.0,
             first: int = 0) -> float:
     """Seconds the forward waits on the read in all (module docstring, "the pipeline"), at least 0.

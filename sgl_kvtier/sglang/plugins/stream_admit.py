@@ -57,7 +57,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.policy import stream_gate
+from sgl_kvtier.policy import stream_gate, stream_read
 from sgl_kvtier.sglang.plugins import prefetch, stream_accounting, stream_bind
 from sgl_kvtier.sglang.plugins.stream_core import (
     STATS,
@@ -86,6 +86,7 @@ class TailInfo:
     deadline_s: float
     suffix_tokens: int  # the prompt's prefix end (``note_prompt``) + 1 - the tail's end
     interference_s: float | None = None  # the landing's cost to the forward (k x bytes), at the first verdict
+    shares: tuple[float, ...] = ()  # each read group's share of the tail (``_shares``), at the first verdict
 
 
 _info: weakref.WeakKeyDictionary[StreamedTail, TailInfo] = weakref.WeakKeyDictionary()
@@ -234,15 +235,22 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
         # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
         full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
     settled = stream.rate_settled()
-    layers = [len(stream.layers(g)) for g in range(stream.groups)]
+    if not info.shares:  # the stream's read groups never change: taken once per tail (the gate polls every round)
+        info.shares = _shares(stream)
     return stream_gate.decide(stream_gate.GateInputs(
-        groups=stream.groups, shares=tuple(n / sum(layers) for n in layers), tail_bytes=kv_bytes(cache, tail.tokens),
+        groups=stream.groups, shares=info.shares, tail_bytes=kv_bytes(cache, tail.tokens),
         remaining_bytes=stream.remaining_bytes(tail.first_page), group0_landed=landed0,
         failed=failed, waited_s=_clock() - info.registered_at, deadline_s=info.deadline_s,
         read_rate_Bps=stream.read_rate(), rate_settled=settled,
         device_rate_Bps=None if settled or not landed0 or model is None else _device_rate(backend),  # else unused
         suffix_compute_s=suffix, full_compute_s=full, interference_s=interference,
         busy=not stream_bind.TEST_GATE_GROUP0 and others_in_engine(cache, tail.rid)))
+
+
+def _shares(stream: Any) -> tuple[float, ...]:
+    """Each of ``stream``'s read groups' share of its layers (``stream_read.shares`` over its layer bounds)."""
+    bounds = [stream.layers(0).start, *(stream.layers(g).stop for g in range(stream.groups))]
+    return stream_read.shares(bounds, range(stream.groups + 1))
 
 
 def _device_rate(backend: Any) -> float | None:
