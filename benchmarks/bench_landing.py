@@ -33,9 +33,18 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from benchmarks.common import RESULTS, args_json, can_drop_caches, drop_caches, make_console, scratch_dir, write_json
+from benchmarks.common import (
+    RESULTS,
+    args_json,
+    can_drop_caches,
+    drop_caches,
+    make_console,
+    scratch_dir,
+    store_room,
+    write_json,
+)
 from benchmarks.machine import machine_info, machine_line
-from sgl_kvtier.config import GiB, IOEngineName
+from sgl_kvtier.config import IOEngineName
 from sgl_kvtier.keys import parse_keys
 from sgl_kvtier.policy.stream_read import even_cuts
 from sgl_kvtier.sglang import KVTierStorage
@@ -75,7 +84,7 @@ def host_pool(args: argparse.Namespace) -> MHATokenToKVPoolHost:
 
 def backend_on(root: Path, pool: MHATokenToKVPoolHost, nbytes: int, io_engine: str = "auto") -> KVTierStorage:
     extra = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
-             "io_engine": io_engine, "interface_v1": 1, "devices": [str(root)], "capacity_bytes": nbytes + GiB,
+             "io_engine": io_engine, "interface_v1": 1, "devices": [str(root)], "capacity_bytes": store_room(nbytes),
              "readahead_bytes": 0, "streaming": "on", "model_fingerprint": "bench-landing"}
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,

@@ -24,14 +24,14 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from benchmarks.common import RESULTS, make_console
+from benchmarks.common import RESULTS, make_console, store_room
 from benchmarks.machine import machine_line
 from benchmarks.store.context import BATCH, Ctx, store_run, write_result
 from benchmarks.store.fio import measure_fio
 from benchmarks.store.index import INDEX_MEASURES, IndexFixture
 from benchmarks.store.rows import Row, merge, ratio_rows
 from benchmarks.store.stores import open_store
-from sgl_kvtier.config import GiB, IOEngineName, MiB
+from sgl_kvtier.config import IOEngineName, MiB
 
 console = make_console()
 
@@ -42,7 +42,7 @@ def measure_kvtier(ctx: Ctx, page_bytes: int, engine: str) -> list[Row]:
     nbytes, path = ctx.pass_bytes(page_bytes), ctx.root / f"kvtier-{engine}"
     path.mkdir()
     try:
-        store = open_store(path, page_bytes, nbytes + GiB, durability="batch", io_engine=engine,
+        store = open_store(path, page_bytes, store_room(nbytes), durability="batch", io_engine=engine,
                            io_depth=ctx.args.io_depth)
     except Exception as exc:  # e.g. io_uring unavailable: report it and go on
         shutil.rmtree(path)

@@ -45,6 +45,14 @@ def timestamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def store_room(nbytes: int) -> int:
+    """A benchmark store's ``capacity_bytes`` for a working set of ``nbytes``: twice it, plus 64 MiB.
+
+    Not ``nbytes + 1 GiB``: a capacity over one default segment (1 GiB) asks the filesystem for the whole segment
+    before the first write, which a small run on a small CI disk need not have."""
+    return 2 * nbytes + 64 * (1 << 20)
+
+
 def can_drop_caches() -> bool:
     """Whether this process may drop the OS page cache (root, and the sysctl is writable)."""
     return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)

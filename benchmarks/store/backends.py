@@ -20,7 +20,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from sgl_kvtier.config import GiB, MiB
+from benchmarks.common import store_room
+from sgl_kvtier.config import MiB
 
 PAGE_TOKENS, HEAD_DIM = 64, 128
 # One layer of one page (K+V), whatever the dtype: 64 tokens x 8 KV heads x 128 x 2 x 2 B in bf16 = 256 KiB; the
@@ -106,7 +107,7 @@ def make_backend(kind: str, path: Path, pool, nbytes: int, io_depth: int, layout
     else:
         backend_type, extra = "dynamic", {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang",
                                           "class_name": "KVTierStorage", "interface_v1": 1, "devices": [str(path)],
-                                          "capacity_bytes": nbytes + GiB, "io_depth": io_depth}
+                                          "capacity_bytes": store_room(nbytes), "io_depth": io_depth}
         if readahead_bytes is not None:
             extra["readahead_bytes"] = readahead_bytes
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
