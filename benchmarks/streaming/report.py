@@ -95,6 +95,23 @@ def fallbacks(run: Mapping[str, Any]) -> list[str]:
     return out
 
 
+CAPPED = "stream_not_streamed[withheld cap: loaded whole]"  # the stream plugin's reason, stream_bind
+
+
+def capped(run: Mapping[str, Any]) -> list[str]:
+    """(device, server, C) cells where streaming servers loaded hits whole because the withheld cap (a share of the
+    host pool) was full: sized for fewer concurrent requests than the hit needs, they ran the off path."""
+    out = []
+    for device in run["device_order"]:
+        for key in server_keys(run, device):
+            for c in levels(run, device):
+                found = cell(run, device, key, "l3", c)
+                n = (found or {}).get("stream", {}).get(CAPPED, 0)
+                if found and n:
+                    out.append(f"{device} {key} C={c}: {n:g} of {found['requests']} requests")
+    return out
+
+
 def _fmt(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}"
 
@@ -278,6 +295,10 @@ def targets(run: Mapping[str, Any]) -> list[str]:
     if fell_back:
         out.append("- WARNING, streaming on recomputed L3 hits that off loaded (its TTFT there is no streaming "
                    "figure): " + "; ".join(fell_back))
+    held = capped(run)
+    if held:
+        out.append("- WARNING, hits loaded whole because the withheld cap was full (the host pool is too small for "
+                   "them to stream: a larger --host-ratio): " + "; ".join(held))
     return out
 
 
