@@ -40,7 +40,7 @@ from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every policy runs
 SMOKE = {"model": "tiny", "devices": ["slow:2"], "policies": ["load-all", "cost"], "concurrency": [1],
          "documents": 2, "doc_tokens": 512, "question_tokens": 32, "rounds": 1, "prime_rounds": 1,
-         "backup_wait": 120.0}
+         "backup_wait": 120.0, "kvtier_capacity_gb": 0.25}  # L3 under one 1 GiB segment (small CI disks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

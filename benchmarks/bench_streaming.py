@@ -42,7 +42,8 @@ from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
 SMOKE = {"model": "tiny", "devices": ["fast"], "concurrency": [1], "documents": 1, "doc_tokens": 512,
-         "question_tokens": 32, "rounds": 2, "prime_rounds": 0, "reference_rounds": 1, "backup_wait": 120.0}
+         "question_tokens": 32, "rounds": 2, "prime_rounds": 0, "reference_rounds": 1, "backup_wait": 120.0,
+         "kvtier_capacity_gb": 0.25}  # L3 under one 1 GiB segment (small CI disks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

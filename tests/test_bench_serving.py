@@ -288,7 +288,7 @@ def test_smoke_run_two_configurations(tmp_path: Path, monkeypatch: pytest.Monkey
         "--model", str(model), "--configs", "radix", "kvtier-l3", "--workload", "multiturn", "--concurrency", "1",
         "--clients", "2", "--rounds", "2", "--system-tokens", "256", "--user-tokens", "128", "--answer-tokens", "32",
         "--max-new-tokens", "4", "--flush-between-phases", "--no-drop-caches", "--no-progress", "--cpu",
-        "--out", str(out),
+        "--kvtier-capacity-gb", "0.25", "--out", str(out),
     ])  # fmt: skip
     assert rc == 0
     for name in ("results.json", "report.md", "ttft_vs_concurrency.png", "hit_tokens_by_tier.png"):
