@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import page_cache_policy, progress
+from benchmarks.common import files_bytes, page_cache_policy, progress
+from benchmarks.machine import memory_available_bytes
 from benchmarks.serving import configs, session, workloads
 from benchmarks.serving.models import run_model
 from benchmarks.serving.policies import DeviceSetting
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                                    kvtier_capacity_bytes=int(args.kvtier_capacity_gb * 1e9),
                                    extra_args=tuple(server_args))
     drop, cache_policy = page_cache_policy(args.no_drop_caches)
+    up = len(args.modes) + (args.twin is not None) if args.schedule is servers.Schedule.INTERLEAVED else 1
+    pools = (base_plan.host_tokens(kvbpt) + (0 if args.gpu else device_tokens)) * kvbpt  # a GPU's pool is its own
+    short = plan.memory_short(up, pools, files_bytes(model.path), memory_available_bytes())
     nbytes = plan.prefix_bytes(args.doc_tokens, args.page_size, kvbpt)
     description = (f"{args.documents} documents x {args.doc_tokens} tokens ({nbytes / 1e6:.1f} MB of KV each) + "
                    f"{args.question_tokens}-token questions; 1 write round, {args.prime_rounds} prime round(s), "
@@ -180,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]bench_streaming[/] model={model.name} {served.dtype} ({served.dtype_source}; {kvbpt} KV "
                   f"bytes/token) {'GPU' if args.gpu else 'CPU'}; {description}; device pool {device_tokens}, host "
                   f"pool {base_plan.host_tokens(kvbpt)} tokens; page cache {cache_policy}")
+    if short:
+        console.print(f"[bold red]WARNING: {short}[/]")
     console.print("Targets (issue #13):\n" + "\n".join(f"  {t.words}" for t in stream_report.TARGETS)
                   + "\n  outputs identical on/off")
     run: dict[str, Any] = {

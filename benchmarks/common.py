@@ -53,6 +53,14 @@ def store_room(nbytes: int) -> int:
     return 2 * nbytes + 64 * (1 << 20)
 
 
+def files_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (a model directory's weights, mostly); 0 where there is none."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
 def can_drop_caches() -> bool:
     """Whether this process may drop the OS page cache (root, and the sysctl is writable)."""
     return os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK)

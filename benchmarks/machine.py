@@ -44,6 +44,18 @@ def memory_gib() -> float:
     return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
 
 
+def memory_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (what can be allocated now without swapping), None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def matmul_gflops(dtype_name: str, n: int = PROBE_N, budget_s: float = PROBE_S) -> float:
     """GFLOP/s of square matmuls in ``dtype_name`` on the CPU, with torch's default thread count.
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_streaming as bench
+from benchmarks import common, machine
 from benchmarks.serving import configs, report, workloads
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.policies import parse_device, prefix_rounds
@@ -438,3 +439,20 @@ def test_smoke_run(tmp_path: Path) -> None:
     assert "## fast" in md and "| off | 1 |" in md and "| on | 1 |" in md and "| device hit (L1/L2) | 1 |" in md
     assert "| L3 hit, streaming on | 1 |" in md and "Where the TTFT went" in md
     assert "outputs identical on/off (greedy): fast: yes" in md
+
+
+def test_memory_short_warns_where_the_servers_up_at_once_do_not_fit(tmp_path: Path) -> None:
+    kv = 128 << 10  # kvheavy: 128 KiB of KV per token
+    # Session 21's run that lost two servers at start-up: C = 4, --host-ratio 5 (device 8,048 + host 40,240
+    # tokens), three servers up at once, ~22.9 GB available; with --host-ratio 2.5 the same run started.
+    short = plan.memory_short(3, (8048 + 40240) * kv, 226 << 20, int(22.9e9))
+    assert short is not None and short.startswith("3 servers up at once need ~28.7 GB") and "--host-ratio" in short
+    assert plan.memory_short(3, (8048 + 20120) * kv, 226 << 20, int(22.9e9)) is None
+    assert plan.memory_short(1, (8048 + 40240) * kv, 226 << 20, int(22.9e9)) is None  # --schedule sequential
+    assert plan.memory_short(3, 10**12, 0, None) is None  # availability unknown: no claim
+    (tmp_path / "m" / "sub").mkdir(parents=True)
+    (tmp_path / "m" / "a.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "m" / "sub" / "b").write_bytes(b"y" * 28)
+    assert common.files_bytes(tmp_path / "m") == 128 and common.files_bytes(tmp_path / "m" / "a.safetensors") == 100
+    assert common.files_bytes(tmp_path / "none") == 0
+    assert machine.memory_available_bytes() is None or machine.memory_available_bytes() > 0

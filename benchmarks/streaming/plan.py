@@ -129,6 +129,23 @@ def prefix_bytes(doc_tokens: int, page_size: int, kv_bytes_per_token: int) -> in
     return doc_tokens // page_size * page_size * kv_bytes_per_token
 
 
+# Beside its KV pools, a CPU server's three processes (HTTP, scheduler, detokenizer: torch loaded in each) hold
+# ~3 GB (measured, session 21: kvheavy on a 2-vCPU CPU, ~1 GB each over the pools).
+SERVER_OVERHEAD_BYTES = 3 * 10**9
+
+
+def memory_short(servers: int, pool_bytes: int, weights_bytes: int, available_bytes: int | None) -> str | None:
+    """Why ``servers`` servers up at once would not fit in memory (each its KV pools held in host memory, its
+    weights and ``SERVER_OVERHEAD_BYTES``, against what is available now), or None (they fit, or unknown)."""
+    need = servers * (pool_bytes + weights_bytes + SERVER_OVERHEAD_BYTES)
+    if available_bytes is None or need <= available_bytes:
+        return None
+    return (f"{servers} servers up at once need ~{need / 1e9:.1f} GB (each: KV pools {pool_bytes / 1e9:.1f} GB, "
+            f"weights {weights_bytes / 1e9:.1f} GB, ~{SERVER_OVERHEAD_BYTES / 1e9:.0f} GB of processes) where "
+            f"{available_bytes / 1e9:.1f} GB are available: a server may be killed at start-up; lower --host-ratio "
+            f"or --concurrency, or drop --twin, or --schedule sequential")
+
+
 def pure_device_hit(rec: Mapping[str, Any]) -> bool:
     """A request whose cached prefix came from the device pool (L1) alone: no host or L3 load in its TTFT."""
     return "error" not in rec and rec.get("cached_device", 0) > 0 and not rec.get("cached_host", 0) \
