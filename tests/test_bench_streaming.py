@@ -442,13 +442,18 @@ def test_smoke_run(tmp_path: Path) -> None:
 
 
 def test_memory_short_warns_where_the_servers_up_at_once_do_not_fit(tmp_path: Path) -> None:
-    kv = 128 << 10  # kvheavy: 128 KiB of KV per token
-    # Session 21's run that lost two servers at start-up: C = 4, --host-ratio 5 (device 8,048 + host 40,240
-    # tokens), three servers up at once, ~22.9 GB available; with --host-ratio 2.5 the same run started.
-    short = plan.memory_short(3, (8048 + 40240) * kv, 226 << 20, int(22.9e9))
-    assert short is not None and short.startswith("3 servers up at once need ~28.7 GB") and "--host-ratio" in short
-    assert plan.memory_short(3, (8048 + 20120) * kv, 226 << 20, int(22.9e9)) is None
-    assert plan.memory_short(1, (8048 + 40240) * kv, 226 << 20, int(22.9e9)) is None  # --schedule sequential
+    from sglang.srt.mem_cache.pool_host import base
+
+    assert plan.SGLANG_HOST_RESERVE_BYTES == base.HICACHE_HOST_MEMORY_RESERVE_BYTES
+    kv, weights, available = 128 << 10, 226 << 20, int(22.8e9)  # kvheavy; this machine with the bench running
+    # Session 21: C = 2 4, three servers (device pool 8,048 tokens): --host-ratio 5 and 2.5 both lost the third
+    # server to SGLang's host check; C = 1, --host-ratio 5 (2,016 + 10,080 tokens) started all three.
+    for host in (40240, 20120):
+        short = plan.memory_short(3, (8048 + host) * kv, weights, available)
+        assert short is not None and "--host-ratio" in short and "10 GiB host reserve" in short
+    assert plan.memory_short(3, (8048 + 20120) * kv, weights, available).startswith("3 servers up at once need ~28.8 GB")
+    assert plan.memory_short(3, (2016 + 10080) * kv, weights, available) is None
+    assert plan.memory_short(1, (8048 + 40240) * kv, weights, available) is None  # --schedule sequential
     assert plan.memory_short(3, 10**12, 0, None) is None  # availability unknown: no claim
     (tmp_path / "m" / "sub").mkdir(parents=True)
     (tmp_path / "m" / "a.safetensors").write_bytes(b"x" * 100)

@@ -129,21 +129,26 @@ def prefix_bytes(doc_tokens: int, page_size: int, kv_bytes_per_token: int) -> in
     return doc_tokens // page_size * page_size * kv_bytes_per_token
 
 
-# Beside its KV pools, a CPU server's three processes (HTTP, scheduler, detokenizer: torch loaded in each) hold
-# ~3 GB (measured, session 21: kvheavy on a 2-vCPU CPU, ~1 GB each over the pools).
-SERVER_OVERHEAD_BYTES = 3 * 10**9
+# Beside its KV pools and weights, a CPU server's three processes (HTTP, scheduler, detokenizer: torch loaded in
+# each) hold ~2.1 GB (measured, session 21: two kvheavy servers with 3.7 GB of pools each took 12.1 GB).
+SERVER_OVERHEAD_BYTES = 2_100_000_000
+# SGLang refuses a host pool larger than the memory available less 10 GiB (HICACHE_HOST_MEMORY_RESERVE_BYTES,
+# sglang/srt/mem_cache/pool_host/base.py): the last server to start must find its pool and the reserve free.
+SGLANG_HOST_RESERVE_BYTES = 10 * 1024**3
 
 
 def memory_short(servers: int, pool_bytes: int, weights_bytes: int, available_bytes: int | None) -> str | None:
-    """Why ``servers`` servers up at once would not fit in memory (each its KV pools held in host memory, its
-    weights and ``SERVER_OVERHEAD_BYTES``, against what is available now), or None (they fit, or unknown)."""
-    need = servers * (pool_bytes + weights_bytes + SERVER_OVERHEAD_BYTES)
+    """Why ``servers`` servers up at once would not start (each its KV pools held in host memory, its weights and
+    ``SERVER_OVERHEAD_BYTES``; SGLang's host reserve left over for the last one), against the memory available
+    now; None where they fit, or where availability is unknown."""
+    need = servers * (pool_bytes + weights_bytes + SERVER_OVERHEAD_BYTES) + SGLANG_HOST_RESERVE_BYTES
     if available_bytes is None or need <= available_bytes:
         return None
     return (f"{servers} servers up at once need ~{need / 1e9:.1f} GB (each: KV pools {pool_bytes / 1e9:.1f} GB, "
-            f"weights {weights_bytes / 1e9:.1f} GB, ~{SERVER_OVERHEAD_BYTES / 1e9:.0f} GB of processes) where "
-            f"{available_bytes / 1e9:.1f} GB are available: a server may be killed at start-up; lower --host-ratio "
-            f"or --concurrency, or drop --twin, or --schedule sequential")
+            f"weights {weights_bytes / 1e9:.1f} GB, ~{SERVER_OVERHEAD_BYTES / 1e9:.1f} GB of processes; then SGLang's "
+            f"{SGLANG_HOST_RESERVE_BYTES / 2**30:.0f} GiB host reserve) where {available_bytes / 1e9:.1f} GB are "
+            f"available: the last to start would refuse its host pool; lower --host-ratio or --concurrency, or drop "
+            f"--twin, or --schedule sequential")
 
 
 def pure_device_hit(rec: Mapping[str, Any]) -> bool:
