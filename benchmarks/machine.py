@@ -45,15 +45,14 @@ def memory_gib() -> float:
 
 
 def memory_available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (what can be allocated now without swapping), None where there is none."""
+    """The memory that can be allocated now without swapping (psutil's ``available``, what SGLang's host-pool
+    check reads too), None where psutil cannot tell."""
+    import psutil
+
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
         return None
-    return None
 
 
 def matmul_gflops(dtype_name: str, n: int = PROBE_N, budget_s: float = PROBE_S) -> float:

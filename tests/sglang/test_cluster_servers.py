@@ -87,6 +87,21 @@ def wait_for(what: str, probe: Callable[[], _T | None], timeout_s: float, poll_s
     return got
 
 
+def wait_for_samples(what: str, srv: Any, ok: Callable[[dict[str, float]], bool], timeout_s: float) -> dict[str, float]:
+    """``srv``'s samples about host A's writer (``writer_samples``) once ``ok`` holds (polled every 0.5 s), or fail
+    naming ``what`` and the last figures seen."""
+    last: dict[str, float] = {}
+
+    def probe() -> dict[str, float] | None:
+        last.update(writer_samples(srv, HOSTS[0]))
+        return dict(last) if ok(last) else None
+
+    try:
+        return wait_for(what, probe, timeout_s=timeout_s, poll_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {srv}'s last figures on A: {last}") from None
+
+
 def announced(store: Path, host: str, pages: int) -> int | None:
     """The pages the LEASE of ``host``'s one writer announces now, once they are at least ``pages``."""
     leases = [read_lease(p) for p in store.glob(f"ns-*/w-{host}-*/{LEASE}")]
@@ -133,19 +148,12 @@ def test_two_hosts_share_one_store_and_a_dead_hosts_pages_stay_readable(tmp_path
         b_warm = b.generate(p)
         assert details(b_warm) == {**details(b_warm), "device": 0, "host": 0, "storage": HIT}, why_no_hit(b, logs[1])
         assert b_warm["output_ids"] == a_cold["output_ids"] and b_warm["text"] == a_cold["text"]
-        latest: dict[str, float] = {}
-
-        def counts_a_pages() -> dict[str, float] | None:
-            # B's figures are a snapshot taken on its scheduler steps: the one its /metrics shows right after
-            # serving P may predate the lease read that announced P's pages (seen once in CI: 0 pages).
-            latest.update(writer_samples(b, HOSTS[0]))
-            return dict(latest) if latest.get("kvtier_writer_pages", 0) >= PAGES_PER_PROMPT else None
-
-        try:
-            seen = wait_for("B's metrics count A's pages", counts_a_pages, timeout_s=30, poll_s=0.5)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; B's last figures on A: {latest}") from None
+        # B's figures are a snapshot taken on its scheduler steps: the one its /metrics shows right after serving
+        # P may predate the lease read that announced P's pages (seen once in CI: 0 pages).
+        seen = wait_for_samples("B's metrics count A's pages", b,
+                                lambda s: s.get("kvtier_writer_pages", 0) >= PAGES_PER_PROMPT, timeout_s=30)
         assert seen["kvtier_writer_live"] == 1 and seen["pool_writers:live"] == 2, seen
+        assert seen["kvtier_writer_pages"] >= PAGES_PER_PROMPT, seen
         assert 0 <= seen["kvtier_writer_lease_unchanged_seconds"] < DEAD_AFTER_S, seen  # watched, beating
         assert seen["kvtier_pool_peers_dropped"] == seen["kvtier_pool_writers_retired"] == 0, seen
 
@@ -158,16 +166,8 @@ def test_two_hosts_share_one_store_and_a_dead_hosts_pages_stay_readable(tmp_path
         os.killpg(a.proc.pid, signal.SIGKILL)
         a.proc.wait(timeout=30)
         killed = time.monotonic()
-        last: dict[str, float] = {}
-
-        def judged_dead() -> dict[str, float] | None:
-            last.update(writer_samples(b, HOSTS[0]))  # refreshed on B's scheduler steps, idle ones too
-            return dict(last) if last.get("kvtier_writer_live") == 0 else None
-
-        try:
-            dead = wait_for("B judges A dead", judged_dead, timeout_s=60, poll_s=0.5)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; B's last figures on A: {last}") from None
+        # refreshed on B's scheduler steps, idle ones too
+        dead = wait_for_samples("B judges A dead", b, lambda s: s.get("kvtier_writer_live") == 0, timeout_s=60)
         judged_s = time.monotonic() - killed
         assert dead["pool_writers:dead"] == 1 and dead["pool_writers:live"] == 1, dead
         assert dead["kvtier_writer_lease_unchanged_seconds"] >= DEAD_AFTER_S, dead
