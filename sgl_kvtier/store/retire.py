@@ -62,8 +62,9 @@ class Deleted:
 
 def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> bool:
     """Fence the writer of ``directory``: its ``FENCE`` names ``incarnation`` (retired by writer ``by`` of
-    host ``by_host``). True once fenced; False when there is nothing left to fence: the directory is gone, or
-    its deletion is past its LEASE (another retirer is at its last steps). Raises OSError otherwise (nothing
+    host ``by_host``). True once fenced; False when there is nothing left to fence: the directory is gone (before
+    this fence was written, or after: another retirer deleted it, fence and all, in between), or its deletion
+    is past its LEASE (another retirer is at its last steps). Raises OSError otherwise (nothing
     is deleted then: the caller tries again on a later step)."""
     block = fmt.pack_fence_block({"incarnation": incarnation, "by": by, "by_host": by_host, "at": time.time()})
     path = directory / FENCE
@@ -77,7 +78,12 @@ def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> b
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(directory)  # a FENCE created just now (a writer of an older build had none) survives a power cut
+    try:
+        fsync_dir(directory)  # a FENCE created just now (a writer of an older build had none) survives a power cut
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise
+        return False  # another retirer deleted everything, this FENCE included, and the directory meanwhile
     return True
 
 

@@ -157,6 +157,24 @@ def test_two_retirers_at_once_are_harmless(tmp_path):
     assert again.finished and again.files == 0
 
 
+def test_a_retirer_whose_fence_another_deleted_meanwhile_stands_aside(tmp_path, monkeypatch):
+    """Seen in CI: one retirer wrote its fence, and before it synced the directory another had deleted every
+    file (that fence too) and the directory: the first finds nothing to fence, raises nothing."""
+    wid, ns_meta, incarnation = dead_writer(tmp_path, 8)
+    cfg = cluster_config(tmp_path, "hostb")
+    real_sync = rt.fsync_dir
+
+    def other_retirer_first(path: Path) -> None:
+        monkeypatch.setattr(rt, "fsync_dir", real_sync)  # the other retirer syncs for real
+        assert rt.delete_writer(cfg, ns_meta, wid).finished
+        real_sync(path)
+
+    monkeypatch.setattr(rt, "fsync_dir", other_retirer_first)
+    assert rt.write_fence(ns_meta / rt.writer_dirname(wid), incarnation, "hostb-0", "hostb") is False
+    late = rt.retire(cfg, ns_meta, wid, incarnation, "hostb-0", "hostb")
+    assert late.finished and late.files == 0 and files_of(tmp_path, wid) == []
+
+
 def test_segments_on_every_device_and_the_meta_directory_go(tmp_path):
     devs = [tmp_path / "d0", tmp_path / "d1"]
     for d in devs:
