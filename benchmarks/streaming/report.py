@@ -15,6 +15,7 @@ from typing import Any
 
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
+from benchmarks.streaming.bounds import ceiling, ceiling_line
 from benchmarks.streaming.outputs import all_identical, attributable, document
 from benchmarks.streaming.plan import BREAKEVEN, ON_TWIN, PAIRED_RECORDS, TWIN_KEYS, twin_of
 
@@ -290,7 +291,7 @@ def targets(run: Mapping[str, Any]) -> list[str]:
     same = {d: all_identical(run.get("identical", {}).get(d, {})) for d in run["device_order"]}
     words = "; ".join(f"{d}: {'yes' if v else 'NO' if v is False else 'not compared'}" for d, v in same.items())
     out.append(f"- outputs identical on/off (greedy): {words}")
-    out += control_lines(run) + twin_lines(run)
+    out += control_lines(run) + twin_lines(run) + ceiling_lines(run)
     fell_back = fallbacks(run)
     if fell_back:
         out.append("- WARNING, streaming on recomputed L3 hits that off loaded (its TTFT there is no streaming "
@@ -300,6 +301,16 @@ def targets(run: Mapping[str, Any]) -> list[str]:
         out.append("- WARNING, hits loaded whole because the withheld cap was full (the host pool is too small for "
                    "them to stream: a larger --host-ratio): " + "; ".join(held))
     return out
+
+
+def ceiling_lines(run: Mapping[str, Any]) -> list[str]:
+    """Per device at C = 1, how low on/off can read by the off server's own phases (``bounds``; at C > 1 the
+    L3 wait holds the other requests' loads too)."""
+    tokens = run["workload"].get("doc_tokens")  # absent from older runs: no landing figure then
+    hit_mb = None if tokens is None else tokens * run["model"]["kv_bytes_per_token"] / 1e6
+    found = [(d, c, x) for d in run["device_order"] for c in levels(run, d)
+             if c == 1 and (off := cell(run, d, "off", "l3", c)) and (x := ceiling(off, cell(run, d, "on", "l3", c), hit_mb))]
+    return [f"  - {ceiling_line(d, c, x)}" for d, c, x in found]
 
 
 def control_lines(run: Mapping[str, Any]) -> list[str]:
