@@ -2,7 +2,8 @@
 
 The file holds two blocks of ``LEASE_BLOCK_BYTES``; beat ``n`` (``counter = n``) rewrites block ``n % 2``
 with ``pwrite`` + ``fdatasync``, so a beat torn by a crash leaves the other, older block valid
-(``format.unpack_lease`` picks the valid block with the higher counter). Fields: the writer's identity
+(``format.unpack_lease`` picks the valid block with the higher counter). A lease opened where one was
+counts on from that one's counter (never back to 0), so its first beat is the lease readers see. Fields: the writer's identity
 (wid, host_id, machine_id, boot_id, pid, a 16-byte ``incarnation`` fresh per open), ``counter``,
 ``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages, bytes_used,
 capacity_bytes, journal ``[generation, bytes]``, age_hist).
@@ -102,7 +103,12 @@ class Lease:
         self.usage = usage
         self.interval_s = interval_s
         self.clock = clock
-        self.counter = 0
+        prior = read_lease(path)
+        # Ordering: a lease reopened where one was (a restart into its own directory or region) counts on
+        # above that one's last counter, so its first beat already wins over both older blocks
+        # (``unpack_lease`` picks the higher counter); from 0, readers would see the previous incarnation for
+        # one more beat, and a retirer that judged it dead would find that lease unchanged and fence anew.
+        self.counter = 0 if prior is None else int(prior.get("counter", -1)) + 1
         self.failures = 0
         self.last_beat: float | None = None  # ``clock()`` at the last good beat
         self.after_beat: Callable[[], None] | None = None  # run after each good beat (see the module docstring)

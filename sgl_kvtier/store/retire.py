@@ -17,9 +17,11 @@ Every step is idempotent (a file already gone, ``ENOENT``, and a directory not e
 ``RETIRED`` (its fence is the last file to go), and any live writer seeing it continues the deletion; two
 deleting at once only find each other's files gone, and a retirer that comes to fence a directory whose
 FENCE and LEASE are gone already (another is at its last steps, or done) writes no fence. A pass finding no
-FENCE at all only removes the (empty) directories: the deletion is at its end, or the directory was made
-anew by a writer that re-registered under the same wid since it was judged, whose files are not to be
-touched. A crash between FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence:
+fence on the directory's lease (no FENCE, an empty one, or one naming another incarnation than the LEASE
+there) only removes the directories, and only once they are empty: the deletion is at its end, or the
+directory was made anew by a writer that re-registered under the same wid (or restarted into it) since it
+was judged, whose files are not to be touched (a live writer's own FENCE is empty). Likewise
+``write_fence`` fences nothing where the LEASE names another incarnation than the one judged dead. A crash between FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence:
 nobody's, costs nothing).
 The crash-ordering choice of each step is at its code.
 
@@ -41,8 +43,8 @@ from pathlib import Path
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import fsync_dir
-from sgl_kvtier.store.lease import LEASE
-from sgl_kvtier.store.liveness import FENCE
+from sgl_kvtier.store.lease import LEASE, read_lease
+from sgl_kvtier.store.liveness import FENCE, read_fence
 from sgl_kvtier.store.writers import writer_dirname
 
 log = logging.getLogger(__name__)
@@ -63,9 +65,13 @@ class Deleted:
 def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> bool:
     """Fence the writer of ``directory``: its ``FENCE`` names ``incarnation`` (retired by writer ``by`` of
     host ``by_host``). True once fenced; False when there is nothing left to fence: the directory is gone (before
-    this fence was written, or after: another retirer deleted it, fence and all, in between), or its deletion
-    is past its LEASE (another retirer is at its last steps). Raises OSError otherwise (nothing
+    this fence was written, or after: another retirer deleted it, fence and all, in between), its deletion
+    is past its LEASE (another retirer is at its last steps), or its LEASE names another incarnation (a
+    writer re-registered under the wid, or restarted into it). Raises OSError otherwise (nothing
     is deleted then: the caller tries again on a later step)."""
+    lease = read_lease(directory / LEASE)
+    if lease is not None and lease.get("incarnation") != incarnation:
+        return False  # another incarnation beats here now (re-registered under this wid, or restarted): not ours
     block = fmt.pack_fence_block({"incarnation": incarnation, "by": by, "by_host": by_host, "at": time.time()})
     path = directory / FENCE
     fd = _open_fence(path)
@@ -124,10 +130,12 @@ def delete_writer(config: StoreConfig, ns_meta: Path, wid: str) -> Deleted:
     done = Deleted()
     dirs = writer_directories(config, ns_meta, wid)
     meta = dirs[-1]
-    if not (meta / FENCE).exists():
-        # Only the directories are left to go (another deleter is at its last step), or the directory was
-        # made anew since it was judged (its writer re-registered under the same wid): its files are not ours.
-        return _remove_dirs(dirs, ns_meta, done)
+    if not _fenced(meta):
+        # No fence on the lease there: only the directories are left to go (another deleter is at its last
+        # step), or the directory was made anew since it was judged (its writer re-registered under the same
+        # wid, or restarted into it: a live writer's FENCE is empty): its files are not ours, nor its
+        # directories while it has any file.
+        return done if _listed(meta, "*") else _remove_dirs(dirs, ns_meta, done)
     # Crash rule: segments first, on every device: they hold the bytes the pool wants back. A reader still
     # holding the journals maps keys into segments that are gone: a miss (ENOENT, a short read), never a page.
     for d in dirs:
@@ -151,6 +159,16 @@ def delete_writer(config: StoreConfig, ns_meta: Path, wid: str) -> Deleted:
         _sync_dir(d)
     _unlink(meta / FENCE, done)
     return _remove_dirs(dirs, ns_meta, done)
+
+
+def _fenced(meta: Path) -> bool:
+    """Whether the writer of directory ``meta`` is retired (``liveness`` rule 1): its FENCE names the
+    incarnation of its lease, or its lease is gone already (a deletion under way)."""
+    fence = read_fence(meta)
+    if fence is None:
+        return False
+    lease = read_lease(meta / LEASE)
+    return lease is None or lease.get("incarnation") == fence.get("incarnation")
 
 
 def _remove_dirs(dirs: list[Path], ns_meta: Path, done: Deleted) -> Deleted:

@@ -185,7 +185,7 @@ def test_another_hosts_writer_is_watched_then_dead_then_retired(tmp_path, monkey
     long it stood still is exported), then, once B is gone, dead after ``dead_after_s`` (its pages still
     counted), then retired by A's quota loop after ``reclaim_after_s``: dropped, counted, listed retired."""
     monkeypatch.delenv(ENV_POLICY, raising=False)
-    a = make_backend(tmp_path, **cluster("ha", dead_after_s=1.0, reclaim_after_s=1.5))
+    a = make_backend(tmp_path, **cluster("ha", dead_after_s=3.0, reclaim_after_s=4.0))  # B beats every 0.1 s
     try:
         _watched_then_dead_then_retired(a, tmp_path)
     finally:
@@ -235,7 +235,7 @@ def _watched_then_dead_then_retired(a: KVTierStorage, tmp_path) -> None:
         mine = {**shared, "wid": store.wid, "host": "ha"}
         assert value("kvtier_writer_live", theirs) == value("kvtier_writer_live", mine) == 1
         assert value("kvtier_writer_pages", theirs) == 4
-        assert 0 <= value("kvtier_writer_lease_unchanged_seconds", theirs) < 1.0  # B beats every 0.1 s
+        assert 0 <= value("kvtier_writer_lease_unchanged_seconds", theirs) < 3.0  # live: under dead_after_s
         assert value("kvtier_writer_lease_unchanged_seconds", mine) is None  # its own: no watch
     finally:
         b.close()  # B's lease stands still from here on: A's watch times it on A's clock
@@ -344,7 +344,13 @@ def test_a_real_server_shows_kvtier_gauges_on_its_metrics(tmp_path: Path) -> Non
         got = scrape(srv)  # refreshed by the warm request's batches, after its read
         for salt in "abcd":  # prefill samples past the plugin's warm-up (short prompts: no L3 query)
             srv.generate(make_prompt(64, seed=7, model_dir=model), max_new_tokens=1, cache_salt=salt)
-        later = scrape(srv)
+        # The last batch's sample is taken after its answer went out, and the gauges refresh at the
+        # scheduler's next step: polled, as a client would.
+        def sampled() -> dict | None:
+            now = scrape(srv)
+            return now if any(v >= 4 for _, v in now.get("kvtier_prefill_samples", [])) else None
+
+        later = wait_for("4 prefill samples on /metrics", sampled, timeout_s=30, poll_s=0.2)
     pages = HIT // PAGE
     kv = {"pool": "kv", "tp_rank": "0"}
     assert only(got, "kvtier_store_pages", **kv) == pages

@@ -10,7 +10,7 @@ head pages it answers True to SGLang's IO thread are read from the real store in
 and landing a group of the tail reads the tail pages' real bytes into their withheld slots. An IO in
 flight is simulated: a cancelled stream ends only when the test says so (``finish``).
 
-The gate's and the bind rule's decisions are ``test_stream_gate``'s, on the same harness.
+The gate's and the bind rule's decisions are ``test_stream_admit_gate``'s, on the same harness.
 
 Waits are on the controller's own queues (an event set by their ``put``), bounded by a deadline.
 """

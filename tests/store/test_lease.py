@@ -30,6 +30,21 @@ def test_beats_alternate_blocks_and_the_newest_counter_wins(tmp_path):
     lease.close()
 
 
+def test_a_lease_reopened_in_place_wins_from_its_first_beat(tmp_path):
+    """A writer restarted into its own directory: its first beat is the lease readers see, not the previous
+    incarnation's last block (which a retirer that judged it dead would otherwise find unchanged)."""
+    old = make(tmp_path)
+    for _ in range(4):
+        old.beat()  # counters 0..3: block A holds 2, block B holds 3
+    old.close()
+    again = Lease(tmp_path / "LEASE", {"wid": "h-0", "pid": 2, "incarnation": b"j" * 16}, lambda: {"pages": 0}, 0.5)
+    assert again.counter == 4
+    again.beat()  # block A: 4, over the old 2; block B keeps the old 3
+    got = read_lease(tmp_path / "LEASE")
+    assert got is not None and got["incarnation"] == b"j" * 16 and got["counter"] == 4 and got["pid"] == 2
+    again.close()
+
+
 def test_a_torn_beat_leaves_the_previous_lease(tmp_path):
     lease = make(tmp_path)
     lease.beat()  # counter 0 in block A

@@ -102,7 +102,11 @@ def test_a_fence_retires_only_the_incarnation_it_names_and_only_in_cluster_mode(
         lease = lease_of(a)
         assert (directory / FENCE).exists() and read_fence(directory) is None  # made empty by the owner at open
         watch = LeaseWatch(cluster_config(tmp_path, "hostb"), clock)
-        write_fence(directory, b"x" * 16, "hostb-0", "hostb")  # an earlier incarnation's fence
+        assert write_fence(directory, b"x" * 16, "hostb-0", "hostb") is False  # the lease names another one
+        assert read_fence(directory) is None
+        fd = os.open(directory / FENCE, os.O_WRONLY)  # an earlier incarnation's fence, left in place
+        os.pwrite(fd, fmt.pack_fence_block({"incarnation": b"x" * 16, "by": "hostb-0", "by_host": "hostb", "at": 0.0}), 0)
+        os.close(fd)
         assert read_fence(directory) is not None
         assert watch.judge(directory, lease).verdict is Verdict.LIVE
         write_fence(directory, lease["incarnation"], "hostb-0", "hostb")

@@ -19,7 +19,7 @@ from test_sharing import PAGE, opened
 
 from sgl_kvtier.store import retire as rt
 from sgl_kvtier.store.lease import read_lease
-from sgl_kvtier.store.liveness import Verdict
+from sgl_kvtier.store.liveness import Verdict, read_fence
 from sgl_kvtier.store.pool import SharedPool
 from sgl_kvtier.store.quota_loop import QuotaStep
 
@@ -173,6 +173,44 @@ def test_a_retirer_whose_fence_another_deleted_meanwhile_stands_aside(tmp_path, 
     assert rt.write_fence(ns_meta / rt.writer_dirname(wid), incarnation, "hostb-0", "hostb") is False
     late = rt.retire(cfg, ns_meta, wid, incarnation, "hostb-0", "hostb")
     assert late.finished and late.files == 0 and files_of(tmp_path, wid) == []
+
+
+def files_in(root: Path, wid: str) -> list[Path]:
+    return sorted(p for d in files_of(root, wid) for p in d.iterdir())
+
+
+def test_a_late_retirer_leaves_a_directory_made_anew_under_the_same_wid(tmp_path):
+    """A retirement judged on the old incarnation reaches the wid after its directory was made anew by a
+    live writer (a zombie re-registering takes the lowest free k): that writer's FENCE is empty and its lease
+    another incarnation, so nothing of it is fenced or deleted."""
+    wid, ns_meta, incarnation = dead_writer(tmp_path, 8)
+    cfg = cluster_config(tmp_path, "hostb")
+    assert rt.retire(cfg, ns_meta, wid, incarnation, "hostb-0", "hostb").finished  # the first retirer: all gone
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), NS) as a:
+        assert a.wid == wid and put(a, [1, 2]) == [True, True]
+        mine = files_in(tmp_path, wid)
+        late = rt.delete_writer(cfg, ns_meta, wid)  # a quota step's continuation of the retirement it judged
+        assert late.files == 0 and not late.finished and files_in(tmp_path, wid) == mine
+        again = rt.retire(cfg, ns_meta, wid, incarnation, "hostc-0", "hostc")  # a retirer on the old lease
+        assert again.files == 0 and not again.finished and files_in(tmp_path, wid) == mine
+        assert read_fence(ns_meta / f"w-{wid}") is None  # its own FENCE is still empty
+        beat(a)
+        assert a.own is not None and a.own.fenced is None and read(a, [1, 2]) == ([1, 2], [], [])
+
+
+def test_a_writer_restarted_into_its_directory_is_not_fenced_on_its_old_lease(tmp_path):
+    """A writer of host A judged dead restarts into its own directory: from its first beat its lease names
+    the new incarnation (it counts on above the old one's counter), so a retirer holding the old lease finds it
+    moved and fences nothing."""
+    wid, ns_meta, incarnation = dead_writer(tmp_path, 8)
+    cfg = cluster_config(tmp_path, "hostb")
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), NS) as a:
+        assert a.wid == wid and a.own is not None and a.own.incarnation != incarnation  # adopted, warm
+        lease = read_lease(ns_meta / f"w-{wid}" / "LEASE")
+        assert lease is not None and lease["incarnation"] == a.own.incarnation
+        assert not rt.write_fence(ns_meta / f"w-{wid}", incarnation, "hostb-0", "hostb")
+        assert rt.retire(cfg, ns_meta, wid, incarnation, "hostb-0", "hostb").files == 0
+        assert read(a, list(range(8))) == (list(range(8)), [], [])  # its pages, warm and still there
 
 
 def test_segments_on_every_device_and_the_meta_directory_go(tmp_path):
