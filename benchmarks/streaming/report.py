@@ -308,9 +308,9 @@ def ceiling_lines(run: Mapping[str, Any]) -> list[str]:
     L3 wait holds the other requests' loads too)."""
     tokens = run["workload"].get("doc_tokens")  # absent from older runs: no landing figure then
     hit_mb = None if tokens is None else tokens * run["model"]["kv_bytes_per_token"] / 1e6
-    found = [(d, c, x) for d in run["device_order"] for c in levels(run, d)
-             if c == 1 and (off := cell(run, d, "off", "l3", c)) and (x := ceiling(off, cell(run, d, "on", "l3", c), hit_mb))]
-    return [f"  - {ceiling_line(d, c, x)}" for d, c, x in found]
+    found = [(d, x) for d in run["device_order"] if 1 in levels(run, d)
+             and (off := cell(run, d, "off", "l3", 1)) and (x := ceiling(off, cell(run, d, "on", "l3", 1), hit_mb))]
+    return [f"  - {ceiling_line(d, 1, x)}" for d, x in found]
 
 
 def control_lines(run: Mapping[str, Any]) -> list[str]:

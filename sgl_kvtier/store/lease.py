@@ -3,10 +3,10 @@
 The file holds two blocks of ``LEASE_BLOCK_BYTES``; beat ``n`` (``counter = n``) rewrites block ``n % 2``
 with ``pwrite`` + ``fdatasync``, so a beat torn by a crash leaves the other, older block valid
 (``format.unpack_lease`` picks the valid block with the higher counter). A lease opened where one was
-counts on from that one's counter (never back to 0), so its first beat is the lease readers see. Fields: the writer's identity
-(wid, host_id, machine_id, boot_id, pid, a 16-byte ``incarnation`` fresh per open), ``counter``,
-``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages, bytes_used,
-capacity_bytes, journal ``[generation, bytes]``, age_hist).
+counts on from that one's counter (never back to 0), so its first beat is the lease readers see. Fields:
+the writer's identity (wid, host_id, machine_id, boot_id, pid, a 16-byte ``incarnation`` fresh per open),
+``counter``, ``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages,
+bytes_used, capacity_bytes, journal ``[generation, bytes]``, age_hist).
 
 After each good beat, ``after_beat`` (if set: the pool's quota step, ``store.quota_loop``) runs on the same
 thread, outside the beat's lock, so the quota plans with exactly what was just published.

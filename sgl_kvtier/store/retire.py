@@ -21,8 +21,9 @@ fence on the directory's lease (no FENCE, an empty one, or one naming another in
 there) only removes the directories, and only once they are empty: the deletion is at its end, or the
 directory was made anew by a writer that re-registered under the same wid (or restarted into it) since it
 was judged, whose files are not to be touched (a live writer's own FENCE is empty). Likewise
-``write_fence`` fences nothing where the LEASE names another incarnation than the one judged dead. A crash between FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence:
-nobody's, costs nothing).
+``write_fence`` fences nothing where the LEASE names another incarnation than the one judged dead. A crash
+between FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence: nobody's, costs
+nothing).
 The crash-ordering choice of each step is at its code.
 
 A zombie (a writer that was only paused, then retired) finds the fence at its next beat
