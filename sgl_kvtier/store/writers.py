@@ -268,10 +268,19 @@ def _fenced(path: Path) -> bool:
 
 def _lock_file(path: Path) -> int:
     try:
-        make_dir(path)  # crash rule: a second writer's directory survives a power cut with its files
-        return os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            return _open_lock(path)
+        except FileNotFoundError:
+            # The directory went between making it and opening its LOCK: a retirer's last step (``store.retire``,
+            # sharing = "cluster") removes an empty writer directory, this one just made. Once more.
+            return _open_lock(path)
     except OSError as exc:
         raise DeviceError(f"{path.parent}: not writable ({exc.strerror})") from None
+
+
+def _open_lock(path: Path) -> int:
+    make_dir(path)  # crash rule: a second writer's directory survives a power cut with its files
+    return os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
 
 
 def _holder(fd: int) -> str:

@@ -63,6 +63,25 @@ def test_a_fenced_directory_is_never_adopted(tmp_path):
     assert claim_writer(config, meta).wid == "h-0"
 
 
+def test_a_directory_a_retirer_removes_while_it_is_claimed_is_made_again(tmp_path, monkeypatch):
+    """A retirer's last step removes an empty writer directory: if that is one a claim has just made (the
+    same wid, re-registering), the claim makes it again instead of failing as an unwritable device."""
+    config = store_config(tmp_path, host_id="h")
+    meta = ns_meta(tmp_path)
+    real_make_dir, removed = writers.make_dir, []
+
+    def retirer_after(path: Path) -> None:
+        real_make_dir(path)
+        if path.name == "w-h-0" and not removed:
+            os.rmdir(path)  # the retirer's rmdir, between the claim's make_dir and its LOCK
+            removed.append(path)
+
+    monkeypatch.setattr(writers, "make_dir", retirer_after)
+    claim = claim_writer(config, meta)
+    assert removed and claim.wid == "h-0" and (meta / "w-h-0" / "LOCK").read_text() == str(os.getpid())
+    claim.release()
+
+
 def test_sharing_off_keeps_the_one_writer_rule_naming_the_holder(tmp_path):
     with open_store(tmp_path, sharing="off", host_id="h") as store:
         assert store.wid == "h-0"
