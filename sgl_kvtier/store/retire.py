@@ -9,8 +9,11 @@ own clock) retires it when the pool quota needs its bytes or once it has been de
      lease, ``pwrite`` + ``fsync`` (the file is created where absent, and then its directory synced).
   2. ``delete_writer``: its segments on every directory device (``<dev>/ns-<digest>/w-<wid>/seg-*.dat``,
      ``store.devices.DirectoryArena``), then its journals and checkpoint, then every other file (CONFIG,
-     tmp leftovers), then LEASE, then LOCK, the directories synced, FENCE last; then the directories
-     (``rmdir``). A shared raw pool retires nobody (a host's share is its own, ``store.quota_loop``).
+     tmp leftovers), then LEASE, then LOCK; that pass again while the last one found files (a writer only
+     paused writes on until its next beat reads its fence), at most ``SWEEPS`` passes, after which one
+     still finding files leaves the rest, the fence with it, to a later step; then the directories synced,
+     FENCE last; then the directories (``rmdir``). A shared raw pool retires nobody (a host's share is its
+     own, ``store.quota_loop``).
 
 Every step is idempotent (a file already gone, ``ENOENT``, and a directory not empty or gone, ``ENOTEMPTY``
 / ``ENOENT``, are fine), so a retirer that dies half-way leaves a directory that every observer still judges
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 LOCK = "LOCK"
 _GONE = (errno.ENOENT, errno.ESTALE)  # ESTALE: another host removed it under this one's NFS handle
 _DIR_KEPT = (*_GONE, errno.ENOTEMPTY, errno.EEXIST)  # rmdir: gone, or a file appeared (left for later)
+SWEEPS = 4  # passes over a retired writer's files at most: one, and again while the last one found files
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Deleted:
     files: int = 0
     segment_bytes: int = 0
     finished: bool = False  # the writer directory itself is gone
+    passes: int = 0  # passes over its files (``delete_writer``: again while one finds files, at most SWEEPS)
 
 
 def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> bool:
@@ -137,6 +142,26 @@ def delete_writer(config: StoreConfig, ns_meta: Path, wid: str) -> Deleted:
         # wid, or restarted into it: a live writer's FENCE is empty): its files are not ours, nor its
         # directories while it has any file.
         return done if _listed(meta, "*") else _remove_dirs(dirs, ns_meta, done)
+    swept = -1
+    while swept != done.files and done.passes < SWEEPS:
+        # Again while a pass found files: the writer, if only paused, writes on until its next beat reads its
+        # fence (a checkpoint, a new journal or segment): what it made after a listing goes in the next pass,
+        # while the fence is still there (a FENCE gone marks the end: nothing made after it is swept).
+        swept = done.files
+        _delete_files(dirs, meta, done)
+    if swept != done.files:
+        return done  # its last pass still found files: the fence stays, a later step continues (it sees it soon)
+    # Crash rule: every deletion above is durable before FENCE goes, so a power cut can never bring a
+    # file of the writer back into a directory that no longer carries its fence.
+    for d in dirs:
+        _sync_dir(d)
+    _unlink(meta / FENCE, done)
+    return _remove_dirs(dirs, ns_meta, done)
+
+
+def _delete_files(dirs: list[Path], meta: Path, done: Deleted) -> None:
+    """One pass over the writer's files but its FENCE, in the order of the module docstring."""
+    done.passes += 1
     # Crash rule: segments first, on every device: they hold the bytes the pool wants back. A reader still
     # holding the journals maps keys into segments that are gone: a miss (ENOENT, a short read), never a page.
     for d in dirs:
@@ -154,12 +179,6 @@ def delete_writer(config: StoreConfig, ns_meta: Path, wid: str) -> Deleted:
     # Crash rule: LEASE, then LOCK: with the lease gone the fence alone still marks the directory RETIRED.
     for name in (LEASE, LOCK):
         _unlink(meta / name, done)
-    # Crash rule: every deletion above is durable before FENCE goes, so a power cut can never bring a
-    # file of the writer back into a directory that no longer carries its fence.
-    for d in dirs:
-        _sync_dir(d)
-    _unlink(meta / FENCE, done)
-    return _remove_dirs(dirs, ns_meta, done)
 
 
 def _fenced(meta: Path) -> bool:
