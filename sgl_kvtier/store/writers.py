@@ -92,8 +92,15 @@ def writer_dirs(ns_meta: Path) -> list[tuple[str, Path]]:
     except NotADirectoryError:  # a shared raw pool's namespace: every host slot's regions of it
         return [(wid, ns_meta / writer_dirname(wid)) for wid in pool_writers(ns_meta) or []]
     found = [(p.name[len(WRITER_PREFIX):], p) for p in entries
-             if p.name.startswith(WRITER_PREFIX) and p.is_dir()]
+             if p.name.startswith(WRITER_PREFIX) and _is_dir(p)]
     return sorted(found)
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # ESTALE (Path.is_dir passes it on): another host removed it since the listing (NFS)
+        return False
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import multiprocessing
@@ -80,6 +81,25 @@ def test_a_directory_a_retirer_removes_while_it_is_claimed_is_made_again(tmp_pat
     claim = claim_writer(config, meta)
     assert removed and claim.wid == "h-0" and (meta / "w-h-0" / "LOCK").read_text() == str(os.getpid())
     claim.release()
+
+
+def test_a_writer_directory_removed_by_another_host_during_the_listing_is_skipped(tmp_path, monkeypatch):
+    """On a network filesystem a directory another host removed after the listing answers ESTALE: it is not
+    listed, and nothing raises (``Peers.refresh`` and the quota step list writers on every step)."""
+    config = store_config(tmp_path, host_id="h")
+    meta = ns_meta(tmp_path)
+    claims = [claim_writer(config, meta) for _ in range(2)]
+    real_is_dir = Path.is_dir
+
+    def stale(path: Path) -> bool:
+        if path.name == "w-h-0":
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return real_is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", stale)
+    assert [w for w, _ in writer_dirs(meta)] == ["h-1"]
+    for claim in claims:
+        claim.release()
 
 
 def test_sharing_off_keeps_the_one_writer_rule_naming_the_holder(tmp_path):
