@@ -20,7 +20,7 @@ from benchmarks import common, machine
 from benchmarks.serving import configs, report, workloads
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.policies import parse_device, prefix_rounds
-from benchmarks.streaming import counters, outputs, paired, plan, plot, rounds, servers
+from benchmarks.streaming import caveats, counters, outputs, paired, plan, plot, rounds, servers
 from benchmarks.streaming import report as stream_report
 from sgl_kvtier.config import Streaming
 
@@ -320,11 +320,11 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     assert lines[3] == "- outputs identical on/off (greedy): fast: yes; breakeven-559MBps: NO"
     assert lines[4].startswith("- WARNING") and "breakeven-559MBps C=2: on served 0 L3 tokens" in lines[4]
     assert not any("withheld cap" in line for line in lines)
-    run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["stream"][stream_report.CAPPED] = 3.0  # 3 of 5 loaded whole
+    run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["stream"][caveats.CAPPED] = 3.0  # 3 of 5 loaded whole
     held = stream_report.targets(run)[-1]
     assert held.startswith("- WARNING, hits loaded whole because the withheld cap") and held.endswith(
         ": fast on C=1: 3 of 5 requests")
-    del run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["stream"][stream_report.CAPPED]
+    del run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["stream"][caveats.CAPPED]
     assert "Where the TTFT went" not in md  # no cell has phases
     phases = dict(zip(PHASES, (0.01, 0.2, 0.02, 0.25, 0.02)))
     run["servers"]["fast"]["on"]["levels"]["l3"]["1"]["phases_p50_s"] = phases

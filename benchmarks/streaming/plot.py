@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.serving.report import pyplot, save_figure
+from benchmarks.streaming.cells import cell, levels, server_keys, twin_key
 from benchmarks.streaming.plan import TWIN_KEY
-from benchmarks.streaming.report import TARGETS, cell, levels, ratio, server_keys, twin_key
+from benchmarks.streaming.report import TARGETS, ratio
 
 NAME = "ttft_streaming.png"
 

@@ -16,10 +16,10 @@ from typing import Any
 from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
 from benchmarks.streaming.bounds import ceiling, ceiling_line
+from benchmarks.streaming.caveats import capped, fallbacks, few_streamed, unfulfilled
+from benchmarks.streaming.cells import Cell, cell, levels, server_keys, twin_key
 from benchmarks.streaming.outputs import all_identical, attributable, document
-from benchmarks.streaming.plan import BREAKEVEN, ON_TWIN, PAIRED_RECORDS, TWIN_KEYS, twin_of
-
-Cell = dict[str, Any]
+from benchmarks.streaming.plan import BREAKEVEN, ON_TWIN, PAIRED_RECORDS, twin_of
 
 
 @dataclass(frozen=True)
@@ -46,28 +46,6 @@ TARGETS = (
 )
 
 
-def cell(run: Mapping[str, Any], device: str, mode: str, level: str, c: int) -> Cell | None:
-    res = run["servers"].get(device, {}).get(mode, {})
-    found: Cell | None = res.get("levels", {}).get(level, {}).get(str(c))
-    return found
-
-
-def levels(run: Mapping[str, Any], device: str, level: str = "l3") -> list[int]:
-    cs = {int(c) for res in run["servers"].get(device, {}).values() for c in res.get("levels", {}).get(level, {})}
-    return sorted(cs)
-
-
-def twin_key(run: Mapping[str, Any], device: str) -> str | None:
-    """The key of ``device``'s twin server (``off-twin``, ``on-twin``) where one ran, else None."""
-    return next((k for k in TWIN_KEYS.values() if k in run["servers"].get(device, {})), None)
-
-
-def server_keys(run: Mapping[str, Any], device: str) -> list[str]:
-    """The servers of ``device`` in table order: the run's modes, then the twin where it ran."""
-    twin = twin_key(run, device)
-    return [*run["modes"], *([twin] if twin else [])]
-
-
 def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s", mode: str = "on",
           base: str = "off") -> float | None:
     """``mode`` (streaming on, or a twin) / ``base`` of ``key`` at C = ``c`` (lower is better), or None when
@@ -76,41 +54,6 @@ def ratio(run: Mapping[str, Any], device: str, c: int, key: str = "ttft_p50_s", 
     if off is None or on is None or not off[key] > 0 or math.isnan(on[key]):
         return None
     return float(on[key] / off[key])
-
-
-def unfulfilled(c: Cell) -> float:
-    """L3 hits found but not served (SGLang's ``unfulfilled_*`` reasons, summed): recomputed instead."""
-    return float(sum(v for k, v in c.get("metrics", {}).items() if k.startswith("unfulfilled_")))
-
-
-def fallbacks(run: Mapping[str, Any]) -> list[str]:
-    """(device, C) cells whose ``on`` server served fewer L3 tokens than the ``off`` one: there the on path
-    recomputed what off loaded, so its TTFT is not a streaming figure."""
-    out = []
-    for device in run["device_order"]:
-        for c in levels(run, device):
-            off, on = cell(run, device, "off", "l3", c), cell(run, device, "on", "l3", c)
-            if off and on and on["cached_tokens"]["storage"] < off["cached_tokens"]["storage"]:
-                out.append(f"{device} C={c}: on served {on['cached_tokens']['storage']} L3 tokens, off "
-                           f"{off['cached_tokens']['storage']} ({unfulfilled(on):.0f} unfulfilled)")
-    return out
-
-
-CAPPED = "stream_not_streamed[withheld cap: loaded whole]"  # the stream plugin's reason, stream_bind
-
-
-def capped(run: Mapping[str, Any]) -> list[str]:
-    """(device, server, C) cells where streaming servers loaded hits whole because the withheld cap (a share of the
-    host pool) was full: sized for fewer concurrent requests than the hit needs, they ran the off path."""
-    out = []
-    for device in run["device_order"]:
-        for key in server_keys(run, device):
-            for c in levels(run, device):
-                found = cell(run, device, key, "l3", c)
-                n = (found or {}).get("stream", {}).get(CAPPED, 0)
-                if found and n:
-                    out.append(f"{device} {key} C={c}: {n:g} of {found['requests']} requests")
-    return out
 
 
 def _fmt(r: float | None) -> str:
@@ -300,6 +243,11 @@ def targets(run: Mapping[str, Any]) -> list[str]:
     if held:
         out.append("- WARNING, hits loaded whole because the withheld cap was full (the host pool is too small for "
                    "them to stream: a larger --host-ratio): " + "; ".join(held))
+    few = few_streamed(run)
+    if few:
+        out.append("- WARNING, streaming servers that streamed under half of their hits (the rest loaded whole: "
+                   "there on/off compares mostly the same path on both servers, the noise floor's reading, no "
+                   "streaming figure): " + "; ".join(few))
     return out
 
 
