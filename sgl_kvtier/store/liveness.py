@@ -87,6 +87,12 @@ def read_fence(directory: Path) -> dict[str, Any] | None:
     return None if data is None else fmt.unpack_fence(data, str(path))
 
 
+def fence_retires(fence: dict[str, Any] | None, lease: dict[str, Any] | None) -> bool:
+    """Rule 1 on a directory's fence and lease as read: the fence names the incarnation of the lease, or
+    there is no lease (its deletion is under way). An empty FENCE (a live writer's own) reads as None."""
+    return fence is not None and (lease is None or fence.get("incarnation") == lease.get("incarnation"))
+
+
 def _read_direct(path: Path, size: int) -> bytes | None:
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
     for attempt_flags in (flags, os.O_RDONLY) if flags != os.O_RDONLY else (os.O_RDONLY,):
@@ -181,7 +187,7 @@ class LeaseWatch:
         if self.config.sharing is not Sharing.CLUSTER:
             return None
         fence = self._fence(directory, _mark(lease), fresh)
-        if fence is not None and (lease is None or fence.get("incarnation") == lease.get("incarnation")):
+        if fence is not None and fence_retires(fence, lease):
             return f"retired by {fence.get('by')}"
         return None
 

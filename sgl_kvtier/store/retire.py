@@ -48,7 +48,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import fsync_dir
 from sgl_kvtier.store.lease import LEASE, read_lease
-from sgl_kvtier.store.liveness import FENCE, read_fence
+from sgl_kvtier.store.liveness import FENCE, fence_retires, read_fence
 from sgl_kvtier.store.writers import writer_dirname
 
 log = logging.getLogger(__name__)
@@ -185,10 +185,7 @@ def _fenced(meta: Path) -> bool:
     """Whether the writer of directory ``meta`` is retired (``liveness`` rule 1): its FENCE names the
     incarnation of its lease, or its lease is gone already (a deletion under way)."""
     fence = read_fence(meta)
-    if fence is None:
-        return False
-    lease = read_lease(meta / LEASE)
-    return lease is None or lease.get("incarnation") == fence.get("incarnation")
+    return fence is not None and fence_retires(fence, read_lease(meta / LEASE))  # the lease read only behind a fence
 
 
 def _remove_dirs(dirs: list[Path], ns_meta: Path, done: Deleted) -> Deleted:
