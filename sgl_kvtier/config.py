@@ -236,8 +236,8 @@ def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
     """Check one operator value against the field's declared type; no silent conversions."""
     name, kind = f.name, str(f.type)
     if name == "devices":
-        if isinstance(raw, str):
-            raw = [raw]
+        if isinstance(raw, str):  # one path or several in one string alike: the operator meant a list
+            raise ConfigError(name, f"expected a list of paths, got the string {raw!r} (a list: [{raw!r}])")
         if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) and p for p in raw):
             raise ConfigError(name, f"expected a list of non-empty path strings, got {raw!r}")
         return tuple(raw)

@@ -15,8 +15,12 @@ def test_defaults_and_round_trip():
     assert StoreConfig.from_mapping(cfg.to_mapping()) == cfg
 
 
-def test_a_single_device_string_is_accepted():
-    assert StoreConfig.from_mapping({"devices": "/a"}).devices == ("/a",)
+def test_a_device_string_is_refused_naming_the_field():
+    """A string where the list belongs (one path or several) is refused before any path is looked at."""
+    for raw in ("not-a-list", "/a,/b"):
+        with pytest.raises(ConfigError, match=r"^devices: expected a list of paths, got the string") as info:
+            StoreConfig.from_mapping({"devices": raw})
+        assert info.value.field == "devices"
 
 
 @pytest.mark.parametrize("values, field", [

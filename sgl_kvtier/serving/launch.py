@@ -11,7 +11,8 @@ Config file (TOML), two tables:
               passed on in ``--hicache-storage-backend-extra-config``. One exception, ``prefetch_policy =
               "cost" | "off"``, is no store key: it becomes ``KVTIER_PREFETCH_POLICY`` in the server's
               environment (SGLang's plugins read it before any backend config exists); absent, the
-              environment is left as it is (the policy is off unless it was already set there).
+              environment is left as it is (the policy is off unless it was already set there). ``streaming =
+              "on"`` also sets ``KVTIER_STREAM=1`` there (the stream plugin is opt-in, ``serving.server``).
 HiCache flags are always set (``--enable-hierarchical-cache --hicache-storage-backend dynamic``) and the
 extra config always names our backend with ``interface_v1`` (zero copy) and prefix keys passed (chains).
 Without a GPU the CPU flags and ``KVTIER_CPU_SHIMS=1`` are added.
@@ -32,7 +33,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
 from sgl_kvtier.policy.cost_inputs import ENV_POLICY
 from sgl_kvtier.serving.hardware import AUTO, DtypeChoice, choose_dtype, has_cuda_gpu
-from sgl_kvtier.serving.server import CPU_ARGS
+from sgl_kvtier.serving.server import CPU_ARGS, plugin_env
 
 BACKEND = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_name": "KVTierStorage",
            "interface_v1": 1, "hicache_storage_pass_prefix_keys": True}
@@ -101,6 +102,7 @@ def sglang_args(doc: dict[str, Any], gpu: bool, make_model: bool = True) -> tupl
     if "model_path" not in sg:
         raise ConfigError("sglang.model_path", "is required")
     kvtier, env = split_policy(doc.get("kvtier", {}))  # a bad value stops here, before SGLang starts
+    env.update(plugin_env(kvtier))
     sglang_extra = {k: sg.pop(k) for k in SGLANG_EXTRA_KEYS if k in sg}
     model = str(sg.pop("model_path"))
     if model in MODEL_SIZES:

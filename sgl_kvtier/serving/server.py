@@ -4,7 +4,8 @@
 that stopping it reaches the scheduler and detokenizer it spawns. On a machine without a CUDA GPU
 it adds the CPU route (`--device cpu --attention-backend torch_native --disable-cuda-graph`) and
 sets `KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.plugins.cpu` in every SGLang
-process. A model made by `model_factory` is served in the dtype it was made in (`--dtype`, unless
+process; an extra config with `"streaming": "on"` sets `KVTIER_STREAM=1` (`plugin_env`: the stream plugin is
+opt-in and must be on in the spawned scheduler before the backend reads its config). A model made by `model_factory` is served in the dtype it was made in (`--dtype`, unless
 `extra_args` give one: SGLang's `--dtype auto` would turn a float32 model into float16). HTTP goes through urllib, so this module needs nothing beyond the standard library (no torch,
 no sglang in this process: the GPU probe is `nvidia-smi -L`).
 
@@ -35,6 +36,27 @@ from sgl_kvtier.serving.hardware import dtype_args, has_cuda_gpu
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph")
+
+
+EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+STREAM_ENV = "KVTIER_STREAM"  # sgl_kvtier.sglang.plugins: the stream plugin's switch (this module imports no adapter)
+
+
+def plugin_env(kvtier_extra: Mapping[str, Any]) -> dict[str, str]:
+    """The plugin switches an extra config asks for: ``streaming = "on"`` needs the stream plugin's hooks."""
+    return {STREAM_ENV: "1"} if kvtier_extra.get("streaming") == "on" else {}
+
+
+def extra_config_of(args: Sequence[str]) -> dict[str, Any]:
+    """The ``--hicache-storage-backend-extra-config`` JSON among SGLang flags (``{}``: none, or not JSON)."""
+    for flag, value in zip(args, args[1:]):
+        if flag == EXTRA_CONFIG_FLAG:
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                return {}
+            return parsed if isinstance(parsed, dict) else {}
+    return {}
 
 
 class ServerError(RuntimeError):
@@ -120,6 +142,7 @@ class SGLangServer:
         self.env: dict[str, str] = {**NO_CRASH_DUMPS, **os.environ}
         if self.cpu:
             self.env["KVTIER_CPU_SHIMS"] = "1"
+        self.env.update(plugin_env(extra_config_of(extra_args)))
         self.env.update(env or {})
         if log_path is None:
             log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-{self.port}.log"

@@ -388,5 +388,5 @@ def is_block_like(path: str) -> bool:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise DeviceError(f"{path}: does not exist") from None
+        raise DeviceError(f"devices: {path} does not exist") from None
     return stat.S_ISBLK(mode) or stat.S_ISREG(mode)

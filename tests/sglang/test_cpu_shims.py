@@ -91,12 +91,3 @@ def test_a_failing_shim_falls_back_to_sglangs_own_counted_and_logged_with_its_tr
     [record] = [r for r in caplog.records if "injected bug in the shim" in r.getMessage()]
     assert record.exc_info is not None and record.exc_info[0] is IndexError
 
-
-def test_the_cpu_plugin_is_an_sglang_entry_point():
-    from importlib.metadata import entry_points
-
-    from sgl_kvtier.sglang.plugins import cpu
-
-    eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps["kvtier_cpu_shims"].value == "sgl_kvtier.sglang.plugins.cpu:load"
-    assert eps["kvtier_cpu_shims"].load() is cpu.load

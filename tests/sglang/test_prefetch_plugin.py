@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 from array import array
-from importlib.metadata import entry_points
 
 import pytest
 
@@ -136,11 +135,6 @@ def expected(backend, hit_pages, loaded_pages, elapsed_s) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- registration
-def test_entry_point_is_registered():
-    eps = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps["kvtier_prefetch"].value == "sgl_kvtier.sglang.plugins.prefetch:load"
-    assert eps["kvtier_prefetch"].load() is prefetch_plugin.load
-
 
 @pytest.mark.parametrize("value", [None, "", "off", "timeout"])
 def test_off_touches_nothing(pristine, monkeypatch, value):

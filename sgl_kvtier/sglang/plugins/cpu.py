@@ -7,7 +7,8 @@ DP controller. `load_plugins()` runs every plugin's `load()` and then `HookRegis
 
 Opt-in and inert on GPUs: `load()` does nothing unless `KVTIER_CPU_SHIMS=1` is set AND
 `torch.cuda.is_available()` is False. The environment variable is read first, so a GPU machine
-without it never even touches torch.cuda here.
+without it never even touches torch.cuda here. All or nothing (`plugins.register_all`): on an SGLang
+release the shims are not tested on, or one missing a target, nothing is installed (one warning).
 
 How each shim is applied:
 - `HostKVCache.__init__` (force `pin_memory=False`): through SGLang's `HookRegistry`, as a BEFORE hook.
@@ -30,16 +31,19 @@ from __future__ import annotations
 import logging
 import os
 
+from sgl_kvtier.sglang.plugins import BY_NAME, HookSpec, register_all
+
 logger = logging.getLogger(__name__)
 
-ENV_FLAG = "KVTIER_CPU_SHIMS"
+PLUGIN = BY_NAME["cpu_shims"]
+ENV_FLAG = PLUGIN.env
 
 _loaded = False
 
 
 def shims_wanted() -> bool:
     """True when the user opted in and there is no CUDA GPU to run SGLang's real kernels."""
-    if os.environ.get(ENV_FLAG, "") != "1":
+    if not PLUGIN.wanted():
         return False
     import torch  # deferred: SGLang has already imported it wherever this runs
 
@@ -52,13 +56,13 @@ def load() -> None:
     if _loaded or not shims_wanted():
         return
     # Deferred so that a disabled plugin costs SGLang nothing beyond this module's import.
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from sgl_kvtier.sglang.plugins import cpu_shims
 
+    hooks: list[HookSpec] = [(cpu_shims.HOST_KV_CACHE_INIT, cpu_shims.force_unpinned_host_pool, "BEFORE"),
+             (cpu_shims.EXTEND_ATTENTION, cpu_shims.extend_attention_new_queries_only, "AROUND")]
+    if not register_all(PLUGIN.name, hooks, targets=cpu_shims.HOST_MODULES):
+        return
     stubbed = cpu_shims.install_vllm_custom_ops_stub()
-    HookRegistry.register(cpu_shims.HOST_KV_CACHE_INIT, cpu_shims.force_unpinned_host_pool, HookType.BEFORE)
-    HookRegistry.register(cpu_shims.EXTEND_ATTENTION, cpu_shims.extend_attention_new_queries_only, HookType.AROUND)
     transfer = cpu_shims.install_transfer_kv_direct()
     _loaded = True
     logger.info(

@@ -52,11 +52,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sgl_kvtier.prefetch.layer_gate import LayerLoad
+from sgl_kvtier.sglang.plugins import BY_NAME, HookSpec, register_all
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 logger = logging.getLogger(__name__)
 
-ENV_FLAG = "KVTIER_LAYER_LOADER"
+PLUGIN = BY_NAME["layer_loader"]
+ENV_FLAG = PLUGIN.env
 SUBMIT_TARGET = "sglang.srt.mem_cache.l2_transfer.L2TransferEngine.submit_host_to_device"
 WAIT_TARGET = "sglang.srt.managers.cache_controller.LayerDoneCounter.wait_until"
 PRODUCER_TARGET = "sglang.srt.managers.cache_controller.LayerDoneCounter.update_producer"
@@ -116,7 +118,7 @@ IN_FLIGHT = InFlight()
 
 def loader_wanted() -> bool:
     """True when the user opted in and there is no CUDA GPU (SGLang pipelines load-backs there)."""
-    if os.environ.get(ENV_FLAG, "") != "1":
+    if not PLUGIN.wanted():
         return False
     import torch  # deferred: SGLang has already imported it wherever this runs
 
@@ -124,17 +126,15 @@ def loader_wanted() -> bool:
 
 
 def load() -> None:
-    """Entry point for ``sglang.srt.plugins``; idempotent within a process."""
+    """Entry point for ``sglang.srt.plugins``; idempotent within a process; all hooks or none."""
     global _loaded
     if _loaded or not loader_wanted():
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(SUBMIT_TARGET, submit_host_to_device, HookType.AROUND)
-    HookRegistry.register(WAIT_TARGET, wait_until, HookType.AROUND)
-    HookRegistry.register(PRODUCER_TARGET, join_before, HookType.BEFORE)
-    HookRegistry.register(RUN_BATCH_TARGET, join_after, HookType.AFTER)
-    HookRegistry.register(EVENT_DONE_TARGET, load_back_event_done, HookType.AROUND)
+    hooks: list[HookSpec] = [(SUBMIT_TARGET, submit_host_to_device, "AROUND"), (WAIT_TARGET, wait_until, "AROUND"),
+             (PRODUCER_TARGET, join_before, "BEFORE"), (RUN_BATCH_TARGET, join_after, "AFTER"),
+             (EVENT_DONE_TARGET, load_back_event_done, "AROUND")]
+    if not register_all(PLUGIN.name, hooks):
+        return
     _loaded = True
     logger.info("sgl_kvtier layer loader on in pid %d: host -> device load-backs run layer by layer on a "
                 "loader thread (hooks on %s, %s, %s, %s, %s)", os.getpid(), SUBMIT_TARGET, WAIT_TARGET,

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from sgl_kvtier.policy.cost_inputs import PolicyMode
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
-from sgl_kvtier.sglang.plugins import stall_marks
+from sgl_kvtier.sglang.plugins import HookSpec, register_all, stall_marks
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 if TYPE_CHECKING:
@@ -58,14 +58,13 @@ _orphans = ErrorBoundary(logger)  # hook failures with no backend of ours to cou
 
 
 def load() -> None:
-    """Entry point for ``sglang.srt.plugins``; idempotent within a process."""
+    """Entry point for ``sglang.srt.plugins``; idempotent within a process; both hooks or none."""
     global _loaded
     if _loaded or PolicyMode.from_environ() is not PolicyMode.COST:
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TERMINATE_TARGET, can_terminate_prefetch, HookType.AROUND)
-    HookRegistry.register(BATCH_RESULT_TARGET, record_prefill_timing, HookType.AFTER)
+    hooks: list[HookSpec] = [(TERMINATE_TARGET, can_terminate_prefetch, "AROUND"), (BATCH_RESULT_TARGET, record_prefill_timing, "AFTER")]
+    if not register_all("cost_policy", hooks):
+        return
     _loaded = True
     logger.info("sgl_kvtier cost prefetch policy on in pid %d (hooks registered on %s, %s)", os.getpid(),
                 TERMINATE_TARGET, BATCH_RESULT_TARGET)
@@ -78,13 +77,14 @@ def loaded() -> bool:
 
 def backend_of(cache: Any) -> KVTierStorage | None:
     """Our backend behind a HiCache tree (None: no HiCache, no L3 attached, or another backend)."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+    from sglang.srt.mem_cache import hicache_storage
 
     from sgl_kvtier.sglang.storage import KVTierStorage
 
     controller = getattr(cache, "cache_controller", None)  # absent or None: not a HiCache tree
     backend = getattr(controller, "storage_backend", None)  # None: no L3 attached (or detached)
-    if isinstance(backend, HiCacheStorageFailureInjector):  # SGLANG_TEST_HICACHE_BACKEND_RANDOM_*
+    injector = getattr(hicache_storage, "HiCacheStorageFailureInjector", None)  # new in SGLang 0.5.23
+    if injector is not None and isinstance(backend, injector):  # SGLANG_TEST_HICACHE_BACKEND_RANDOM_*
         backend = backend._backend
     return backend if isinstance(backend, KVTierStorage) else None
 

@@ -3,9 +3,11 @@
 Declared in pyproject.toml as the ``sglang.srt.plugins`` entry point ``kvtier_stream``. ``load()`` registers
 the hooks of ``stream_admit`` (bind, register, gate, virtual hit, load-back, ownership, row indices, abort),
 ``stream_slots`` (withhold, reap, reset / detach), ``stream_load`` (loader, per-layer gate, verdict,
-retract, requeue) and ``stream_sample`` (prefill samples for the gate's model) unless ``KVTIER_STREAM=0``
-(a kill switch). Every hook is a pass-through unless the cache it runs on has our backend with
-``streaming = "on"`` and the engine is inside this version's scope (``active``).
+retract, requeue) and ``stream_sample`` (prefill samples for the gate's model) when ``KVTIER_STREAM=1``
+(opt-in; ``sgl-kvtier launch`` sets it for ``streaming = "on"``), all of them or none (``register_all``: on a
+release it is not tested on, or one missing a target, none). Every hook is a pass-through unless the cache
+it runs on has our backend with ``streaming = "on"`` and the engine is inside this version's scope
+(``active``).
 
 The shared state and rules (``active``, the registry, ``drop``, ``STATS``, ...) live in ``stream_core`` and
 are re-exported here, read-only: a test that replaces one replaces it in ``stream_core``.
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
+from sgl_kvtier.sglang.plugins import BY_NAME, HookSpec, register_all
 from sgl_kvtier.sglang.plugins.stream_core import (
     ACTIVE_ATTR,
     CACHE_REF_ATTR,
@@ -38,11 +40,9 @@ from sgl_kvtier.sglang.plugins.stream_core import (
 
 logger = logging.getLogger(__name__)
 
-ENV_KILL = "KVTIER_STREAM"
+PLUGIN = BY_NAME["stream"]
+ENV_FLAG = PLUGIN.env
 _loaded = False
-
-# (dotted target under sglang.srt, hook function, "AROUND" | "AFTER" | "BEFORE"), per module
-HookSpec = tuple[str, Any, str]
 
 
 def hook_specs() -> list[HookSpec]:
@@ -54,20 +54,18 @@ def hook_specs() -> list[HookSpec]:
 
 
 def load() -> None:
-    """Entry point for ``sglang.srt.plugins``; idempotent within a process."""
+    """Entry point for ``sglang.srt.plugins``; idempotent within a process; all hooks or none."""
     global _loaded
-    if _loaded or os.environ.get(ENV_KILL, "") == "0":
+    if _loaded or not PLUGIN.wanted():
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     specs = hook_specs()
-    for target, fn, kind in specs:
-        HookRegistry.register(target, fn, HookType[kind])
+    if not register_all(PLUGIN.name, specs):
+        return
     _loaded = True
     logger.info("sgl_kvtier streamed tails: %d hooks registered in pid %d (inert unless streaming = \"on\")",
                 len(specs), os.getpid())
 
 
-__all__ = ["ACTIVE_ATTR", "CACHE_REF_ATTR", "ENV_KILL", "REGISTRY_ATTR", "STATS", "AdmitStats", "HookSpec", "active",
+__all__ = ["ACTIVE_ATTR", "CACHE_REF_ATTR", "ENV_FLAG", "REGISTRY_ATTR", "STATS", "AdmitStats", "HookSpec", "active",
            "backend_of", "boundary", "controller_cache", "device_allocator", "drop", "guard", "hook_specs", "load",
            "min_reduce", "registry_of", "scope_problems", "streaming_enabled"]
