@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One set-up command for a fresh machine, with or without a GPU:
-#   bash scripts/setup.sh            -> .venv with sgl-kvtier, SGLang 0.5.23, dev tools; fio for benchmarks
+#   bash scripts/setup.sh            -> .venv with sgl-kvtier, SGLang 0.5.23, dev tools; fio for benchmarks;
+#                                       .venv-sglang-0.5.22: the oldest supported SGLang, for the range tests
 # On a machine without an NVIDIA GPU SGLang is installed from its CPU-safe requirement list
 # (scripts/requirements-sglang-cpu.txt) and then `--no-deps`, because a plain install drags in
 # GPU-only wheels (flashinfer, sglang-kernel, ...). With a GPU the normal `pip install sglang` path is used.
@@ -73,4 +74,22 @@ fi
 log "installing sgl-kvtier (editable) with dev extras"
 "${PIP[@]}" --no-deps -e .
 "${PIP[@]}" -e ".[dev]"
+
+# The oldest supported SGLang (sgl_kvtier/sglang/release.py), for tests/test_sglang_range.py: a venv of its own
+# whose only package is that SGLang, over this venv's pinned packages (a .pth line: SGLang's CPU set, torch and
+# the test tools, as the lock pins them; its own site-packages come first, so `import sglang` is the old
+# one). sgl-kvtier is not installed there: the range test installs the wheel it builds.
+OLDEST=0.5.22
+COMPAT="${KVTIER_COMPAT_VENV:-$here/.venv-sglang-$OLDEST}"
+purelib() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+if [ ! -x "$COMPAT/bin/python" ]; then
+  log "creating $COMPAT (SGLang $OLDEST over .venv's packages)"
+  "$PY" -m venv "$COMPAT"
+fi
+purelib "$VENV" >"$(purelib "$COMPAT")/kvtier-base-venv.pth"
+if ! "$COMPAT/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '$OLDEST'" 2>/dev/null; then
+  log "installing sglang==$OLDEST into $COMPAT"
+  grep -v '^sglang==' "$LOCK" >"$COMPAT/constraints.txt"  # the lock, less its own SGLang pin
+  "$COMPAT/bin/python" -m pip install -q --disable-pip-version-check -c "$COMPAT/constraints.txt" --no-deps "sglang==$OLDEST"
+fi
 log "done: activate with 'source $VENV/bin/activate'"

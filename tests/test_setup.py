@@ -13,6 +13,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from sgl_kvtier.sglang.release import SUPPORTED
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
 LOCK = ROOT / "scripts" / "constraints.txt"
@@ -43,7 +45,14 @@ def test_every_pip_call_in_setup_uses_the_lock():
     assert 'PIP+=(-c "$LOCK")' in lines
     through_pip = [ln for ln in lines if ln.startswith('"${PIP[@]}"')]
     assert len(through_pip) >= 5  # pip itself, SGLang's set, SGLang, the package, its dev extras
-    around = [ln for ln in lines if re.search(r"\bpip3?\b.*\binstall\b", ln) and not ln.startswith("PIP=(")]
+    # The oldest supported SGLang's environment installs that SGLang alone, under the lock less its SGLang pin.
+    assert f"OLDEST={SUPPORTED[0]}" in lines  # the release the range test runs on is the oldest supported one
+    compat = [ln for ln in lines if ln.startswith('"$COMPAT/bin/python" -m pip install')]
+    assert compat == ['"$COMPAT/bin/python" -m pip install -q --disable-pip-version-check -c "$COMPAT/constraints.txt" '
+                      '--no-deps "sglang==$OLDEST"']
+    assert """grep -v '^sglang==' "$LOCK" >"$COMPAT/constraints.txt"  # the lock, less its own SGLang pin""" in lines
+    around = [ln for ln in lines if re.search(r"\bpip3?\b.*\binstall\b", ln) and not ln.startswith("PIP=(")
+              and ln not in compat]
     assert not around, f"pip installs that bypass the lock: {around}"
 
 

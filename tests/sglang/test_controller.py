@@ -53,12 +53,12 @@ import torch  # noqa: E402
 if torch.cuda.is_available():  # pragma: no cover - GPU machines run the real kernels instead
     pytest.skip("CPU harness: builds CPU KV pools and uses the CPU shims", allow_module_level=True)
 
+from pools import host_pool_over  # noqa: E402
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InsertParams  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector  # noqa: E402
@@ -160,9 +160,7 @@ def controller(store_dir, dev_tokens: int, model: str, **extra):
     device = MHATokenToKVPool(dev_tokens, PS, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0,
                               end_layer=LAYERS - 1)
     allocator = PagedTokenToKVPoolAllocator(dev_tokens, PS, DTYPE, "cpu", device, need_sort=False)
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PS, "layer_first",
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS - 1)
+    host = host_pool_over(device, PS, "layer_first")
     ctl = HiCacheController(allocator, host, PS, None, threading.Event(), write_policy="write_through",
                             io_backend="direct", storage_backend="dynamic", prefetch_threshold=PS, model_name=model,
                             storage_backend_extra_config=backend_extra(store_dir, **extra), enable_storage_metrics=True)

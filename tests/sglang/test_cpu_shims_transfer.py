@@ -9,11 +9,10 @@ import pytest
 pytest.importorskip("sglang")
 
 import torch  # noqa: E402
+from pools import host_pool_over  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha as host_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mla as host_mla  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 
 from sgl_kvtier.sglang.plugins import cpu_shims  # noqa: E402
 
@@ -31,18 +30,14 @@ def stand_ins(monkeypatch):
 def mha_pools():
     device = MHATokenToKVPool(TOKENS, PAGE, torch.bfloat16, 2, 8, LAYERS, "cpu", False, start_layer=0,
                               end_layer=LAYERS - 1)
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first_direct",
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS - 1)
+    host = host_pool_over(device, PAGE, "page_first_direct")
     return device, host, [device.k_buffer, device.v_buffer], [host.k_buffer, host.v_buffer]
 
 
 def mla_pools():
     device = MLATokenToKVPool(TOKENS, PAGE, torch.bfloat16, 32, 16, LAYERS, "cpu", False, start_layer=0,
                               end_layer=LAYERS - 1)
-    host = MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first_direct",
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS - 1, target_layer_num=LAYERS)
+    host = host_pool_over(device, PAGE, "page_first_direct")
     return device, host, [device.kv_buffer], [host.kv_buffer]
 
 

@@ -1,13 +1,18 @@
-"""End to end: a real SGLang 0.5.23 server (CPU) with KVTierStorage as its L3 tier.
+"""End to end: a real SGLang server (CPU) with KVTierStorage as its L3 tier, on the SGLang installed here
+(0.5.23 in the main run; the oldest supported release, from the built wheel, in ``test_sglang_range``).
 
 A long prompt is answered, its pages reach our store, ``/flush_cache`` empties L1 and L2, and the same
 prompt is then served from L3 with identical greedy output. Then the server is stopped and a new one is
-started on the same store: the prompt hits L3 again (warm restart). About two minutes: two start-ups.
+started on the same store: the prompt hits L3 again (warm restart). The backend says which sgl-kvtier and
+which SGLang it runs: the ones this environment installs. About two minutes: two start-ups.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ pytest.importorskip("sglang")
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402
+from sgl_kvtier.sglang import release  # noqa: E402
 from sgl_kvtier.store.fsck import find_shards, fsck, shard_summary  # noqa: E402
 
 PAGE = 16
@@ -64,3 +70,15 @@ def test_l3_hit_after_flush_and_after_restart(tmp_path: Path) -> None:
     log = (tmp_path / "a.log").read_text(errors="replace") + (tmp_path / "b.log").read_text(errors="replace")
     # SGLang logs tracebacks of its own on CPU (e.g. /freeze_gc posted before uvicorn listens); ours: none.
     assert tracebacks_through(log) == []
+    said = re.findall(r"kvtier: sgl-kvtier (\S+) \((.+?)\) on SGLang (\S+),", log)
+    assert said and set(said) == {installed_here()}, said
+
+
+def installed_here() -> tuple[str, str, str]:
+    """(version, package directory, SGLang release) that a server started by this interpreter imports: what a
+    fresh process started as the servers are (this working directory and environment) finds."""
+    probe = ("import importlib.metadata as m, sgl_kvtier; "
+             "print(sgl_kvtier.__version__, sgl_kvtier.__path__[0], m.version('sglang'), sep='\\n')")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    version, where, sglang = out.stdout.split("\n")[:3]
+    return version, where, release.release_of(sglang)

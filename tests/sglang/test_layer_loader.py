@@ -30,16 +30,14 @@ LAYERS, PAGE, HEADS, DIM = 6, 16, 2, 8
 def raw_pools(single_rank, monkeypatch):
     """A real MHA device pool and layer_first host pool (random host KV), SGLang's layer counter (registered
     with the device pool, as ``HiCacheController`` does) and H2D engine; fresh loader counters."""
+    from pools import host_pool_over
     from sglang.srt.managers.cache_controller import LayerDoneCounter
     from sglang.srt.mem_cache.l2_transfer import L2Transfer, L2TransferEngine
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(512, PAGE, torch.float32, HEADS, DIM, LAYERS, "cpu", False, start_layer=0,
                               end_layer=LAYERS - 1)
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "layer_first",
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS - 1)
+    host = host_pool_over(device, PAGE, "layer_first")
     g = torch.Generator().manual_seed(7)
     host.k_buffer.copy_(torch.randn(host.k_buffer.shape, generator=g))
     host.v_buffer.copy_(torch.randn(host.v_buffer.shape, generator=g))

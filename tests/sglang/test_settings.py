@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from pools import storage_config  # noqa: E402
+from pools import needs, storage_config  # noqa: E402
 
 from sgl_kvtier.fingerprint import fingerprint_model  # noqa: E402
 from sgl_kvtier.serving.model_factory import _hf_config, spec_for  # noqa: E402
@@ -44,6 +44,7 @@ def test_the_operator_fingerprint_is_used_as_is(tmp_path: Path) -> None:
     assert "weights=release-2024-06" in a.describe()
 
 
+@needs("HiCacheStorageConfig.dcp_size", "0.5.23")
 def test_dcp_shards_are_namespaced(tmp_path: Path) -> None:
     pinned = extra(tmp_path, model_fingerprint="w")
     ns = {r: namespace_for(storage_config(pinned, mla=True, tp_rank=r, tp_size=2, dcp_size=2, dcp_rank=r,
