@@ -6,10 +6,11 @@ Loaded by SGLang with::
     '{"backend_name":"kvtier","module_path":"sgl_kvtier.sglang","class_name":"KVTierStorage","interface_v1":1,
       "devices":["/mnt/nvme0/kvtier"], "capacity_bytes": 400000000000}'
 
-Lifecycle (``tiers``): ``cls(storage_config, {})`` validates our keys (a bad one raises ``ConfigError``
-naming it, which stops start-up); ``register_mem_pool_host(pool)`` and ``register_mem_host_pool_v2`` bind
-every pool SGLang registers to a shard of its own, or refuse it loudly (``UnservedPoolError``, naming
-it). The KV shard opens at ``register_mem_pool_host`` (a writer's failed open raises: SGLang then
+Lifecycle (``tiers``): ``cls(storage_config, {})`` checks that the running SGLang is a supported release
+(``release``: else ``UnsupportedSGLangError`` naming the installed and the supported ones) and validates our
+keys (a bad one raises ``ConfigError`` naming it); either stops start-up. ``register_mem_pool_host(pool)``
+and ``register_mem_host_pool_v2`` bind every pool SGLang registers to a shard of its own, or refuse it loudly
+(``UnservedPoolError``, naming it). The KV shard opens at ``register_mem_pool_host`` (a writer's failed open raises: SGLang then
 refuses to start with the error, rather than serving without its L3); ``on_host_pools_registered()``
 opens the side pools' shards, each tier under its share of the one byte limit of the backend
 (``capacity``). ``close()`` (detach, shutdown, a failed attach) closes every
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -54,11 +56,14 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+import sgl_kvtier
+from sgl_kvtier import __version__
 from sgl_kvtier.config import Streaming
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
 from sgl_kvtier.policy.stream_bind import StreamCosts
 from sgl_kvtier.policy.stream_read import Cuts
+from sgl_kvtier.sglang import plugins, release
 from sgl_kvtier.sglang.host_pages import check_indices
 from sgl_kvtier.sglang.page_keys import keys_or_none, keys_until_invalid, parent_of, prefix_keys, warm_page_hash
 from sgl_kvtier.sglang.pool_tier import PoolTier
@@ -67,7 +72,7 @@ from sgl_kvtier.sglang.sidecars import exists_v2
 from sgl_kvtier.sglang.stats import TransferStats, stream_snapshot
 from sgl_kvtier.sglang.stream.binding import StreamBinder, why_not_streaming
 from sgl_kvtier.sglang.tiers import KV, PoolTiers
-from sgl_kvtier.store.lifecycle import Failure
+from sgl_kvtier.store.lifecycle import Failure, handed_on, weak_method
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.prometheus import PrometheusFeed
 from sgl_kvtier.telemetry.snapshot import RankLabels, StreamHookSnapshot, StreamSnapshot, TelemetrySnapshot
@@ -86,19 +91,25 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):
+        sglang_release = release.check_supported()
         self.storage_config = storage_config
         self.config = store_config(storage_config.extra_config)
-        self.writer = bool(storage_config.is_storage_writer)
+        self.writer = release.writer_of(storage_config)
         self.pools = PoolTiers(storage_config, self.config, self.writer)
         self.stats = TransferStats(enabled=True)
         self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
-        self.cost = CostPolicy(self._read_path, boundary=self.boundary)
+        # (parts call back weakly: no reference cycle, store.lifecycle; a closed backend goes by refcounting alone)
+        self.cost = CostPolicy(weak_method(self._read_path, None), boundary=self.boundary)
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
         self.stream_costs = StreamCosts()  # the bind rule's learned figures (policy.stream_bind)
-        self.binder = StreamBinder(lambda: self.kv, lambda: self.streaming_enabled, self.boundary)
+        pools, me = self.pools, weakref.ref(self)
+        self.binder = StreamBinder(lambda: pools.kv, lambda: bool((b := me()) and b.streaming_enabled), self.boundary)
         self._said_streaming = False
         self._stream_hooks: Callable[[], StreamHookSnapshot] | None = None
         warm_page_hash()
+        log.info("kvtier: sgl-kvtier %s (%s) on SGLang %s, rank tp%d pp%d, devices %s", __version__,
+                 sgl_kvtier.__path__[0], sglang_release, storage_config.tp_rank, storage_config.pp_rank,
+                 list(self.config.devices))
 
     @property
     def tiers(self) -> dict[str, PoolTier]:
@@ -127,8 +138,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.pools.register(str(getattr(host_pool_name, "value", host_pool_name)), host_pool)
 
     def on_host_pools_registered(self) -> None:
-        """All pools are known: open every tier's shard under its share of the capacity."""
-        super().on_host_pools_registered()
+        """All pools are known: open every tier's shard under its share of the capacity. (SGLang 0.5.23 calls
+        it; 0.5.22 does not, and the first call that needs a store opens them, ``PoolTiers.ready``.)"""
+        parent = getattr(super(), "on_host_pools_registered", None)  # new in SGLang 0.5.23
+        if parent is not None:
+            parent()
         self.pools.open_all()
         self._say_streaming()
 
@@ -139,11 +153,12 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         return self.config.streaming is Streaming.ON and why_not_streaming(self.kv, self.tiers) is None
 
     def _say_streaming(self) -> None:
-        """Once per backend: why ``streaming = "on"`` cannot stream here (a registered layout, side pools)."""
+        """Once per backend: why ``streaming = "on"`` cannot stream here (the stream plugin is off in this
+        process, a registered layout, side pools)."""
         if self._said_streaming or self.config.streaming is not Streaming.ON or self.kv is None:
             return
-        why = why_not_streaming(self.kv, self.tiers)
-        if why is not None:
+        why = why_not_streaming(self.kv, self.tiers) or plugins.why_off("stream")
+        if why:
             self._said_streaming = True
             log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)
 
@@ -335,20 +350,24 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """Stop every tier's read-ahead and close its store (detach, shutdown, a failed attach): every tier,
         whatever the others raise. Never raises into SGLang: once all is released, the first failure is
         counted and logged at the boundary (the later ones as its notes, and logged). Idempotent. The binder
-        first: its streams read the stores."""
+        first: its streams read the stores. A closed backend holds no host pool (nor, by the no-cycles rule
+        of ``store.lifecycle``, is anything it held kept past its last reference): whoever still holds it
+        keeps no host memory alive."""
         try:
             self.binder.close()
         except Exception as exc:  # the stores are closed whatever the binder raised
             self.boundary.fail("close (tail streams)", exc, outcome="the stores closed anyway")
+        for held in ("mem_pool_host", "registered_pools"):  # HiCacheStorage's own references to the host pools
+            self.__dict__.pop(held, None)
         failures = self.pools.close()
-        if failures:
-            self._report_close(failures)
+        if failures:  # handed on, not kept here: this frame is in their tracebacks (lifecycle.handed_on)
+            self._report_close(handed_on(failures))
 
     def _report_close(self, failures: list[Failure]) -> None:
         step, first = failures[0]
         for later, exc in failures[1:]:
             first.add_note(f"{later} also failed: {exc!r}")
-            log.warning("kvtier close: %s also failed: %r", later, exc)
+            log.warning("kvtier close: %s also failed: %s", later, repr(exc))  # (a string: no error kept)
         if isinstance(first, Exception):
             self.boundary.fail(f"close ({step})", first, outcome="everything else released")
         interrupt = next((exc for _, exc in failures if not isinstance(exc, Exception)), None)

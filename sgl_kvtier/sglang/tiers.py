@@ -63,7 +63,9 @@ class PoolTiers:
         self._lock = threading.RLock()
         self._opened = False  # every bound tier is open under its current share
         self._settled = False  # on_host_pools_registered came: a pool registered from now on opens at once
-        self._failed: BaseException | None = None  # a refusal or a failed open: nothing is served
+        # Why nothing is served (a refusal or a failed open): the error's message, never the error, whose
+        # traceback's frames hold their callers (the backend, the host pool): a reference cycle.
+        self._failed: str | None = None
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, pool: Any, open_now: bool = False) -> PoolTier:
@@ -120,7 +122,7 @@ class PoolTiers:
 
     def _check_serving(self) -> None:
         if self._failed is not None:
-            raise KVTierError(f"not serving: {self._failed}") from self._failed
+            raise KVTierError(f"not serving: {self._failed}")
 
     def _open_all(self) -> None:
         tiers = list(self.by_name.values())
@@ -154,7 +156,7 @@ class PoolTiers:
     def _give_up(self, error: BaseException) -> None:
         """``error`` ends this backend's service: release every tier (their failures become its notes)."""
         tiers, self.by_name, self.kv, self._opened = list(self.by_name.values()), {}, None, False
-        self._failed = error
+        self._failed = str(error)
         abandon(error, "the backend's pool tiers", [(f"pool {t.name}", t.close) for t in tiers])
 
     # ------------------------------------------------------------------ closing

@@ -22,14 +22,21 @@ Invariants:
     close wraps it, so a caller sees one typed error naming the step.
   * An open that fails re-raises its own error: what it held is released newest first (``Acquired``),
     and a release that fails too becomes a note on that error (and a log line), never masking it.
+  * No reference cycles: a closed owner and all it held (IO engine, buffers, the host memory it was
+    registered with) go by reference counting alone, the moment its last user reference does, never
+    waiting for the cyclic garbage collector. So a part never holds its owner strongly (a callback into
+    the owner that a part keeps holds it weakly: ``weak_method``), and no error a step raised is kept by a
+    frame of its own traceback, which holds every caller's frame and locals (the caller's ``self``
+    included): the helpers here hand failures on (``handed_on``) and raise what a helper made of them.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Self
+from typing import ParamSpec, Self, TypeVar
 
 from sgl_kvtier.errors import KVTierError
 
@@ -37,6 +44,20 @@ log = logging.getLogger(__name__)
 
 Step = tuple[str, Callable[[], object]]  # (what is released, the call releasing it)
 Failure = tuple[str, BaseException]  # (step, what it raised)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def weak_method(method: Callable[P, R], gone: R) -> Callable[P, R]:
+    """The bound ``method`` as a callback that holds its object weakly (the module's no-cycles invariant):
+    for a part that calls back into its owner. Once the object is gone, a call answers ``gone``."""
+    ref = weakref.WeakMethod(method)  # a bound method, as the docstring says
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        bound = ref()
+        return gone if bound is None else bound(*args, **kwargs)
+
+    return call
 
 
 class StoreCloseError(KVTierError):
@@ -62,7 +83,16 @@ def run_steps(steps: Iterable[Step]) -> list[Failure]:
             release()
         except BaseException as exc:  # noqa: BLE001 - kept, and raised once every step has run
             failures.append((step, exc))
-    return failures
+    return handed_on(failures)
+
+
+def handed_on(failures: list[Failure]) -> list[Failure]:
+    """``failures`` moved out of the caller's list (emptied) into a new one. A frame that called ``run_steps``
+    is in every failure's traceback (a traceback holds its frames' callers), so by the no-cycles invariant
+    it keeps none: it hands them on through this, or raises what a helper made of them."""
+    moved = list(failures)
+    failures.clear()
+    return moved
 
 
 def _first_interrupt(failures: Sequence[Failure]) -> BaseException | None:
@@ -72,39 +102,53 @@ def _first_interrupt(failures: Sequence[Failure]) -> BaseException | None:
 def close_all(what: str, steps: Iterable[Step]) -> None:
     """Run every step (``run_steps``), then raise ``StoreCloseError`` from the first failure, if any."""
     failures = run_steps(steps)
-    if not failures:
-        return
+    if failures:
+        raise _close_error(what, handed_on(failures))
+
+
+def _close_error(what: str, failures: list[Failure]) -> BaseException:
+    """``close_all``'s error for ``failures``: the first interrupt as it is, else ``StoreCloseError`` from the
+    first failure (the later ones logged)."""
     for step, exc in failures[1:]:
-        log.warning("closing %s: %s also failed: %r", what, step, exc)
+        log.warning("closing %s: %s also failed: %s", what, step, repr(exc))  # (no error kept by the record)
     interrupt = _first_interrupt(failures)
     if interrupt is not None:
-        raise interrupt
-    raise StoreCloseError(what, failures) from failures[0][1]
+        return interrupt
+    error = StoreCloseError(what, failures)
+    error.__cause__ = failures[0][1]  # as ``raise ... from`` sets it
+    return error
 
 
 def release_all(steps: Iterable[Step]) -> None:
     """Run every step (``run_steps``), then re-raise the first failure as it is, the others as its notes."""
     failures = run_steps(steps)
-    if not failures:
-        return
+    if failures:
+        raise _with_notes(handed_on(failures))
+
+
+def _with_notes(failures: list[Failure]) -> BaseException:
     first = _first_interrupt(failures) or failures[0][1]
     for step, exc in failures:
         if exc is not first:
             first.add_note(f"{step} also failed: {exc!r}")
-    raise first
+    return first
 
 
 def abandon(error: BaseException, what: str, steps: Iterable[Step]) -> None:
     """``error`` stopped an open of ``what`` half-way: run the ``steps`` releasing what it held; each one
     that fails too becomes a note on ``error`` (which the caller re-raises). An interrupt raised by a step
     is raised here, after the other steps."""
-    failures = run_steps(steps)
-    for step, exc in failures:
-        error.add_note(f"releasing {what} after the failed open: {step} failed too: {exc!r}")
-        log.warning("releasing %s after a failed open: %s failed too: %r", what, step, exc)
-    interrupt = _first_interrupt(failures)
+    interrupt = _noted(error, what, run_steps(steps))
     if interrupt is not None:
         raise interrupt
+
+
+def _noted(error: BaseException, what: str, failures: list[Failure]) -> BaseException | None:
+    """Each of ``failures`` as a note on ``error`` (and a log line); the first interrupt among them."""
+    for step, exc in failures:
+        error.add_note(f"releasing {what} after the failed open: {step} failed too: {exc!r}")
+        log.warning("releasing %s after a failed open: %s failed too: %s", what, step, repr(exc))
+    return _first_interrupt(failures)
 
 
 class ClosedOnExit:

@@ -60,7 +60,7 @@ from functools import partial
 
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer, Run, copy_to_runs, round_up, runs_aligned, view
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, digest, range_digests
-from sgl_kvtier.store.lifecycle import Step, release_all, run_steps
+from sgl_kvtier.store.lifecycle import Failure, Step, release_all, run_steps
 from sgl_kvtier.store.parts import Checksum, part_sum
 from sgl_kvtier.store.transfer import PageIO, ReadVerdict, busy_seconds
 from sgl_kvtier.telemetry.counters import RateLimitedLog
@@ -317,8 +317,12 @@ def drive(reads: Sequence[PartRead], size: int, groups: int, on_part: OnPart) ->
             done = list(ok)
             on_part(g, ok)
     except BaseException:
-        for step, exc in run_steps(closes):
-            log.warning("%s failed after an error of the read: %r", step, exc)
+        _log_failed_closes(run_steps(closes))  # (their errors are kept in no frame of their tracebacks: no cycle)
         raise
     release_all(closes)
     return done
+
+
+def _log_failed_closes(failures: list[Failure]) -> None:
+    for step, exc in failures:
+        log.warning("%s failed after an error of the read: %s", step, repr(exc))

@@ -57,7 +57,7 @@ from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.store.fencing import OwnWriter
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout, meta_dir
-from sgl_kvtier.store.lifecycle import ClosedOnExit, Step, StoreCloseError, run_steps
+from sgl_kvtier.store.lifecycle import ClosedOnExit, Failure, Step, StoreCloseError, handed_on, run_steps, weak_method
 from sgl_kvtier.store.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.peers import InUse, Peers
@@ -92,11 +92,12 @@ class SharedPool(PoolReads, ClosedOnExit):
         self._shared = shared
         self._watch = LeaseWatch(config, clock if own is None else own.clock)
         self._in_use = InUse()
+        # The parts call back into the pool weakly (``lifecycle.weak_method``): no reference cycles.
         self._followed = Peers(config, namespace, ns_meta, shared, self._watch, self._in_use, clock,
-                               lambda: self.wid, self._touched, engine)
+                               weak_method(self._own_wid, None), weak_method(self._touched, None), engine)
         self._closed = False
         self._writer = None if own is None else OwnWriter(own, ns_meta, self._watch, self._in_use,
-                                                           self._leased_peer_bytes, shared, clock)
+                                                           weak_method(self._leased_peer_bytes, 0), shared, clock)
 
     @property
     def own(self) -> PageStore | None:
@@ -154,14 +155,8 @@ class SharedPool(PoolReads, ClosedOnExit):
             steps.append(("unused io engine", engine.close))
         steps += own_steps
         failures = run_steps(steps)
-        if not failures:
-            return
-        interrupt = next((e for _, e in failures if not isinstance(e, Exception)), None)
-        if interrupt is not None:
-            raise interrupt
-        if len(failures) == 1:
-            raise failures[0][1]
-        raise StoreCloseError(f"the pool of {self.namespace.dirname()}", failures) from failures[0][1]
+        if failures:  # raised from a helper: this frame is in their tracebacks and keeps none (lifecycle.handed_on)
+            raise _close_error(f"the pool of {self.namespace.dirname()}", handed_on(failures))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -235,6 +230,9 @@ class SharedPool(PoolReads, ClosedOnExit):
     def _shards(self) -> list[PageShard]:
         own: list[PageShard] = [] if self.own is None else [self.own]
         return own + list(self._followed.readers.values())
+
+    def _own_wid(self) -> str | None:
+        return self.wid
 
     def _leased_peer_bytes(self) -> int:
         return self._followed.bytes_leased
@@ -366,3 +364,15 @@ def _telemetry(config: StoreConfig) -> SharedTelemetry:
     health = DeviceHealth(list(config.devices), config.breaker_failures, config.breaker_cooldown_s, config.slow_io_s)
     return SharedTelemetry(StoreCounters(), health, ReadRates(len(config.devices)))
 
+
+def _close_error(what: str, failures: list[Failure]) -> BaseException:
+    """``SharedPool.close``'s error: the first interrupt, else a lone failure as it is (the own store's
+    ``StoreCloseError``), else one ``StoreCloseError`` from the first naming every failed step."""
+    interrupt = next((e for _, e in failures if not isinstance(e, Exception)), None)
+    if interrupt is not None:
+        return interrupt
+    if len(failures) == 1:
+        return failures[0][1]
+    error = StoreCloseError(what, failures)
+    error.__cause__ = failures[0][1]  # as ``raise ... from`` sets it
+    return error

@@ -52,7 +52,7 @@ from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout
-from sgl_kvtier.store.lifecycle import Acquired, ClosedOnExit, Step, close_all
+from sgl_kvtier.store.lifecycle import Acquired, ClosedOnExit, Step, close_all, weak_method
 from sgl_kvtier.store.part_reads import OnPart, PartRead, drive
 from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.read_rates import ReadRates
@@ -149,8 +149,8 @@ class PageShard(ClosedOnExit, abc.ABC):
         self.health = shared.health
         self.read_rates = shared.read_rates  # moving-average read bandwidth / batch latency (cost model)
         self._io = PageIO(layout, self._engine, self.health, self.counters, self.page_bytes, config.io_depth,
-                          config.durability is not Durability.NONE, self._device_full, identity=identity,
-                          parts=namespace.part_sizes())
+                          config.durability is not Durability.NONE, weak_method(self._device_full, None),
+                          identity=identity, parts=namespace.part_sizes())  # (weakly: no reference cycle)
         self._index = PageIndex(recovered, config.eviction, capacity)
         self._slots = SlotTable(capacity, self._index.slots())
 

@@ -122,11 +122,14 @@ class ErrorBoundary:
         kind = ErrorKind.EXPECTED if isinstance(exc, self._expected) else ErrorKind.UNEXPECTED
         with self._lock:
             self._counts[kind] += 1
+        # The message's arguments are strings: a log record a handler keeps (a buffer, a test's capture) must not
+        # keep ``exc``, whose traceback holds every frame it passed and their locals (a closed backend, its host
+        # pool). Only a bug's record keeps it, for its traceback.
         if kind is ErrorKind.EXPECTED:
-            self._logs[kind].error("kvtier %s failed (%s): %s: %s", op, outcome, type(exc).__name__, exc)
+            self._logs[kind].error("kvtier %s failed (%s): %s: %s", op, outcome, type(exc).__name__, str(exc))
         else:
             self._logs[kind].error("kvtier %s failed (%s), unexpected %s: %s", op, outcome, type(exc).__name__,
-                                   exc, exc_info=exc)
+                                   str(exc), exc_info=exc)
         return kind
 
     def counts(self) -> BoundaryCounts:

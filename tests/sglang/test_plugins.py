@@ -163,3 +163,23 @@ def test_the_launchers_switch_the_stream_plugin_for_streaming_on() -> None:
     assert server.plugin_env({"streaming": "off"}) == server.plugin_env({}) == {}
     args = ["--page-size", "16", server.EXTRA_CONFIG_FLAG, json.dumps({"devices": ["/x"], "streaming": "on"})]
     assert server.extra_config_of(args)["streaming"] == "on" and server.extra_config_of(["--x"]) == {}
+
+
+@pytest.mark.parametrize("status, why", [
+    (None, "KVTIER_STREAM=1 is not set in the server's environment"),
+    ("tested on SGLang 0.5.23; this is 0.5.22", "tested on SGLang 0.5.23; this is 0.5.22"),
+    (plugins.ON, None)])
+def test_streaming_on_says_once_why_the_stream_plugin_is_off(tmp_path, monkeypatch, caplog, status, why) -> None:
+    from pools import mha_host_pool, storage_config
+
+    from sgl_kvtier.sglang import KVTierStorage
+
+    monkeypatch.setattr(plugins, "_status", {} if status is None else {"stream": status})
+    backend = KVTierStorage(storage_config({"devices": [str(tmp_path)], "capacity_bytes": 64 << 20,
+                                            "streaming": "on"}))
+    with caplog.at_level(logging.WARNING, logger="sgl_kvtier.sglang.storage"):
+        backend.register_mem_pool_host(mha_host_pool("layer_first"))
+        backend.on_host_pools_registered()
+    backend.close()
+    said = [r.getMessage() for r in caplog.records if "streaming" in r.getMessage()]
+    assert said == ([] if why is None else [f'kvtier: streaming = "on" but L3 hits will load whole, as with "off": {why}'])

@@ -33,7 +33,7 @@ from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from test_prometheus import only, scrape  # noqa: E402
 
-from sgl_kvtier.sglang.plugins import stream_copy, stream_retract  # noqa: E402
+from sgl_kvtier.sglang.plugins import stream, stream_copy, stream_retract  # noqa: E402
 
 PAGE = 16
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
@@ -166,7 +166,7 @@ def test_retracted_requests_answer_as_if_never_retracted(tmp_path: Path, loop: s
             "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", str(PAGE),
             "--chunked-prefill-size", "256", "--skip-server-warmup",
             *(["--disable-overlap-schedule"] if loop == "normal" else [])]
-    env = {stream_retract.ENV_TEST: "retract-", **STRICT}
+    env = {stream.ENV_FLAG: "1", stream_retract.ENV_TEST: "retract-", **STRICT}  # the knob is a stream hook
     log_path = tmp_path / "server.log"
     with SGLangServer(model, extra_args=args, env=env, log_path=log_path) as srv:
         a = generate(srv, long_a, "retract-a")  # 600 tokens: retracted after its first 256-token chunk

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache."
 HCC = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."
 REGISTRY_ATTR = "_kvtier_stream_registry"
-ACTIVE_ATTR = "_kvtier_stream_active"  # on the cache: (backend, registry or None), the memoised decision
+ACTIVE_ATTR = "_kvtier_stream_active"  # on the cache: (weak ref to the backend, registry or None), the decision
 CACHE_REF_ATTR = "_kvtier_stream_cache"  # on the controller: a weak reference to its cache (when active)
 _orphans = ErrorBoundary(logger)  # failures with no backend of ours to count them
 
@@ -141,7 +141,7 @@ def active(cache: Any) -> StreamRegistry | None:
         _orphans.fail("streamed tails: finding the backend", exc, outcome="streaming off")
         return None
     memo = cache.__dict__.get(ACTIVE_ATTR)
-    if memo is not None and memo[0] is backend:
+    if memo is not None and _decided_for(memo[0], backend):
         registry: StreamRegistry | None = memo[1]
         return registry
     registry, reason = None, "no sgl-kvtier backend behind this cache"
@@ -157,12 +157,18 @@ def active(cache: Any) -> StreamRegistry | None:
     except Exception as exc:
         boundary(cache).fail("streamed tails: scope check", exc, outcome="streaming off")
         registry, reason = None, f"scope check failed ({type(exc).__name__})"
-    cache.__dict__[ACTIVE_ATTR] = (backend, registry)
+    # The backend weakly: a detached backend (and its host pools) go the moment SGLang drops it.
+    cache.__dict__[ACTIVE_ATTR] = (None if backend is None else weakref.ref(backend), registry)
     if registry is not None:
         logger.info("kvtier streamed tails: on for this cache (pid %d)", os.getpid())
     elif backend is not None:
         logger.info("kvtier streamed tails: off for this cache (pid %d): %s", os.getpid(), reason)
     return registry
+
+
+def _decided_for(ref: weakref.ref[Any] | None, backend: Any) -> bool:
+    """Whether the memoised decision (for the backend ``ref`` refers to; None: no backend) is ``backend``'s."""
+    return backend is None if ref is None else backend is not None and ref() is backend
 
 
 def controller_cache(controller: Any) -> Any | None:
