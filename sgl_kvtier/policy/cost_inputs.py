@@ -9,10 +9,10 @@ our backend parses the extra config.
 Inputs, both typed and both owned by the backend's ``CostPolicy``:
 - read path (``ReadPath``): page geometry and the KV store's measured read model, from a callable the
   backend hands in (moving least squares over the real ``get`` batches);
-- prefill speed (``PrefillSampler``): fed by the ``kvtier_prefetch`` plugin, which reaches this object
-  through the backend it finds on the cache or scheduler it hooks, from SGLang's own per-batch timings (a
-  batch's ``launch_ts`` to the end of its ``process_batch_result``); the first ``WARMUP_BATCHES`` extend
-  batches are skipped (compilation, warm-up request). Until it has enough samples it answers the seed
+- prefill speed (``PrefillSampler``): fed by the cost-policy plugin (``sglang.plugins.prefetch``), which
+  reaches this object through the backend it finds on the cache or scheduler it hooks, from SGLang's own
+  per-batch timings (a batch's ``launch_ts`` to the end of its ``process_batch_result``); the first
+  ``WARMUP_BATCHES`` extend batches are skipped (compilation, warm-up request). Until it has enough samples it answers the seed
   from ``KVTIER_PREFILL_TOKENS_PER_S`` if set, else nothing (and the policy defers to SGLang's own).
 
 Invariants: imports no SGLang (callers hand SGLang objects' plain fields in); no module state but the

@@ -1,4 +1,4 @@
-"""The ``kvtier_prefetch`` plugin on SGLang 0.5.23's real classes (CPU), and the backend's cost inputs.
+"""The cost-policy plugin (``plugins.prefetch``) on SGLang 0.5.23's real classes (CPU), and the backend's cost inputs.
 
 - Off (``KVTIER_PREFETCH_POLICY`` unset): ``load()`` registers nothing and no SGLang class changes.
 - On: ``load()`` + ``HookRegistry.apply_hooks()`` (what ``load_plugins()`` does) wrap
