@@ -12,8 +12,9 @@ Inputs, both typed and both owned by the backend's ``CostPolicy``:
 - prefill speed (``PrefillSampler``): fed by the cost-policy plugin (``sglang.plugins.prefetch``), which
   reaches this object through the backend it finds on the cache or scheduler it hooks, from SGLang's own
   per-batch timings (a batch's ``launch_ts`` to the end of its ``process_batch_result``); the first
-  ``WARMUP_BATCHES`` extend batches are skipped (compilation, warm-up request). Until it has enough samples it answers the seed
-  from ``KVTIER_PREFILL_TOKENS_PER_S`` if set, else nothing (and the policy defers to SGLang's own).
+  ``WARMUP_BATCHES`` extend batches are skipped (compilation, warm-up request). Until it has enough samples
+  it answers the seed from ``KVTIER_PREFILL_TOKENS_PER_S`` if set, else nothing (and the policy defers to
+  SGLang's own).
 
 Invariants: imports no SGLang (callers hand SGLang objects' plain fields in); no module state but the
 warn-once memo of bad switch values; ``shorten_hit`` never raises (any problem: the unshortened hit, the
