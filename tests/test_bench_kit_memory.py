@@ -9,7 +9,7 @@ pytest.importorskip("sglang")
 
 from benchmarks import kit_memory  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # two child pytest runs of the kit
 
 
 def test_both_backends_run_it_and_no_backend_is_left_to_the_collector(capsys: pytest.CaptureFixture[str]) -> None:

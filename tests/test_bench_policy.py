@@ -126,6 +126,7 @@ def test_smoke_defaults_yield_to_explicit_flags() -> None:
     assert [p.name for p in full.policy_list] == list(POLICIES) and full.devices == ["fast", "slow:4"]
 
 
+@pytest.mark.server
 def test_smoke_run(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
     from sgl_kvtier.serving.model_factory import make_model

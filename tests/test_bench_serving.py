@@ -279,6 +279,7 @@ def test_repetitions_pool_their_requests() -> None:
 # -- the smoke run ---------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_smoke_run_two_configurations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("sglang")
     monkeypatch.delenv(ENV_DTYPE, raising=False)

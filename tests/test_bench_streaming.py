@@ -387,6 +387,7 @@ def test_args_smoke_modes_and_environment() -> None:
     assert parse_device("slow:5", 0).name == "slow-5MBps"
 
 
+@pytest.mark.server
 def test_smoke_run(tmp_path: Path) -> None:
     pytest.importorskip("sglang")
     from sgl_kvtier.serving.model_factory import make_model

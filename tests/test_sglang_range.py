@@ -31,7 +31,7 @@ RANGE_TESTS = [
 # Skipped on the oldest release, each for a feature it lacks (an unexpected skip fails this test).
 EXPECTED_SKIPS = {"HiCacheStorageConfig.dcp_size is new in SGLang 0.5.23"}
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1500)]
 
 
 def oldest_release() -> str:

@@ -53,6 +53,8 @@ from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: 
 from sgl_kvtier.store.lease import LEASE, read_lease  # noqa: E402
 from sgl_kvtier.telemetry.prometheus import ENV_INTERVAL  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 HEARTBEAT_S = 0.2
 DEAD_AFTER_S = 2.0  # 10 beats: a live writer on 2 busy cores is never judged dead by a late beat
 HOSTS = ("hosta", "hostb")

@@ -21,6 +21,8 @@ from sgl_kvtier.serving.hardware import DTYPE_BYTES  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt, spec_for  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 PAGE = 16
 BACKED_UP = "sglang:backuped_tokens_total"
 

@@ -25,6 +25,8 @@ from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: 
 from sgl_kvtier.sglang import release  # noqa: E402
 from sgl_kvtier.store.fsck import find_shards, fsck, shard_summary  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 PAGE = 16
 PROMPT = 900
 HIT = (PROMPT - 1) // PAGE * PAGE  # SGLang computes the last token; L3 holds whole pages: 896

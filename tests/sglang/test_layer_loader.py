@@ -235,6 +235,7 @@ def test_registered_hooks_gate_sglangs_own_calls(pristine, raw_pools, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------ (c) real server
+@pytest.mark.server
 @cpu_only
 def test_l2_hits_load_on_the_loader_thread_with_identical_output(tmp_path: Path) -> None:
     """Prompt A, then B and C push A out of the 2,048-token device pool into host memory only; A again is

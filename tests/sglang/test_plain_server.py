@@ -17,6 +17,8 @@ pytest.importorskip("sglang")
 from sgl_kvtier.serving.model_factory import make_model  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 SWITCHES = ("KVTIER_CPU_SHIMS", "KVTIER_PREFETCH_POLICY", "KVTIER_LAYER_LOADER", "KVTIER_STREAM")
 
 

@@ -327,6 +327,7 @@ def only(samples: dict, name: str, **labels: str) -> float:
     return found[0]
 
 
+@pytest.mark.server
 @pytest.mark.timeout(600)
 def test_a_real_server_shows_kvtier_gauges_on_its_metrics(tmp_path: Path) -> None:
     pytest.importorskip("sglang")

@@ -26,6 +26,8 @@ from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E4
 from sgl_kvtier.serving.server import SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
 from sgl_kvtier.store.fsck import find_shards, shard_summary  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 PAGE = 16
 ADMIN_KEY = "test-admin-key"
 COOLDOWN_S = 6.0  # the sick request's last reads, a flush and the next request fit in it on a loaded machine

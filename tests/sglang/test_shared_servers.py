@@ -35,6 +35,8 @@ from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt, spec_for  # noqa: E402
 from sgl_kvtier.serving.server import ServerError, SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 PAGE = 16
 PROMPT = 900
 HIT = (PROMPT - 1) // PAGE * PAGE  # the last token is always computed; L3 holds whole pages: 896

@@ -155,6 +155,7 @@ def check_log(log_path: Path) -> str:
     return log
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("loop", ["overlap", "normal"])
 def test_retracted_requests_answer_as_if_never_retracted(tmp_path: Path, loop: str) -> None:
     from sgl_kvtier.serving.model_factory import make_model, make_prompt
@@ -185,6 +186,7 @@ def test_retracted_requests_answer_as_if_never_retracted(tmp_path: Path, loop: s
     assert "retracted request plain" not in log  # only the chosen ones
 
 
+@pytest.mark.server
 def test_streamed_tails_that_fail_are_retracted_and_recomputed(tmp_path: Path) -> None:
     from sgl_kvtier.serving.launch import BACKEND
     from sgl_kvtier.serving.model_factory import make_model, make_prompt

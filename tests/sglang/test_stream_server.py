@@ -77,6 +77,8 @@ from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
 
+pytestmark = pytest.mark.server  # starts real SGLang servers
+
 PAGE = 16
 NEW_TOKENS = 8
 PREFIX = 320  # stored tokens: 20 pages, two layer groups of 160 KiB each (tiny model, bf16)
