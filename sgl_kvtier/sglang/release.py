@@ -58,7 +58,7 @@ def supported_range() -> str:
 def check_supported(version: str | None = None) -> str:
     """The installed (or given) SGLang's release, if supported; else ``UnsupportedSGLangError`` naming both."""
     version = installed() if version is None else version
-    release = None if version is None else _release_or_none(version)
+    release = None if version is None else release_or_none(version)
     if release in SUPPORTED:
         return str(release)
     found = "no SGLang is installed" if version is None else f"SGLang {version} is installed"
@@ -67,7 +67,8 @@ def check_supported(version: str | None = None) -> str:
         f"(pip install 'sglang>={SUPPORTED[0]},<={SUPPORTED[-1]}', or 'sgl-kvtier[sglang]')")
 
 
-def _release_or_none(version: str) -> str | None:
+def release_or_none(version: str) -> str | None:
+    """``release_of``, or None where ``version`` names no release."""
     try:
         return release_of(version)
     except ValueError:
@@ -87,5 +88,6 @@ def writer_of(storage_config: Any) -> bool:
     return not bool(storage_config.is_mla_model) or int(storage_config.tp_rank) == 0
 
 
-__all__ = ["SUPPORTED", "UnsupportedSGLangError", "check_supported", "installed", "release_of", "supported_range",
+__all__ = ["SUPPORTED", "UnsupportedSGLangError", "check_supported", "installed", "release_of", "release_or_none",
+           "supported_range",
            "writer_of"]

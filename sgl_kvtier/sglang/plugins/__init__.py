@@ -110,10 +110,7 @@ def check(name: str, targets: Sequence[str], version: str | None = None) -> str 
 
     plugin = BY_NAME[name]
     found = release.installed() if version is None else version
-    try:
-        rel = None if found is None else release.release_of(found)
-    except ValueError:
-        rel = None
+    rel = None if found is None else release.release_or_none(found)
     if rel not in plugin.tested_on:
         return f"tested on SGLang {', '.join(plugin.tested_on)}; this is {found or 'no SGLang'}"
     missing = [t for t in targets if not resolves(t)]
