@@ -51,10 +51,10 @@ from benchmarks.store.powerloss_check import held, read_back
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize, random_policy, stratified_cuts
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import holes
 from sgl_kvtier.store.page_store import PageStore
-from sgl_kvtier.store.pool import SharedPool
 
 PAGE = 56 * 1024  # halves of 28 KiB: aligned runs, so pages go straight from host memory (O_DIRECT where it works)
 CAPACITY_PAGES = 40  # evictions, and three 1 MiB segments of 17 slots

@@ -32,10 +32,10 @@ from benchmarks.serving.models import resolve_model
 from benchmarks.serving.probes import tree_usage
 from benchmarks.serving.report import pyplot, save_figure
 from benchmarks.serving.session import machine
+from sgl_kvtier.admin.fsck import find_shards, shard_summary
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES, has_cuda_gpu
 from sgl_kvtier.serving.launch import BACKEND
 from sgl_kvtier.serving.server import SGLangServer
-from sgl_kvtier.store.fsck import find_shards, shard_summary
 
 
 def load_trace(path: Path, block_tokens: int, vocab: int, limit: int) -> list[list[int]]:

@@ -35,7 +35,7 @@ from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.serving.launch import add_launch_parser
 
 if TYPE_CHECKING:
-    from sgl_kvtier.store.fsck import Shard
+    from sgl_kvtier.admin.fsck import Shard
 
 
 def _human(n: int | None) -> str:
@@ -66,8 +66,8 @@ def _state(w: dict[str, Any]) -> str:
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     """``sgl-kvtier inspect``: every namespace's pool under a path and each of its writers, as tables or
-    JSON (``store.pool_view``); reads only."""
-    from sgl_kvtier.store.fsck import find_shards, shard_summary
+    JSON (``sharing.pool_status``); reads only."""
+    from sgl_kvtier.admin.fsck import find_shards, shard_summary
 
     shards = find_shards(args.path)
     rows = [shard_summary(s) for s in shards]
@@ -106,7 +106,7 @@ def _advance(progress: Progress, task: TaskID, pages: int) -> None:
 def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
     """``sgl-kvtier fsck``: verify (and with ``--repair`` fix) every shard; 1 if any stays bad. With
     ``--rebuild``: rebuild every writer's index from its pages; 1 if any writer could not be rebuilt."""
-    from sgl_kvtier.store.fsck import find_shards, fsck_pool
+    from sgl_kvtier.admin.fsck import find_shards, fsck_pool
 
     shards = find_shards(args.path)
     if not shards:
@@ -137,7 +137,7 @@ def cmd_fsck(args: argparse.Namespace, console: Console) -> int:
 
 def _rebuild(args: argparse.Namespace, console: Console, shards: list[Shard]) -> int:
     """``fsck --rebuild``: every writer of every shard, a progress bar each (none with ``--json``)."""
-    from sgl_kvtier.store.fsck import rebuild_shard
+    from sgl_kvtier.admin.fsck import rebuild_shard
 
     outcomes = []
     with Progress(console=console, transient=True, disable=args.json) as progress:
@@ -166,9 +166,9 @@ def _rebuild(args: argparse.Namespace, console: Console, shards: list[Shard]) ->
 
 
 def cmd_check_shared(args: argparse.Namespace, console: Console) -> int:
-    """``sgl-kvtier check-shared``: ``store.fs_probes.check_shared`` on a directory; 0 when it is fit for
+    """``sgl-kvtier check-shared``: ``sharing.cluster_fs.probes.check_shared`` on a directory; 0 when it is fit for
     ``sharing = "cluster"``, 1 otherwise (each reason printed)."""
-    from sgl_kvtier.store.fs_probes import check_shared
+    from sgl_kvtier.sharing.cluster_fs.probes import check_shared
 
     if args.peer_wait is not None and args.peer_wait < 0:
         console.print("[red]error:[/red] --peer-wait: must be >= 0 seconds")
@@ -200,9 +200,9 @@ def cmd_check_shared(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_pool_format(args: argparse.Namespace, console: Console) -> int:
-    """``sgl-kvtier pool-format``: ``store.pool_dev.format_pool``; 0 once written, 1 with nothing written
+    """``sgl-kvtier pool-format``: ``media.shared_raw.superblock.format_pool``; 0 once written, 1 with nothing written
     (no ``--yes``, or a device refused: never formatted over)."""
-    from sgl_kvtier.store.pool_dev import format_pool
+    from sgl_kvtier.media.shared_raw.superblock import format_pool
 
     sbs = format_pool(list(args.devices), args.hosts, write=args.yes)
     if args.json:

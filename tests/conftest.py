@@ -1,4 +1,5 @@
-"""Suite-wide: the test files that start real SGLang servers run first, longest first.
+"""Suite-wide: the test files that start real SGLang servers run first, longest first; the filesystem and
+other-host fixtures that the store, media and sharing tests share (``ramfs``, ``hostproc``).
 
 The suite runs on two pytest-xdist workers, a file per worker (``addopts`` in pyproject.toml), handed out
 in collection order. Started first, the long files spread over both workers and the short ones fill in
@@ -8,7 +9,12 @@ its place (only the balance, never a result, depends on this list).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+from test_sharing import ROOT, WORKER, Proc
 
 # Seconds each took serially on a 2-core machine (session 8), longest first.
 SLOW_FIRST = (
@@ -32,3 +38,40 @@ SLOW_FIRST = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: in-file order kept
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A filesystem that refuses O_DIRECT: ramfs, mounted here (root only)."""
+    d = tmp_path / "ramfs"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True).returncode:
+        pytest.skip("mounting ramfs needs root")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+class HostProc(Proc):
+    """A ``sharing_worker.py`` process standing for another machine (its own ``KVTIER_BOOT_ID``)."""
+
+    def __init__(self, boot: str) -> None:
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "KVTIER_BOOT_ID": boot}
+        self.p = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env=env, cwd=ROOT)
+
+
+@pytest.fixture
+def hostproc():
+    """Start writer processes that stand for other machines (their own ``KVTIER_BOOT_ID``); killed after."""
+    made: list[HostProc] = []
+
+    def start(boot: str) -> HostProc:
+        made.append(HostProc(boot))
+        return made[-1]
+
+    yield start
+    for proc in made:
+        if proc.p.poll() is None:
+            proc.kill()

@@ -168,7 +168,7 @@ fcntl.flock(fd, fcntl.LOCK_UN)
 
 def lock_free_elsewhere(meta: Path) -> bool:
     """Whether another process can take the writer lock of the writer directory ``meta`` now (the
-    ``flock`` that ``store.writers.claim_writer`` takes, given back at once)."""
+    ``flock`` that ``sharing.writers.claim_writer`` takes, given back at once)."""
     import subprocess
     import sys
 

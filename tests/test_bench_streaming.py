@@ -66,7 +66,7 @@ def test_a_twin_is_a_second_off_server_per_device() -> None:
 
 
 def test_an_on_twin_runs_with_its_own_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = bench.parse_args(["--devices", "fast", "--twin", "on", "--twin-env", "KVTIER_IO_NICE=10",
+    args = bench.parse_args(["--devices", "fast", "--twin", "on", "--twin-env", "GOMP_SPINCOUNT=1000",
                              "--server-env", "KVTIER_LAYER_LOADER=1", "--out", str(tmp_path)])
     assert [(r.key, r.streaming, r.twin) for r in args.server_runs] == [
         ("off", OFF, False), ("on", ON, False), (plan.ON_TWIN, ON, True)]
@@ -76,12 +76,12 @@ def test_an_on_twin_runs_with_its_own_environment(tmp_path: Path, capsys: pytest
     made = {r.key: servers.BenchServer(args, r, device, base, tmp_path, [], False, 1) for r in args.server_runs}
     common = {"KVTIER_PREFETCH_POLICY": "off", "KVTIER_LAYER_LOADER": "1"}
     assert made["on"].res["env"] == made["off"].res["env"] == common
-    assert made[plan.ON_TWIN].res["env"] == common | {"KVTIER_IO_NICE": "10"}
-    assert made[plan.ON_TWIN].srv.env["KVTIER_IO_NICE"] == "10" and "KVTIER_IO_NICE" not in made["on"].srv.env
+    assert made[plan.ON_TWIN].res["env"] == common | {"GOMP_SPINCOUNT": "1000"}
+    assert made[plan.ON_TWIN].srv.env["GOMP_SPINCOUNT"] == "1000" and "GOMP_SPINCOUNT" not in made["on"].srv.env
     assert made[plan.ON_TWIN].tag == "fast-on-twin" and made[plan.ON_TWIN].srv.log_path.name == "fast-on-twin.log"
     # Usage errors name the flag, before any server starts.
-    for argv, words in ((["--twin-env", "KVTIER_IO_NICE=10"], "needs --twin"),
-                        (["--twin", "on", "--twin-env", "KVTIER_IO_NICE"], "--twin-env takes KEY=VALUE"),
+    for argv, words in ((["--twin-env", "GOMP_SPINCOUNT=1000"], "needs --twin"),
+                        (["--twin", "on", "--twin-env", "GOMP_SPINCOUNT"], "--twin-env takes KEY=VALUE"),
                         (["--server-env", "=1"], "--server-env takes KEY=VALUE"),
                         (["--twin", "on", "--streaming", "off"], "needs the on mode"),
                         (["--devices", "breakeven", "--no-references"], "breakeven")):
@@ -357,14 +357,14 @@ def test_report_table_targets_and_plot(tmp_path: Path) -> None:
     # An on twin with more environment: its row against off, its line against on (paired_twin: on-twin / on).
     env = run["servers"]["fast"]["on"]["env"]
     run["servers"]["fast"][plan.ON_TWIN] = run["servers"]["fast"].pop(plan.TWIN_KEY) | {
-        "env": env | {"KVTIER_IO_NICE": "10"}}
+        "env": env | {"GOMP_SPINCOUNT": "1000"}}
     run["paired_twin"]["fast"]["1"]["median_ratio"] = 0.96
     run["paired_on_twin"] = {"fast": {"1": {"requests": 8, "median_ratio": 1.01, "round_ratios": [1.0, 1.02]}}}
     run["identical_twin"] = {"fast": {"1": {"compared": 5, "identical": 5, "missing": 0, "different": []}}}
     rows = stream_report.table(run, "fast").splitlines()
     twin_row = next(line for line in rows if line.startswith("| on-twin | 1 |"))
     assert "| 0.66 | 0.77 | 1.10 | 1.10 | 1.01 (rounds 1.00-1.02) |" in twin_row and "| 5/5 |" in twin_row
-    assert "  - fast C=1, with KVTIER_IO_NICE=10: on-twin / on 1.25, paired 0.96 (rounds 0.98-1.06); outputs "         "identical to off 5/5" in stream_report.targets(run)  # 0.55 over on's 0.44
+    assert "  - fast C=1, with GOMP_SPINCOUNT=1000: on-twin / on 1.25, paired 0.96 (rounds 0.98-1.06); outputs "         "identical to off 5/5" in stream_report.targets(run)  # 0.55 over on's 0.44
     assert "noise floor (" not in stream_report.markdown(run)
     assert plot.plot(run, tmp_path).exists()
     del run["servers"]["fast"][plan.ON_TWIN]

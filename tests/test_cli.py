@@ -15,8 +15,8 @@ import xxhash
 from support import HostMemory, key, namespace, open_store, store_config
 
 from sgl_kvtier.cli import main
+from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
-from sgl_kvtier.store.pool import SharedPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,9 +106,9 @@ def test_no_store_here(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------- shared pools
-SHARED_PAGE = 16 * 1024 - 4096  # a 16 KiB slot with its trailer (as tests/store/sharing_worker.py)
+SHARED_PAGE = 16 * 1024 - 4096  # a 16 KiB slot with its trailer (as tests/sharing/sharing_worker.py)
 CAPACITY_PAGES = 256
-WORKER = Path(__file__).parent / "store" / "sharing_worker.py"
+WORKER = Path(__file__).parent / "sharing" / "sharing_worker.py"
 
 
 def pool_config(path):
@@ -250,7 +250,7 @@ def test_repair_opens_the_damaged_writer_not_a_lower_free_one(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------- check-shared
 def fake_mounts(monkeypatch, tmp_path, fstype):
     """``/proc/self/mountinfo`` reads as: / on ext4, ``tmp_path/pool`` on ``fstype``; that directory."""
-    from sgl_kvtier.store import fs_detect
+    from sgl_kvtier.sharing.cluster_fs import detect as fs_detect
 
     pool = tmp_path / "pool"
     pool.mkdir()

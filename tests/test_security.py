@@ -12,7 +12,7 @@ import pytest
 from support import HostMemory, open_store
 
 from sgl_kvtier.errors import StoreLockedError
-from sgl_kvtier.store.writers import host_id
+from sgl_kvtier.sharing.writers import host_id
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_kvtier"
 
@@ -48,7 +48,7 @@ def test_keys_never_become_paths(tmp_path):
 
 def test_second_writer_process_is_refused(tmp_path):
     """Under ``sharing = "off"``, two processes opening one shard for writing: the second gets a clear error
-    naming the holder (with the default ``host`` it becomes a second writer: tests/store/test_sharing.py)."""
+    naming the holder (with the default ``host`` it becomes a second writer: tests/sharing/test_sharing.py)."""
     with open_store(tmp_path, sharing="off"):
         code = textwrap.dedent(f"""
             import sys

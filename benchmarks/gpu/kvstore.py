@@ -30,8 +30,8 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.buffers import ALIGN
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.sglang.parts_plan import LayerPlan
+from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
-from sgl_kvtier.store.pool import SharedPool
 
 LAYOUTS = ("layer_first", "page_first_direct")
 PUT_BATCH = 128  # pages per put call, as SGLang's backup batches

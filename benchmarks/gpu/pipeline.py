@@ -36,7 +36,7 @@ from benchmarks.gpu.kvstore import DeviceKV, HostKV
 from benchmarks.gpu.prefill import StandIn
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sglang.parts_plan import LayerPlan
-from sgl_kvtier.store.pool import SharedPool
+from sgl_kvtier.sharing.pool import SharedPool
 
 GROUP_TIMEOUT_S = 600.0  # bounds a failure (a reader thread that died without saying so), never a wait
 

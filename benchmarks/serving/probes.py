@@ -125,7 +125,7 @@ def store_summary(cfg: configs.Config, path: Path) -> dict[str, Any]:
     files = [f for f in path.rglob("*") if f.is_file()]
     out: dict[str, Any] = {"path": str(path), "files": len(files), "bytes_on_disk": sum(f.stat().st_size for f in files)}
     if cfg.l3 == "kvtier":
-        from sgl_kvtier.store.fsck import find_shards, shard_summary
+        from sgl_kvtier.admin.fsck import find_shards, shard_summary
 
         out["shards"] = [shard_summary(s) for s in find_shards(str(path))]
     return out

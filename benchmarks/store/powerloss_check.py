@@ -11,8 +11,8 @@ from typing import Any
 
 from benchmarks.store.crash import page_bytes_for
 from benchmarks.store.hostpool import HostPool
+from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store.page_store import PageStore
-from sgl_kvtier.store.pool import SharedPool
 
 
 def number(k: bytes) -> int:

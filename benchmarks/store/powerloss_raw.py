@@ -33,12 +33,12 @@ from benchmarks.store.powerloss_check import held, number, read_back
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.media.shared_raw import claim as pool_claim
+from sgl_kvtier.media.shared_raw.regions import regions_of
+from sgl_kvtier.media.shared_raw.superblock import format_pool, open_direct, read_superblock
+from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
-from sgl_kvtier.store import pool_claim
 from sgl_kvtier.store.page_store import PageStore
-from sgl_kvtier.store.pool import SharedPool
-from sgl_kvtier.store.pool_dev import format_pool, open_direct, read_superblock
-from sgl_kvtier.store.pool_regions import regions_of
 
 PAGE = 8192
 CAPACITY_PAGES = 40

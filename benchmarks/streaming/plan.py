@@ -23,7 +23,7 @@ Ordering rules (``plan_servers``):
   (key ``off-twin`` or ``on-twin``), interleaved with them. With the same settings, ``off-twin / off``
   measures the run's noise floor, what an on/off ratio of a server on the same path would read by chance;
   with ``--twin-env`` the twin alone runs with more environment, so ``twin / its mode`` measures that
-  setting in the same turns (e.g. ``--twin on --twin-env KVTIER_IO_NICE=10``).
+  setting in the same turns (e.g. ``--twin on --twin-env GOMP_SPINCOUNT=1000``).
 """
 
 from __future__ import annotations

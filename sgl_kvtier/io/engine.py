@@ -60,7 +60,7 @@ class ThreadPoolEngine:
     A batch is handed to ``min(depth, ops)`` workers at once (one queue entry each, no future per op); each
     takes ops by index until none is left, so a batch of 1,152 small ops costs one wake-up per worker, not
     per op (measured on this project's 2-core VM: ~16 us of CPU per 16 KiB op against ~27 with a
-    ``ThreadPoolExecutor`` future per op). Workers start on first use, named ``kvtier-io_N`` and niced by
+    ``ThreadPoolExecutor`` future per op). Workers start on first use, named ``kvtier-io_N`` by
     ``io_thread_started``; daemon threads, so a process that never closes its engine still exits.
     """
 
@@ -115,7 +115,7 @@ class ThreadPoolEngine:
             self._workers.append(worker)
 
     def _work(self) -> None:
-        io_thread_started()  # named, KVTIER_IO_NICE (io.threads)
+        io_thread_started()  # named, KVTIER_GIL_SWITCH_US (io.threads)
         while (batch := self._queue.get()) is not None:
             self._drain(batch)
 

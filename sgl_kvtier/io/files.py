@@ -1,6 +1,6 @@
 """How a follower reads another writer's files: ``FileView`` (the protocol), ``POSIX`` (plain syscalls).
 
-A follower (``store.reader.PageReader``, ``store.journal``'s replay) reads a writer's journals, checkpoint
+A follower (``sharing.follower.PageReader``, ``store.journal``'s replay) reads a writer's journals, checkpoint
 and lease only through a view, so tests can interpose a stale one (``io.stale.StaleFiles``: what an NFS
 client may show). Every ``POSIX`` read opens the file afresh: on NFS, close-to-open consistency gives fresh
 attributes and data at each open.

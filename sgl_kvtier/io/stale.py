@@ -4,7 +4,7 @@ filesystem may see of files another host writes, for the tests of ``sharing = "c
 ``StaleFiles(inner, ...)`` wraps a file view (``read(path, offset, limit)``, ``size``, ``exists``,
 ``listdir``: the ``io.files.FileView`` a reader sees its writer's journals, checkpoint and lease
 through; pass ``io.files.POSIX`` as ``inner``). Give it to ``PageReader.open(view=...)``, or to every
-reader opened in a block (a pool's peers) with ``store.reader.reading_through(view)``. Faults:
+reader opened in a block (a pool's peers) with ``sharing.follower.reading_through(view)``. Faults:
     lag_rate     journal lag: a read of a file matching ``lag_match`` (journals) returns only a prefix of
                  what is there, cut at a random byte past ``offset`` (attributes cached, writes not yet at
                  the server); with probability ``zero_share`` the cut-off bytes read as zeros instead (the

@@ -1,10 +1,10 @@
 """sgl-kvtier's threads as the OS sees them: named, so ``top -H`` / ``ps -L`` (and bench_streaming's CPU
-table) tell our CPU from SGLang's, and the IO threads at their priority (``io.priority``).
+table) tell our CPU from SGLang's, and the GIL switch interval set where asked (``io.priority``).
 
 ``io_thread_started`` is the initializer of every thread pool of ours that moves or verifies pages
 (``kvtier-io``, ``kvtier-parts``, ``kvtier-readahead``, ``kvtier-stream``): it names the worker's OS thread
-after its Python name (``kvtier-io_3``) and applies ``KVTIER_IO_NICE``. ``name_this_thread`` alone serves
-our other threads (the lease heartbeat, the layer loader) as they start.
+after its Python name (``kvtier-io_3``) and applies ``KVTIER_GIL_SWITCH_US``. ``name_this_thread`` alone
+serves our other threads (the lease heartbeat, the layer loader) as they start.
 
 Naming is Linux's ``prctl(PR_SET_NAME)`` on the calling thread (the kernel keeps 15 bytes; a longer name
 keeps its first 15). Python 3.11 does not name OS threads itself. Elsewhere, or if libc refuses, the
@@ -20,7 +20,7 @@ import threading
 from functools import cache
 from typing import Any
 
-from sgl_kvtier.io.priority import apply_gil_switch, renice_this_thread
+from sgl_kvtier.io.priority import apply_gil_switch
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,9 @@ def name_this_thread(name: str | None = None) -> bool:
 
 
 def io_thread_started() -> None:
-    """Thread-pool initializer of our IO pools: the worker named after itself, then niced, and the process's
-    GIL switch interval set where asked (``io.priority``)."""
+    """Thread-pool initializer of our IO pools: the worker named after itself, and the process's GIL switch
+    interval set where asked (``io.priority``)."""
     name_this_thread()
-    renice_this_thread()
     apply_gil_switch()
 
 

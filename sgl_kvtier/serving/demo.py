@@ -160,7 +160,7 @@ def main(directory: str = ".kvtier-demo", turns: int = 3) -> int:
     console = Console()
     rows = run(Path(directory).resolve(), turns, console)
     render(rows, console)
-    from sgl_kvtier.store.fsck import find_shards, shard_summary
+    from sgl_kvtier.admin.fsck import find_shards, shard_summary
 
     for shard in find_shards(str(Path(directory).resolve())):
         s = shard_summary(shard)

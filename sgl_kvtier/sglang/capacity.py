@@ -28,10 +28,10 @@ from pathlib import Path
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError, DeviceError
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.media.shared_raw.regions import journal_bytes_for
+from sgl_kvtier.media.shared_raw.superblock import superblock_of
 from sgl_kvtier.store.devices import is_block_like
 from sgl_kvtier.store.format import BLOCK_HEADER_BYTES, JOURNAL_AREAS, slot_bytes_for
-from sgl_kvtier.store.pool_dev import superblock_of
-from sgl_kvtier.store.pool_regions import journal_bytes_for
 
 FREE_SPACE_SHARE = 0.9  # of a directory device's free space, as the store's own default
 POOL_SHARE = 0.95  # of a host's share of a pool device, after the journal areas (the rest: checkpoint areas)

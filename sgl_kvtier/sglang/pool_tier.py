@@ -2,7 +2,7 @@
 
 A tier is bound to its pool first (``bind``: geometry and namespace, nothing opened) and opened once the
 backend knows all its pools, and so each tier's share of the capacity (``open``; ``reopen`` when a pool
-registered later changes the shares). Every tier holds a ``store.pool.SharedPool``: the merged view over
+registered later changes the shares). Every tier holds a ``sharing.pool.SharedPool``: the merged view over
 every writer process of its namespace shard (other servers and DP replicas on this host share the pool).
 Writers open it with a writer directory of their own. Ranks that only read a replicated (MLA) shard open
 it read-only, lazily: no writer may have created it yet, so a failed open is retried on later calls. Each open store gets a read-ahead stage
@@ -47,10 +47,10 @@ from sgl_kvtier.keys import Namespace, PageKey, valid_runs
 from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
+from sgl_kvtier.sharing.liveness import Verdict
+from sgl_kvtier.sharing.pool import SharedPool
+from sgl_kvtier.sharing.pool_status import lease_age
 from sgl_kvtier.store.lifecycle import release_all
-from sgl_kvtier.store.liveness import Verdict
-from sgl_kvtier.store.pool import SharedPool
-from sgl_kvtier.store.pool_view import lease_age
 from sgl_kvtier.telemetry.snapshot import (
     SHARING_COUNTERS,
     Breaker,

@@ -11,7 +11,7 @@ Raw block device (or a regular file standing in for one): the first ``BLOCK_HEAD
 table (format.REGION_MAGIC) naming, per (namespace digest, wid), its header fields and its
 ``[offset, length)``. Writers claim regions under an exclusive ``flock`` on the device. A device whose
 first MiB is neither zeros nor our table is refused, so a disk holding someone's data is never formatted
-over; a shared raw pool's device (``store.pool_dev``) is refused here naming what it needs.
+over; a shared raw pool's device (``media.shared_raw.superblock``) is refused here naming what it needs.
 
 A read-only arena (``create=False``: a reader of another writer's pages) never creates nor writes a file:
 it opens segments ``O_RDONLY`` as it first needs them; one that is not there (not made yet, or removed)

@@ -64,7 +64,7 @@ Reads verify every part of the page against the index's checksums (the trailer i
 checksums the page bytes do not match (torn, stale) is skipped; of several good slots of one key the highest
 seq wins.
 
-Shared raw pool (``sharing = "cluster"`` with ``host_index``; ``store.pool_dev``, ``store.region_meta``): one raw
+Shared raw pool (``sharing = "cluster"`` with ``host_index``; ``media.shared_raw.superblock``, ``media.shared_raw.region_meta``): one raw
 device (an NVMe-oF namespace attached to several hosts) formatted once by ``sgl-kvtier pool-format DEV --hosts
 H``. Every byte of it is read and written with O_DIRECT, in whole 4 KiB blocks; nothing lives in a ``meta_dir``.
     [0, 4 KiB)        superblock: header (POOL_MAGIC): pool_id, hosts, device_index, device_count,

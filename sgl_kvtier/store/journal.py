@@ -27,7 +27,7 @@ Crash rules:
     another number of checksums indexes nothing (its slot is still taken from the key that held it) and
     is reported in ``problems``. So every indexed page has exactly ``parts`` checksums.
   * Where files are (``store.meta``): a writer directory (``journal_write``: ``Journal``,
-    ``replace_checkpoint``), or a shared raw pool's region (``store.region_meta``: journal areas, checkpoint A/B), read back as these files through
+    ``replace_checkpoint``), or a shared raw pool's region (``media.shared_raw.region_meta``: journal areas, checkpoint A/B), read back as these files through
     its view: recovery and following are the same code for both.
   * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
     old checkpoint still covers exactly the journals it covered, and every journal it does not cover is

@@ -16,11 +16,11 @@ Refusals (``StoreFormatError``): a format-1 store (its pages are a cache: remove
 (or, on a raw device, a region whose first slot holds a page) but neither ``checkpoint.bin`` nor any
 journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
 a new writer would otherwise overwrite pages it does not know about). The writer lock itself is
-``store.writers``. Under ``sharing = "cluster"`` every data file is opened with O_DIRECT or not at all
-(``direct_mode``); what the storage must be is checked before this, by ``store.fs_check``.
+``sharing.writers``. Under ``sharing = "cluster"`` every data file is opened with O_DIRECT or not at all
+(``direct_mode``); what the storage must be is checked before this, by ``sharing.cluster_fs.check``.
 
-A shared raw pool (``host_index`` set; ``store.pool_dev``): no meta directory and no namespace HEADER file.
-The writer's path is ``<first device>/ns-<digest>/w-<wid>`` (no directory: ``store.pool_regions``), its
+A shared raw pool (``host_index`` set; ``media.shared_raw.superblock``): no meta directory and no namespace HEADER file.
+The writer's path is ``<first device>/ns-<digest>/w-<wid>`` (no directory: ``media.shared_raw.regions``), its
 arenas are its regions' slots and ``Layout.files`` its meta areas (``region_meta.open_regions``, each region's
 header checked as a device header, the store id being the pool id); ``load_config`` reads a region's CONFIG.
 """
@@ -40,6 +40,10 @@ from sgl_kvtier.config import DirectIO, Sharing, StoreConfig
 from sgl_kvtier.errors import ConfigError, CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.media.shared_raw.region_meta import RegionFiles, open_regions, read_config
+from sgl_kvtier.media.shared_raw.regions import pool_writers, region_read
+from sgl_kvtier.media.shared_raw.superblock import superblock_of
+from sgl_kvtier.sharing.writers import writer_dirname
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import (
     DIRECT_CLUSTER,
@@ -52,10 +56,6 @@ from sgl_kvtier.store.devices import (
     write_file_atomic,
 )
 from sgl_kvtier.store.lifecycle import abandon, release_all
-from sgl_kvtier.store.pool_dev import superblock_of
-from sgl_kvtier.store.pool_regions import pool_writers, region_read
-from sgl_kvtier.store.region_meta import RegionFiles, open_regions, read_config
-from sgl_kvtier.store.writers import writer_dirname
 
 CHECKPOINT = "checkpoint.bin"
 
@@ -69,7 +69,7 @@ class Layout:
     slot_bytes: int
     store_id: str
     wid: str = ""
-    files: RegionFiles | None = None  # a shared raw pool's writer: its meta areas (``store.region_meta``)
+    files: RegionFiles | None = None  # a shared raw pool's writer: its meta areas (``media.shared_raw.region_meta``)
 
     @property
     def ns_meta(self) -> Path:
@@ -94,7 +94,7 @@ class Layout:
 
 def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
     """The namespace's meta directory, ``<meta_dir or first device>/ns-<digest>`` (not created here)."""
-    if config.host_index is not None:  # a shared raw pool: no directory (``store.pool_regions``)
+    if config.host_index is not None:  # a shared raw pool: no directory (``media.shared_raw.regions``)
         return Path(config.devices[0]) / namespace.dirname()
     for dev in config.devices:
         if not os.path.isdir(dev) and superblock_of(dev) is not None:

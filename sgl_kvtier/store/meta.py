@@ -20,9 +20,9 @@ from typing import Protocol
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.files import POSIX, FileView
+from sgl_kvtier.sharing.lease import LEASE, FileBlocks, LeaseBlocks
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.layout import Layout, save_config
-from sgl_kvtier.store.lease import LEASE, FileBlocks, LeaseBlocks
 
 
 class WriterJournal(Protocol):

@@ -1,17 +1,17 @@
 """PageStore: one writer of a namespace shard (fixed-size KV pages on one or more flash devices).
 
 It is a ``PageShard`` (``store.shard``: get / longest_prefix / stats, the pinned verified read path) that
-also holds its writer directory (``store.writers``: the lowest free ``w-<host_id>-<k>``, so several writer
+also holds its writer directory (``sharing.writers``: the lowest free ``w-<host_id>-<k>``, so several writer
 processes share one namespace's pool, each in its own directory and segments), its journal and its lease
-(``store.lease``, beaten every ``heartbeat_s`` on the ``kvtier-lease`` thread). Read-only views are
-``store.reader.PageReader``; the merged view over every writer of a namespace is ``store.pool.SharedPool``.
+(``sharing.lease``, beaten every ``heartbeat_s`` on the ``kvtier-lease`` thread). Read-only views are
+``sharing.follower.PageReader``; the merged view over every writer of a namespace is ``sharing.pool.SharedPool``.
 
 Pool-wide cap: ``capacity_bytes`` limits the namespace shard over all its writers. Before taking a slot
-for a new page (``store.pool_side``), a writer checks its own pages (stored and being stored) plus the
+for a new page (``sharing.writer_quota``), a writer checks its own pages (stored and being stored) plus the
 other writers' last leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it
 evicts its own coldest pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
 growing at once may overshoot by what they store in that time. On top of that hard cap the pool quota
-(``store.quota_loop``, run after each lease beat) sets ``grow_limit_bytes`` (None: grow to the cap; a
+(``sharing.quota_loop``, run after each lease beat) sets ``grow_limit_bytes`` (None: grow to the cap; a
 number: at it, a new page replaces an own one) and evicts the writer's old pages with
 ``evict_older_than``, which punches holes (``store.holes``) over the slots it frees.
 
@@ -21,7 +21,7 @@ valid ``PageKey``s):
     delete(keys) -> int, evict(keys) -> int, clear() -> int, checkpoint(), close()
     usage() (what the lease publishes; ``published`` keeps the last), evict_older_than(age_s, now, bytes)
     touch_remote(keys), touch_own(keys)     uses of other writers' pages (TOUCH records) / of own ones
-    (those of the pool side: ``store.pool_side``; and everything a PageShard serves)
+    (those of the pool side: ``sharing.writer_quota``; and everything a PageShard serves)
 
 Write order for a put batch, one named phase each (the crash rule each step relies on is at its code):
     1. reserve   under the lock: admit each page, take a free slot (evicting as needed; the victims'
@@ -39,7 +39,7 @@ recover -> a new journal generation -> fold what was replayed -> lease; a failed
 took, the lock last.
 
 Meta (``store.meta``): a writer directory, or on a shared raw pool (``host_index``) its region's areas
-(``store.region_meta``: claimed by ``store.pool_claim``, lease beats also beat the host lease, whose
+(``media.shared_raw.region_meta``: claimed by ``media.shared_raw.claim``, lease beats also beat the host lease, whose
 takeover by another machine fences the store). There a journal area is bounded: a batch that would not
 fit is refused (``put_no_space``), a checkpoint is due at half full, and a generation whose area the
 durable checkpoint does not cover yet is preceded by a checkpoint in place (``checkpoint``).
@@ -65,20 +65,20 @@ from sgl_kvtier.config import Durability, Sharing, StoreConfig
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.policy.admission import AdmissionFilter
+from sgl_kvtier.sharing.lease import LEASE, Lease
+from sgl_kvtier.sharing.writer_quota import PoolSide
+from sgl_kvtier.sharing.writers import WriterClaim, boot_id, machine_id
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
-from sgl_kvtier.store import pool_claim
 from sgl_kvtier.store.layout import Layout
-from sgl_kvtier.store.lease import LEASE, Lease
 from sgl_kvtier.store.lifecycle import Acquired, Step
 from sgl_kvtier.store.meta import WriterJournal, writer_meta
 from sgl_kvtier.store.parts import Checksum
-from sgl_kvtier.store.pool_side import PoolSide
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
 from sgl_kvtier.store.transfer import SlotIdentity
 from sgl_kvtier.store.writer_open import acquire_writer
-from sgl_kvtier.store.writers import WriterClaim, boot_id, machine_id
 
 
 @dataclass
@@ -95,7 +95,7 @@ JOURNAL_SLACK = 16 << 10  # a bounded journal keeps this much for the DELs and T
 class PageStore(PageShard, PoolSide):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
 
-    # Why a live writer of another host retired this one (``store.retire``; set by the pool), or None. Fenced,
+    # Why a live writer of another host retired this one (``sharing.retire``; set by the pool), or None. Fenced,
     # it writes nothing more in its directory (being deleted): puts refused without IO, no checkpoint.
     fenced: str | None = None
 
@@ -111,9 +111,9 @@ class PageStore(PageShard, PoolSide):
         self.clock: Callable[[], float] = time.monotonic if clock is None else clock  # page ages, the quota
         if clock is not None:
             self._index.use_clock(clock)
-        self.grow_limit_bytes: int | None = None  # the quota's growth limit (``store.quota_loop``)
+        self.grow_limit_bytes: int | None = None  # the quota's growth limit (``sharing.quota_loop``)
         self.published: tuple[float, dict[str, Any]] | None = None  # (clock, fields) of the last ``usage()``
-        # The other writers' leased bytes (``store.pool`` sets it); called under the lock, so it must be cheap.
+        # The other writers' leased bytes (``sharing.pool`` sets it); called under the lock, so it must be cheap.
         self.peer_bytes: Callable[[], int] = lambda: 0
         self._touched: dict[PageKey, float] = {}  # remote pages whose use was journaled, and when
         self._checkpoint_lock = threading.Lock()
@@ -131,7 +131,7 @@ class PageStore(PageShard, PoolSide):
              shared: SharedTelemetry | None = None, wid: str | None = None,
              clock: Callable[[], float] | None = None) -> PageStore:
         """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as one of its writers,
-        in the lowest free writer directory of this host (``store.writers``). ``engine`` (tests): the base
+        in the lowest free writer directory of this host (``sharing.writers``). ``engine`` (tests): the base
         engine to run IO on, the store's from this call on (closed by ``close``, or here if this fails).
         ``shared``: counters, breakers and read rates shared with a pool's other shards. ``wid``: open that
         existing writer directory of this host only (a dead writer's, to reclaim its space; StoreLockedError
@@ -154,7 +154,7 @@ class PageStore(PageShard, PoolSide):
         identity = {"wid": self.wid, "host_id": self.claim.host_id, "machine_id": machine_id(), "boot_id": boot_id(),
                     "pid": os.getpid(), "incarnation": self.incarnation}
         files, blocks = self.layout.files, None
-        if files is not None:  # a shared raw pool: each beat also beats the host lease (``store.pool_claim``)
+        if files is not None:  # a shared raw pool: each beat also beats the host lease (``media.shared_raw.claim``)
             identity["host_index"] = self.config.host_index
             self._host = pool_claim.HostLease(files.dev, files.sb, int(self.config.host_index or 0),
                                               pool_claim.host_identity(self.config))

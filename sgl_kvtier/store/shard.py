@@ -1,6 +1,6 @@
 """PageShard: one open namespace shard's pages and its verified read path, shared by reader and writer.
 
-``PageReader`` (``store.reader``: a follower of a live writer, or an offline view) and ``PageStore``
+``PageReader`` (``sharing.follower``: a follower of a live writer, or an offline view) and ``PageStore``
 (``store.page_store``: the shard's one writer) both derive from it. It holds what every open shard has:
 the layout (arenas on the devices), the in-memory index (key -> slot, checksums, eviction policy) and slot
 table, the IO engine behind ``PageIO``, the devices' circuit breakers, counters and measured read rates.
@@ -112,7 +112,7 @@ def open_shard_engine(config: StoreConfig, base: IOEngine | None, held: Acquired
 
 @dataclass(frozen=True)
 class SharedTelemetry:
-    """Counters, breakers and read rates that several shards of one pool share (``store.pool``): the
+    """Counters, breakers and read rates that several shards of one pool share (``sharing.pool``): the
     devices are the same, and a pool reports one set of figures. Each is thread-safe or bumped like
     a shard's own counters."""
 
@@ -333,7 +333,7 @@ class PageShard(ClosedOnExit, abc.ABC):
         """Forget a page (under the lock); its slot is reused once no reader holds it."""
         self._slots.release(self._index.remove(key))
 
-    follows_peer = False  # a reader of another writer's pages (``store.pool``): classifies reuse races
+    follows_peer = False  # a reader of another writer's pages (``sharing.pool``): classifies reuse races
 
     def _before_corrupt(self) -> None:
         """A read batch found pages failing their checksums; a follower re-reads its writer's journal

@@ -8,7 +8,7 @@ data files of a write batch unless durability is ``none``. It knows slots, not t
 Writes (format 2, ``store.format`` "Slot"): each page write is ONE IO covering its whole slot: the page at
 offset 0, its trailer (``fmt.pack_trailer``: namespace digest, key, parent key, writer incarnation, seq,
 the xxh3-64 of each of the page's parts, ``store.parts``) at ``page_bytes``, zeros up to ``slot_bytes``.
-So a torn write leaves a trailer whose checksums the page bytes fail, and ``store.rebuild`` can skip it.
+So a torn write leaves a trailer whose checksums the page bytes fail, and ``admin.rebuild`` can skip it.
 An aligned page (runs aligned, page_bytes a multiple of 4 KiB) goes out as its runs plus one aligned tail
 buffer from a slab pool; any other page is copied into one bounce buffer, its tail after it. Only a PageIO
 given a ``SlotIdentity`` (the writer) writes; one without (a reader) raises.

@@ -1,8 +1,8 @@
 """What a writer's ``PageStore`` is built on, taken in the open order (``PageStore.open``).
 
-Open order: the storage checks of ``sharing = "cluster"`` (``store.fs_check``, nothing made yet) -> writer
-directory (claim + lock: ``store.writers``; on a shared raw pool a region of this host's share,
-``store.pool_claim``) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal
+Open order: the storage checks of ``sharing = "cluster"`` (``sharing.cluster_fs.check``, nothing made yet) -> writer
+directory (claim + lock: ``sharing.writers``; on a shared raw pool a region of this host's share,
+``media.shared_raw.claim``) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal
 generation (never appending to an old one) -> the store, built on them; then ``PageStore.open`` folds what
 was replayed and starts the lease. Each resource is pushed on the open's ``Acquired`` stack
 (``store.lifecycle``) as soon as it is taken, so an open failing at any step releases what it took, newest
@@ -17,16 +17,16 @@ from typing import TypeVar
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.media.shared_raw import claim as pool_claim
+from sgl_kvtier.sharing.cluster_fs.check import check_cluster_open
+from sgl_kvtier.sharing.writers import WriterClaim, claim_writer
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
-from sgl_kvtier.store import pool_claim
-from sgl_kvtier.store.fs_check import check_cluster_open
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout
 from sgl_kvtier.store.lifecycle import Acquired
 from sgl_kvtier.store.meta import WriterJournal, writer_meta
 from sgl_kvtier.store.shard import collector_paused, open_shard_engine, own_engine
-from sgl_kvtier.store.writers import WriterClaim, claim_writer
 
 T = TypeVar("T")
 Build = Callable[[Layout, WriterClaim, jr.Recovered, IOEngine, WriterJournal], T]

@@ -24,7 +24,7 @@ from typing import Any
 from sgl_kvtier.telemetry.counters import BoundaryCounts
 
 _EMPTY: Mapping[str, int] = MappingProxyType({})
-# The keys of ``store.pool.SharedPool.sharing_stats`` (a higher layer: named here, checked equal by the tests).
+# The keys of ``sharing.pool.SharedPool.sharing_stats`` (a higher layer: named here, checked equal by the tests).
 SHARING_COUNTERS = ("peers_dropped", "writers_retired", "fenced_pages", "reregistrations")
 
 
@@ -66,7 +66,7 @@ class DeviceSnapshot:
 
 
 class WriterState(enum.Enum):
-    """A writer of a shared pool as this process judges it (the pool's lease watch, ``store.liveness``)."""
+    """A writer of a shared pool as this process judges it (the pool's lease watch, ``sharing.liveness``)."""
 
     LIVE = "live"  # this host: its LOCK is held; another host: its lease counter advances (``dead_after_s``)
     DEAD = "dead"  # its LOCK is free, its host rebooted, or its lease stood still for ``dead_after_s``; its

@@ -1,6 +1,6 @@
 """``io.threads``: our threads carry their names into the OS (what ``top -H`` and ``/proc/<pid>/task/*/comm``
-show), the kernel's 15 bytes of them; a real engine's workers are named and niced by one initializer; a
-libc that refuses never stops a thread."""
+show), the kernel's 15 bytes of them; a real engine's workers are named by one initializer, which also sets
+the GIL switch interval where asked; a libc that refuses never stops a thread."""
 
 from __future__ import annotations
 
@@ -42,31 +42,33 @@ def test_a_thread_takes_its_python_name_or_the_one_given() -> None:
         (True, "kvtier-layer-lo")]
 
 
-def test_an_engines_workers_are_named_and_niced(monkeypatch, tmp_path) -> None:
+def test_an_engines_workers_are_named_and_set_the_gil_switch(monkeypatch, tmp_path) -> None:
     """Two writes through the real thread-pool engine: each write's ``before_write`` runs on the worker that
-    moves it, which carries the pool's name and the niceness ``KVTIER_IO_NICE`` asks for."""
-    monkeypatch.setenv(priority.ENV, "2")
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    moves it, which carries the pool's name; the first worker set the switch interval
+    ``KVTIER_GIL_SWITCH_US`` asks for."""
+    monkeypatch.setattr(priority, "_switch_applied", False)
+    monkeypatch.setenv(priority.SWITCH_ENV, "700")
+    switch = sys.getswitchinterval()
     caller = os_name_of_this_thread()
-    seen: list[tuple[str, int]] = []
+    seen: list[str] = []
     engine = ThreadPoolEngine(2)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     bufs = [AlignedBuffer(4096) for _ in range(2)]
     try:
         def note(_parts: list[int]) -> None:
-            seen.append((os_name_of_this_thread(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            seen.append(os_name_of_this_thread())
 
         ops = [IOOp(OpKind.WRITE, fd, i * 4096, [b.view], before_write=note) for i, b in enumerate(bufs)]
         assert all(r.ok for r in engine.run(ops))
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
     finally:
         engine.close()
         os.close(fd)
         for b in bufs:
             b.close()
-    assert len(seen) == 2 and all(name.startswith("kvtier-io_") for name, _ in seen)
-    assert {nice for _, nice in seen} == {min(priority.MAX_NICE, base + 2)}
-    assert os_name_of_this_thread() == caller  # the caller's thread keeps its name and its priority
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+        sys.setswitchinterval(switch)
+    assert len(seen) == 2 and all(name.startswith("kvtier-io_") for name in seen)
+    assert os_name_of_this_thread() == caller  # the caller's thread keeps its name
 
 
 def test_a_refusing_libc_leaves_the_name_and_never_raises(monkeypatch) -> None:

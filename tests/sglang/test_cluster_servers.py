@@ -7,7 +7,7 @@ otherwise), ``direct_io = "auto"`` (on, under cluster) and a short heartbeat. Ac
 before its writer's lease announces it, and liveness is the lease counter watched on the observer's clock:
 
 * B is served from storage a prompt only A saw, with A's greedy output, once A's backup is done and A's
-  LEASE announces its pages (``store.lease.read_lease``: the lease publishes synced journal records only,
+  LEASE announces its pages (``sharing.lease.read_lease``: the lease publishes synced journal records only,
   with the page count of that same moment). B's ``/metrics`` show A live, watched (its lease's
   ``unchanged_s``), in a pool of two live writers.
 * A is SIGKILLed: B's watch judges it dead after ``dead_after_s`` of a lease standing still (seen on B's
@@ -50,7 +50,7 @@ from test_shared_servers import (  # noqa: E402
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402
-from sgl_kvtier.store.lease import LEASE, read_lease  # noqa: E402
+from sgl_kvtier.sharing.lease import LEASE, read_lease  # noqa: E402
 from sgl_kvtier.telemetry.prometheus import ENV_INTERVAL  # noqa: E402
 
 pytestmark = pytest.mark.server  # starts real SGLang servers

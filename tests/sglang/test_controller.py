@@ -64,8 +64,8 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
+from sgl_kvtier.admin.fsck import find_shards, fsck, shard_summary  # noqa: E402
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
-from sgl_kvtier.store.fsck import find_shards, fsck, shard_summary  # noqa: E402
 
 PS = 16  # tokens per page
 LAYERS, HEADS, HEAD_DIM = 2, 2, 64

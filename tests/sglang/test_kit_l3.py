@@ -242,7 +242,7 @@ class TestOneWriterPerShard(KVTierKit, unittest.TestCase):
 
     def test_a_second_cache_on_a_held_directory_is_refused_at_attach(self):
         """With ``sharing = "off"``; by default (``"host"``) the second one would share the pool, each in its
-        own writer directory (tests/store/test_sharing.py)."""
+        own writer directory (tests/sharing/test_sharing.py)."""
         storage_dir = self._make_storage_dir()
         self._l3_consumer(storage_dir)
         holder = self._holders.pop(storage_dir)  # keep the first cache attached

@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("sglang")
 
+from sgl_kvtier.admin.fsck import find_shards, fsck, shard_summary  # noqa: E402
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402
 from sgl_kvtier.sglang import release  # noqa: E402
-from sgl_kvtier.store.fsck import find_shards, fsck, shard_summary  # noqa: E402
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 

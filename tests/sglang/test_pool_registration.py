@@ -20,12 +20,12 @@ from support import kvtier_threads, lock_free_elsewhere, open_fds_under  # noqa:
 from test_storage_adapter import PS, chain_keys, slots  # noqa: E402
 
 from sgl_kvtier.errors import ConfigError, KVTierError  # noqa: E402
+from sgl_kvtier.media.shared_raw.superblock import format_pool, superblock_of  # noqa: E402
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
 from sgl_kvtier.sglang import capacity as capacity_module  # noqa: E402
 from sgl_kvtier.sglang.capacity import slot_bytes  # noqa: E402
 from sgl_kvtier.sglang.tiers import UnservedPoolError  # noqa: E402
 from sgl_kvtier.store.format import BLOCK_HEADER_BYTES  # noqa: E402
-from sgl_kvtier.store.pool_dev import format_pool, superblock_of  # noqa: E402
 
 LIMIT = 64 << 20
 

@@ -195,8 +195,8 @@ def test_another_hosts_writer_is_watched_then_dead_then_retired(tmp_path, monkey
 def test_a_fenced_writer_whose_lease_is_still_there_lists_no_pages(tmp_path, monkeypatch):
     """A retirer writes the FENCE first and deletes the LEASE after: in between, the writer is ``retired``
     with none of its lease's pages (they are no longer read), not with the lease's figures."""
-    from sgl_kvtier.store.lease import Lease
-    from sgl_kvtier.store.retire import write_fence
+    from sgl_kvtier.sharing.lease import Lease
+    from sgl_kvtier.sharing.retire import write_fence
 
     monkeypatch.delenv(ENV_POLICY, raising=False)
     a = make_backend(tmp_path, **cluster("ha"))

@@ -21,10 +21,10 @@ pytest.importorskip("sglang")
 
 from stream_server_kit import FaultControl  # noqa: E402
 
+from sgl_kvtier.admin.fsck import find_shards, shard_summary  # noqa: E402
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, cached_tiers, tracebacks_through  # noqa: E402
-from sgl_kvtier.store.fsck import find_shards, shard_summary  # noqa: E402
 
 pytestmark = pytest.mark.server  # starts real SGLang servers
 

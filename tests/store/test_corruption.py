@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from support import HostMemory, key, open_store
 
+from sgl_kvtier.admin.fsck import find_shards, fsck
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.store.format import slot_bytes_for
-from sgl_kvtier.store.fsck import find_shards, fsck
 
 PAGE = 16384
 SLOT = slot_bytes_for(PAGE)  # format 2: a slot is the page, then its trailer, rounded to 4 KiB

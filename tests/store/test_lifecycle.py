@@ -26,12 +26,13 @@ from support import (
 )
 
 from sgl_kvtier.errors import StoreClosedError
-from sgl_kvtier.store import devices, writers
+from sgl_kvtier.sharing import writers
+from sgl_kvtier.sharing.follower import PageReader
+from sgl_kvtier.store import devices
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.lifecycle import Acquired, StoreCloseError, close_all, release_all, run_steps
 from sgl_kvtier.store.page_store import PageStore
-from sgl_kvtier.store.reader import PageReader
 
 BIG_PAGE = 256 * 1024 - 4096  # format 2: a 256 KiB slot with its trailer, four to a 1 MiB segment: 16 pages fill four segment files
 

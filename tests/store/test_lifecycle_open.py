@@ -26,13 +26,13 @@ from support import (
 )
 
 from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.store import devices, page_store
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.layout import meta_dir
 from sgl_kvtier.store.lifecycle import StoreCloseError
 from sgl_kvtier.store.page_store import PageStore
-from sgl_kvtier.store.reader import PageReader
 
 BIG_PAGE = 256 * 1024 - 4096  # format 2: a 256 KiB slot with its trailer, four to a 1 MiB segment
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from support import EngineWrapper, HostMemory, flip, key, namespace, store_config
 
+from sgl_kvtier.admin.fsck import find_shards, fsck, rebuild_shard
 from sgl_kvtier.errors import StoreFormatError
 from sgl_kvtier.io.engine import IOOp, IOResult
+from sgl_kvtier.sharing.follower import PageReader
+from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
-from sgl_kvtier.store.fsck import find_shards, fsck, rebuild_shard
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.parts import PartMap, pack_sums, sums_list
-from sgl_kvtier.store.pool import SharedPool
-from sgl_kvtier.store.reader import PageReader
 
 PAGE = 16384
 PARTS = (4096, 4096, 4096, 4096)

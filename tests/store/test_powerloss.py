@@ -34,7 +34,7 @@ from benchmarks.powerloss import (
 )
 from benchmarks.store.hostpool import HostPool
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize, random_policy, stratified_cuts
-from sgl_kvtier.store.pool import SharedPool
+from sgl_kvtier.sharing.pool import SharedPool
 
 DROP = CutPolicy("drop", "drop")
 KEEP = CutPolicy("keep", "keep")
@@ -279,8 +279,8 @@ def test_regression_a_writer_directory_rebuild_makes_survives_a_power_cut(tmp_pa
     new directory's entry must be synced in its parent, or the rebuilt checkpoint vanishes with it."""
     import numpy as np
 
+    from sgl_kvtier.admin import rebuild
     from sgl_kvtier.store import journal_write as jw
-    from sgl_kvtier.store import rebuild
 
     (tmp_path / "ns").mkdir()
     meta = tmp_path / "ns" / "w-x-0"

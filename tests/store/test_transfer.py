@@ -140,7 +140,7 @@ def test_a_reader_cannot_write_and_a_slot_without_room_for_a_trailer_is_refused(
     import dataclasses
 
     from sgl_kvtier.errors import KVTierError, StoreFormatError
-    from sgl_kvtier.store.reader import PageReader
+    from sgl_kvtier.sharing.follower import PageReader
     from sgl_kvtier.store.transfer import PageIO, SlotIdentity
 
     mem = HostMemory(1)

@@ -1,0 +1,237 @@
+"""The probes of ``sgl-kvtier check-shared``: is a directory fit for ``sharing = "cluster"``?
+
+``check_shared`` reports the filesystem (``sharing.cluster_fs.detect``: its class, read-only mounts) and tries, each
+on a private file it removes again: O_DIRECT write + read back (``probe_direct_io``, also an open rule of
+``sharing.cluster_fs.check``), create-once (O_EXCL + hard link: a link never replaces a file), rename over a file,
+fsync of a file and of the directory. ``wait_for_peer`` (``--peer-wait``) leaves a probe file naming this
+host (``PEER_PREFIX``) and waits for another host's: two hosts that see each other's probes see one
+directory. A probe that fails is a problem of the report (``SharedCheck.problems``), never an exception.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sgl_kvtier.errors import DeviceError
+from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
+from sgl_kvtier.sharing.cluster_fs.detect import FsClass, FsInfo, detect, local_fs_refusal
+from sgl_kvtier.sharing.writers import boot_id, machine_id
+from sgl_kvtier.store.devices import create_once, fsync_dir, write_file_atomic
+
+PEER_PREFIX = ".kvtier-peer-"  # check-shared --peer-wait: one probe file per running check
+PEER_POLL_S = 0.2  # how often a peer wait looks at the directory
+
+
+def probe_direct_io(directory: str | Path) -> str | None:
+    """Write one aligned block with O_DIRECT to a private file in ``directory``, read it back and remove
+    the file: None when that works, else why not. Errors other than the filesystem refusing O_DIRECT
+    (EINVAL) raise OSError."""
+    path = Path(directory) / f".kvtier-odirect-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    buf = AlignedBuffer(ALIGN)
+    pattern = os.urandom(16) * (ALIGN // 16)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return "the filesystem refuses to open a file with O_DIRECT"
+            raise
+        try:
+            buf.view[:] = pattern
+            if os.pwritev(fd, [buf.view], 0) != ALIGN:
+                return "a short O_DIRECT write"
+            buf.view[:] = bytes(ALIGN)
+            if os.preadv(fd, [buf.view], 0) != ALIGN or bytes(buf.view) != pattern:
+                return "an O_DIRECT read did not return the block just written"
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return f"O_DIRECT IO fails ({exc.strerror})"
+            raise
+        finally:
+            os.close(fd)
+        return None
+    finally:
+        buf.close()
+        path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One property check-shared tried: its name, whether it works, and what was seen."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class SharedCheck:
+    """What check-shared found in one directory; ``problems`` are why it is not fit for cluster mode."""
+
+    path: str
+    fs: FsInfo
+    probes: tuple[Probe, ...]
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    peer: dict[str, Any] | None = field(default=None)
+
+    @property
+    def fit(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fs"]["fs_class"] = self.fs.fs_class.value
+        out["fit"] = self.fit
+        return out
+
+
+def _probe(name: str, step: Callable[[], str | None]) -> Probe:
+    try:
+        why = step()
+    except OSError as exc:
+        why = f"{exc.strerror or exc} (errno {exc.errno})"
+    return Probe(name, why is None, why or "")
+
+
+def _probe_create_once(directory: Path) -> str | None:
+    path = directory / f".kvtier-once-{uuid.uuid4().hex[:8]}"
+    try:
+        create_once(path, b"first")
+        create_once(path, b"second")  # a link never replaces a file: the first one stays
+        got = path.read_bytes()
+        return None if got == b"first" else f"the second create replaced the first ({got!r})"
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _probe_rename(directory: Path) -> str | None:
+    path = directory / f".kvtier-rename-{uuid.uuid4().hex[:8]}"
+    try:
+        write_file_atomic(path, b"old")
+        write_file_atomic(path, b"new")  # tmp + fsync + rename over an existing file + fsync of the directory
+        got = path.read_bytes()
+        return None if got == b"new" else f"read {got!r} after renaming b'new' over it"
+    finally:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+
+
+def _probe_fsync(directory: Path) -> str | None:
+    path = directory / f".kvtier-fsync-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"x" * ALIGN)
+            os.fsync(fd)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(directory)
+        return None
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "boot_id": boot_id(), "machine_id": machine_id(), "pid": os.getpid()}
+
+
+def wait_for_peer(directory: Path, seconds: float, *, sleep: Callable[[float], None] = time.sleep,
+                  clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
+    """Leave a probe naming this host in ``directory`` and wait up to ``seconds`` for the probe of another
+    host (another boot_id or machine_id) written at most ``seconds`` (+5 s) before this wait began; the
+    peer's identity, or None.
+
+    Each probe lists (``seen``) the probes its writer found. Once a peer is found, ours says so and stays
+    until the peer's lists ours or is gone (the peer finished), or the time is up: so a peer that came later
+    sees ours too, however late it first looks. Ours is removed at the end."""
+    me = _identity()
+    mine = directory / f"{PEER_PREFIX}{uuid.uuid4().hex}.json"
+    since = time.time() - seconds - 5.0
+    write_file_atomic(mine, json.dumps({**me, "seen": []}).encode())
+    deadline = clock() + seconds
+    found: tuple[Path, dict[str, Any]] | None = None
+    try:
+        while True:
+            if found is None:
+                found = _find_peer(directory, mine, me, since)
+                if found is not None:
+                    write_file_atomic(mine, json.dumps({**me, "seen": [found[0].name]}).encode())
+            if found is not None:
+                now = _read_probe(found[0])
+                if now is None or mine.name in (now.get("seen") or []):
+                    return found[1]
+            left = deadline - clock()
+            if left <= 0:
+                return None if found is None else found[1]
+            sleep(min(PEER_POLL_S, left))
+    finally:
+        mine.unlink(missing_ok=True)
+
+
+def _read_probe(path: Path) -> dict[str, Any] | None:
+    try:
+        probe = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return probe if isinstance(probe, dict) else None
+
+
+def _find_peer(directory: Path, mine: Path, me: dict[str, Any], since: float) -> tuple[Path, dict[str, Any]] | None:
+    for path in sorted(directory.glob(PEER_PREFIX + "*.json")):
+        if path == mine:
+            continue
+        try:
+            if path.stat().st_mtime < since:
+                continue  # left by a check that ran long before this one
+        except OSError:
+            continue
+        other = _read_probe(path)
+        if other is not None and (other.get("boot_id"), other.get("machine_id")) != (me["boot_id"], me["machine_id"]):
+            return path, {k: v for k, v in other.items() if k != "seen"}
+    return None
+
+
+def check_shared(directory: str | Path, *, peer_wait_s: float | None = None, mountinfo: str | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> SharedCheck:
+    """Probe ``directory`` for cluster mode: the filesystem and its class, O_DIRECT, create-once (O_EXCL +
+    hard link), rename over a file, fsync of a file and the directory; with ``peer_wait_s``, another host's
+    probe (``wait_for_peer``). Raises DeviceError when ``directory`` is not a directory."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise DeviceError(f"{directory}: not a directory")
+    info = detect(path, mountinfo)
+    problems: list[str] = []
+    notes: list[str] = []
+    if info.fs_class is FsClass.LOCAL_ONLY:
+        problems.append(local_fs_refusal(info))
+    elif info.fs_class is FsClass.UNKNOWN:
+        notes.append(f"{info.describe()}: not known to be shared; run this with --peer-wait on two hosts at once")
+    if info.read_only:
+        problems.append(f"{info.describe()}: mounted read-only")
+    probes = (_probe("O_DIRECT", lambda: probe_direct_io(path)),
+              _probe("create-once (O_EXCL + hard link)", lambda: _probe_create_once(path)),
+              _probe("rename over a file", lambda: _probe_rename(path)),
+              _probe("fsync (file and directory)", lambda: _probe_fsync(path)))
+    problems += [f"{p.name}: {p.detail}" for p in probes if not p.ok]
+    peer = None
+    if peer_wait_s is not None:
+        try:
+            peer = wait_for_peer(path, peer_wait_s, sleep=sleep)
+        except OSError as exc:
+            problems.append(f"peer probe: {exc.strerror}")
+        else:
+            if peer is None:
+                problems.append(f"no other host's probe appeared in {peer_wait_s:g} s (run this on another host "
+                                "at the same time; if it runs, the two do not see one filesystem here)")
+    return SharedCheck(str(directory), info, probes, tuple(problems), tuple(notes), peer)

@@ -1,0 +1,181 @@
+"""A pool's own writer (``sharing.pool``): its store, its quota loop, its fence, and its re-registration.
+
+``OwnWriter`` holds the pool's current own ``PageStore`` and the ``QuotaLoop`` on it (both on the pool's one
+``liveness.LeaseWatch``). Under ``sharing = "cluster"`` it also arms each own store's fence:
+
+  * Every lease beat first reads the own ``FENCE`` (``liveness.OwnFence`` through ``Lease.fence_check``).
+    Once a live writer of another host has retired this one (it was paused, or cut off, past
+    ``dead_after_s``: ``sharing.retire``), the lease stops and the store is ``fenced``: it writes nothing more
+    in that directory (its puts are refused without IO; the pool counts them as ``fenced_pages``).
+  * The next write call (``writable``) re-registers, under a lock: it claims a fresh writer directory
+    (``writers.claim_writer``: the lowest free ``k``; the fenced one's LOCK is still held, so it is skipped
+    while it exists) and opens a new own ``PageStore`` with a quota loop there, so the instance keeps
+    caching. The fenced store is closed (no checkpoint: its directory is being deleted) once no call uses
+    it (``peers.InUse``). Gets go on throughout; the fenced store's pages turn into misses. A failed open
+    is logged and tried again after PEER_RETRY_S; meanwhile puts are refused. Nothing raises into callers.
+  * A directory found fenced at open (a retirement still deleting it when this writer claimed its free
+    LOCK) is never written: it is fenced anew under this incarnation, so that every observer judges it
+    ``RETIRED`` and finishes the deletion, and another directory is claimed at once (up to
+    REREGISTER_TRIES in a row, each fenced one held meanwhile so that the claim moves past it).
+
+A shared raw pool (``host_index``) has no fences (no writer of another host retires one there): a store's
+lease checks instead that its host slot was not taken over by another machine (``PageStore.host_check``,
+``media.shared_raw.claim``); once it was, the store is fenced the same way, and re-registering is refused (logged,
+tried again later) while that machine beats.
+
+Closing reads the fence once more: a store retired since its last beat writes no checkpoint either.
+Under ``sharing = "host"`` (and "off") no fence is armed and the own store is never replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from sgl_kvtier.config import Sharing
+from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.sharing.liveness import LeaseWatch, OwnFence
+from sgl_kvtier.sharing.peers import PEER_RETRY_S, InUse
+from sgl_kvtier.sharing.quota_loop import QuotaLoop
+from sgl_kvtier.sharing.retire import write_fence
+from sgl_kvtier.sharing.writers import host_id
+from sgl_kvtier.store.lifecycle import Step
+from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.shard import SharedTelemetry
+from sgl_kvtier.telemetry.counters import RateLimitedLog
+
+log = logging.getLogger(__name__)
+REREGISTER_TRIES = 8  # fresh directories claimed in a row that turn out fenced too (then: tried later)
+
+
+class OwnWriter:
+    """The pool's own writer (see the module docstring). ``store`` and ``quota`` are replaced, never
+    mutated: a caller reading them once works on one consistent store."""
+
+    def __init__(self, store: PageStore, ns_meta: Path, watch: LeaseWatch, in_use: InUse,
+                 peer_bytes: Callable[[], int], shared: SharedTelemetry, clock: Callable[[], float]):
+        self.ns_meta = ns_meta
+        self.watch = watch
+        self.in_use = in_use
+        self.peer_bytes = peer_bytes
+        self.shared = shared
+        self.clock = clock  # when a failed re-registration is tried again
+        self.fenced_pages = 0  # pages refused because the own store was fenced
+        self.reregistrations = 0
+        self._retired_before = 0  # writers retired by the quota loops of own stores replaced since
+        self._fences: dict[int, OwnFence] = {}  # id(store) -> its FENCE, closed with it
+        self._swap = threading.Lock()  # one re-registration at a time
+        self._retry_at = -float("inf")
+        self._closed = False
+        self._errlog = RateLimitedLog(log)
+        self.store = store
+        self.quota = QuotaLoop(store, ns_meta, peer_bytes, watch=watch)
+        self._arm(store)
+
+    @property
+    def retired(self) -> int:
+        """Writers of other hosts retired by this pool's quota loops."""
+        return self._retired_before + self.quota.retired
+
+    def stats(self) -> dict[str, int]:
+        """``writers_retired``, ``fenced_pages``, ``reregistrations`` (``SharedPool.sharing_stats``)."""
+        return {"writers_retired": self.retired, "fenced_pages": self.fenced_pages,
+                "reregistrations": self.reregistrations}
+
+    def writable(self) -> PageStore:
+        """The own store to write to: a fenced one is replaced first (see the module docstring). The
+        store returned may still be fenced (no fresh directory could be opened yet)."""
+        store = self.store
+        if store.fenced is not None and not self._closed:
+            with self._swap:
+                if self.store is store and not self._closed:
+                    self._reregister(store)
+            store = self.store
+        return store
+
+    def close_steps(self) -> list[Step]:
+        """What closing the pool runs for its own writer: no more quota steps, the store, its fences."""
+        with self._swap:  # no re-registration from here on
+            self._closed = True
+        self.quota.stop()
+        fence = self._fences.get(id(self.store))
+        if self.store.fenced is None and fence is not None:  # retired since the last beat: no checkpoint there
+            self.store.fenced = fence.check()
+        elif self.store.fenced is None and self.store.host_check is not None:  # its host slot taken over
+            self.store.fenced = self.store.host_check()
+        fences = list(self._fences.values())
+        self._fences.clear()
+        return [("writer", self.store.close), *[("fence", f.close) for f in fences]]
+
+    # ------------------------------------------------------------------ fence
+    def _arm(self, store: PageStore) -> None:
+        if store.config.sharing is not Sharing.CLUSTER or store.lease is None:
+            return
+        if store.host_check is not None:  # a shared raw pool: its host slot, not a FENCE (module docstring)
+            store.lease.fence_check = store.host_check
+            store.lease.on_fenced = partial(self._on_fenced, store)
+            return
+        try:
+            fence = OwnFence(store.claim.path, store.incarnation)  # made empty here where absent
+        except OSError as exc:
+            self._errlog.error("%s: cannot open its FENCE (fencing off for it): %r", store.claim.path, exc)
+            return
+        self._fences[id(store)] = fence
+        store.lease.fence_check = fence.check
+        store.lease.on_fenced = partial(self._on_fenced, store)
+        found = fence.check(any_incarnation=True)
+        if found is None:
+            return
+        store.lease.fenced = store.fenced = f"claimed a directory being retired ({found})"
+        log.warning("%s: %s; claiming another", store.claim.path, store.fenced)
+        try:  # its lease names this incarnation now: with the fence naming it too, everyone sees RETIRED
+            write_fence(store.claim.path, store.incarnation, store.wid, host_id(store.config))
+        except OSError as exc:
+            self._errlog.error("%s: fencing it anew failed: %r", store.claim.path, exc)
+
+    def _on_fenced(self, store: PageStore, reason: str) -> None:
+        store.fenced = reason  # on the lease thread: puts refused from now on; the next write re-registers
+
+    # ------------------------------------------------------------------ re-register
+    def _reregister(self, old: PageStore) -> None:
+        now = self.clock()
+        if now < self._retry_at:
+            return
+        held: list[PageStore] = []  # fenced directories claimed on the way: their LOCKs make the claim move on
+        new: tuple[PageStore, QuotaLoop] | None = None
+        try:
+            for _ in range(REREGISTER_TRIES):
+                store = PageStore.open(old.config, old.namespace, shared=self.shared, clock=old.clock)
+                quota = QuotaLoop(store, self.ns_meta, self.peer_bytes, watch=self.watch)
+                self._arm(store)
+                if store.fenced is None:
+                    new = store, quota
+                    break
+                quota.stop()
+                held.append(store)
+        except (OSError, KVTierError) as exc:
+            self._errlog.error("re-registering fenced writer %s of %s failed (tried again later): %r",
+                               old.wid, self.ns_meta, exc)
+        for store in held:
+            self.in_use.retire(store, partial(self._close_fenced, store))
+        if new is None:
+            self._retry_at = now + PEER_RETRY_S
+            return
+        old_quota = self.quota
+        self.store, self.quota = new
+        old_quota.stop()
+        self._retired_before += old_quota.retired
+        self.reregistrations += 1
+        log.warning("fenced writer %s of %s re-registered as %s (%s)", old.wid, self.ns_meta, new[0].wid, old.fenced)
+        self.in_use.retire(old, partial(self._close_fenced, old))
+
+    def _close_fenced(self, store: PageStore) -> None:
+        fence = self._fences.pop(id(store), None)
+        try:
+            store.close()  # fenced: no checkpoint; its lease thread ends, its LOCK goes last
+        finally:
+            if fence is not None:
+                fence.close()

@@ -1,0 +1,187 @@
+"""A writer's lease: ``LEASE`` in its directory, rewritten every ``heartbeat_s`` (format in ``store.format``).
+
+The file holds two blocks of ``LEASE_BLOCK_BYTES``; beat ``n`` (``counter = n``) rewrites block ``n % 2``
+with ``pwrite`` + ``fdatasync``, so a beat torn by a crash leaves the other, older block valid
+(``format.unpack_lease`` picks the valid block with the higher counter). A lease opened where one was
+counts on from that one's counter (never back to 0), so its first beat is the lease readers see. Fields:
+the writer's identity (wid, host_id, machine_id, boot_id, pid, a 16-byte ``incarnation`` fresh per open),
+``counter``, ``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages,
+bytes_used, capacity_bytes, journal ``[generation, bytes]``, age_hist).
+
+After each good beat, ``after_beat`` (if set: the pool's quota step, ``sharing.quota_loop``) runs on the same
+thread, outside the beat's lock, so the quota plans with exactly what was just published.
+
+Fencing (``sharing = "cluster"``): before each beat's write, ``fence_check`` (if set: the pool's
+``liveness.OwnFence.check``) says whether a live writer of another host retired this one. Once it has, the
+lease is ``fenced``: ``on_fenced`` runs once (on the beating thread, outside the lock; the pool marks its
+store fenced), and from then on a beat writes nothing and runs nothing (its files are being deleted). The
+check comes first, so a LEASE already deleted under it (``ESTALE`` on a network filesystem) cannot hide it.
+
+Threads: ``start`` runs the beats on one daemon thread named ``kvtier-lease``; ``close`` stops it (waits
+for a beat in progress) and closes the file. Nothing raises from that thread: a failed beat is counted
+(``failures``) and logged at a bounded rate, and the next beat tries again. Tests call ``beat()`` directly
+and never wait for the thread; ``interval_s`` and ``clock`` are injectable.
+
+Where the blocks go (``blocks``, a ``LeaseBlocks``): the ``LEASE`` file of a writer directory
+(``FileBlocks``: pwrite + fdatasync), or the LEASE area of a writer's region of a shared raw pool
+(``region_meta.AreaBlocks``: O_DIRECT, synced, then the host lease's beat).
+
+Readers (``read_lease``) only read: a missing, short or torn-in-both-blocks file is ``None``. A path under a
+shared raw pool's device (ENOTDIR: no directory there) is read from that writer's region.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from sgl_kvtier.errors import CorruptRecordError
+from sgl_kvtier.io.threads import name_this_thread
+from sgl_kvtier.media.shared_raw.regions import region_read
+from sgl_kvtier.store import format as fmt
+from sgl_kvtier.telemetry.counters import RateLimitedLog
+
+log = logging.getLogger(__name__)
+LEASE = "LEASE"
+THREAD_NAME = "kvtier-lease"
+Usage = Callable[[], dict[str, Any]]
+
+
+def read_lease(path: Path) -> dict[str, Any] | None:
+    """The lease in ``path`` (a LEASE file), or None when it is missing or has no valid block."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(2 * fmt.LEASE_BLOCK_BYTES)
+    except OSError as exc:
+        found = region_read(path, fmt.REGION_LEASE_AT, 2 * fmt.LEASE_BLOCK_BYTES) if exc.errno == errno.ENOTDIR else None
+        if found is None:
+            return None
+        data = found
+    try:
+        return fmt.unpack_lease(data, str(path))
+    except CorruptRecordError:
+        return None
+
+
+class LeaseBlocks(Protocol):
+    """Where a lease's two blocks go: ``write_block`` is durable when it returns."""
+
+    def write_block(self, index: int, data: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class FileBlocks:
+    """A ``LEASE`` file's blocks (created 0600 where absent): pwrite + fdatasync."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def write_block(self, index: int, data: bytes) -> None:
+        os.pwrite(self.fd, data, index * fmt.LEASE_BLOCK_BYTES)
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1  # detached first: closed once
+        if fd >= 0:
+            os.close(fd)
+
+
+class Lease:
+    """The lease a writer beats (see the module docstring). ``identity``: the fixed fields; ``usage``:
+    called at each beat for the changing ones."""
+
+    def __init__(self, path: Path, identity: dict[str, Any], usage: Usage, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic, blocks: LeaseBlocks | None = None):
+        self.path = path
+        self.identity = dict(identity)
+        self.usage = usage
+        self.interval_s = interval_s
+        self.clock = clock
+        prior = read_lease(path)
+        # Ordering: a lease reopened where one was (a restart into its own directory or region) counts on
+        # above that one's last counter, so its first beat already wins over both older blocks
+        # (``unpack_lease`` picks the higher counter); from 0, readers would see the previous incarnation for
+        # one more beat, and a retirer that judged it dead would find that lease unchanged and fence anew.
+        self.counter = 0 if prior is None else int(prior.get("counter", -1)) + 1
+        self.failures = 0
+        self.last_beat: float | None = None  # ``clock()`` at the last good beat
+        self.after_beat: Callable[[], None] | None = None  # run after each good beat (see the module docstring)
+        self.fence_check: Callable[[], str | None] | None = None  # why this writer is fenced, or None
+        self.on_fenced: Callable[[str], None] | None = None  # run once when ``fence_check`` first says why
+        self.fenced: str | None = None  # why the lease stopped (``fence_check``'s reason)
+        self._lock = threading.Lock()  # one beat at a time (the thread's and a direct call)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._errlog = RateLimitedLog(log)
+        self._blocks: LeaseBlocks | None = FileBlocks(path) if blocks is None else blocks
+
+    def beat(self) -> None:
+        """Write the next lease block now (pwrite + fdatasync), then run ``after_beat``. Raises OSError if
+        the write fails (``after_beat`` is then skipped), or what ``after_beat`` raises. A fenced lease
+        does nothing (see the module docstring)."""
+        if self._is_fenced():
+            return
+        if self._write_beat() and self.after_beat is not None:
+            self.after_beat()
+
+    def _is_fenced(self) -> bool:
+        with self._lock:
+            if self.fenced is not None:
+                return True
+            check = self.fence_check
+            reason = None if check is None or self._blocks is None else check()
+            if reason is None:
+                return False
+            self.fenced = reason
+        log.warning("%s: this writer was fenced (%s); it writes nothing more in %s", self.path, reason,
+                    self.path.parent)
+        if self.on_fenced is not None:
+            self.on_fenced(reason)
+        return True
+
+    def _write_beat(self) -> bool:
+        with self._lock:
+            if self._blocks is None:
+                return False
+            fields = {**self.identity, **self.usage(), "counter": self.counter, "heartbeat_s": self.interval_s}
+            block = fmt.pack_lease_block(fields)
+            # Crash rule: only block ``counter % 2`` is rewritten, so a torn beat leaves the previous lease.
+            self._blocks.write_block(self.counter % 2, block)
+            self.counter += 1
+            self.last_beat = self.clock()
+            return True
+
+    def start(self) -> None:
+        """Beat once now, then every ``interval_s`` on the ``kvtier-lease`` daemon thread."""
+        self._safe_beat()
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        name_this_thread()
+        while not self._stop.wait(self.interval_s):
+            self._safe_beat()
+
+    def _safe_beat(self) -> None:
+        try:
+            self.beat()
+        except Exception as exc:  # noqa: BLE001 - the thread must live on; the next beat retries
+            self.failures += 1
+            self._errlog.error("%s: lease beat failed: %r", self.path, exc)
+
+    def close(self) -> None:
+        """Stop the beat thread (waiting for a beat in progress), then close its blocks. Idempotent."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._lock:
+            blocks, self._blocks = self._blocks, None  # detached first: closed once
+        if blocks is not None:
+            blocks.close()

@@ -1,0 +1,378 @@
+"""SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds).
+
+A namespace shard's pool (format 2, ``store.format``) has one directory per writer process, ``w-<wid>``.
+A pool opened as a writer (``open_writer``) claims one of them and opens its ``PageStore`` (``own``); one
+opened as a reader (``open_reader``: MLA ranks that only read) has none. Either way it follows every
+OTHER writer directory through a read-only ``PageReader`` (a *peer*), discovered lazily: directories
+that appear later are picked up on refresh. All shards of a pool share one set of counters, breakers
+and read rates (``shard.SharedTelemetry``): the devices are the same.
+
+API (keys, pages and results as ``PageShard``'s):
+    open_writer(config, namespace, *, engine=None) / open_reader(config, namespace, *, engine=None)
+    get(keys, pages) -> [bool]        own pages from own slots; others from the peer holding each key
+    get_parts(keys, pages, on_part, groups=None) -> [bool]   the same, group-major (``sharing.pool_reads``)
+    longest_prefix(keys) -> int       own index, then the peers' (a chain may mix writers)
+    put(keys, pages, parent=None)     keys any peer holds are not stored again (True, counted present)
+    delete / evict / clear / checkpoint      own pages only (a reader pool: nothing to do)
+    contains, slot_of, parent_of, keys, __len__, stats(), refresh(), peers(), leases(), verdict(wid),
+    peer_alive(wid), sharing_stats(), close(), a context manager
+    counters, health, read_rates, layout, writer, wid, own, config, namespace, page_bytes, slot_bytes
+
+Rules:
+  * Never wrong bytes: a peer's page is read through the same verified ``PageIO`` path as own pages,
+    against the checksum its owner journaled. A stale mapping (the owner reused the slot since) is a
+    miss; the peer re-reads that journal and counts it as ``remote_reuse_races``, not as corruption.
+  * Never an exception from a peer into callers: a peer whose files go ENOENT serves misses; one whose
+    directory vanishes, or that is judged ``RETIRED``, is dropped (``sharing.peers``: closed once no call
+    uses it, never reopened); a peer that fails to open is retried on a later refresh. A SIGKILLed
+    writer's pages stay readable (its files are intact) until a live writer reclaims or retires it.
+  * One ``liveness.LeaseWatch`` per pool (on the own store's clock) judges every other writer, for the
+    peers, ``peer_alive`` and the quota alike.
+  * Fencing (``sharing = "cluster"``, ``sharing.fencing``): an own store that another host retired while it
+    was paused refuses puts; the next write call opens a fresh own store in a fresh directory.
+  * Refresh (journal follow of every peer, new directories, the peers' leases; ``sharing.peers``) runs at
+    most every ``follow_interval_s`` from the calls themselves (there is no thread), and again on a
+    ``longest_prefix`` shortfall at most every quarter of that.
+  * Pool-wide cap: the own store is told the peers' last leased ``bytes_used`` (``PageStore.peer_bytes``),
+    dead writers' until reclaimed; the quota on top (``quota``, ``sharing.quota_loop``) runs after each beat.
+  * Uses: a hit on a peer's page is journaled as a TOUCH by the own store (once a minute per key); peers'
+    TOUCHes of own pages stamp them used now (eviction order and the quota's page ages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.errors import DeviceError, KVTierError, StoreClosedError
+from sgl_kvtier.io.buffers import Run
+from sgl_kvtier.io.engine import IOEngine
+from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.sharing.fencing import OwnWriter
+from sgl_kvtier.sharing.follower import PageReader
+from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
+from sgl_kvtier.sharing.peers import InUse, Peers
+from sgl_kvtier.sharing.pool_reads import PoolReads, valid_key
+from sgl_kvtier.sharing.quota_loop import QuotaLoop
+from sgl_kvtier.sharing.writers import writer_dirname, writer_dirs
+from sgl_kvtier.store.health import DeviceHealth
+from sgl_kvtier.store.layout import Layout, meta_dir
+from sgl_kvtier.store.lifecycle import ClosedOnExit, Failure, Step, StoreCloseError, handed_on, run_steps, weak_method
+from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.store.read_rates import ReadRates
+from sgl_kvtier.store.shard import PageShard, SharedTelemetry
+from sgl_kvtier.telemetry.counters import StoreCounters, StoreStats
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class SharedPool(PoolReads, ClosedOnExit):
+    """The merged view over every writer of one namespace shard (see the module docstring)."""
+
+    CLOSING = "the pool"
+
+    def __init__(self, config: StoreConfig, namespace: Namespace, ns_meta: Path, own: PageStore | None,
+                 shared: SharedTelemetry, *, engine: IOEngine | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.namespace = namespace
+        self.ns_meta = ns_meta
+        self.page_bytes = namespace.page_bytes
+        self.counters: StoreCounters = shared.counters
+        self.health: DeviceHealth = shared.health
+        self._read_rates = shared.read_rates
+        self.clock = clock
+        self._shared = shared
+        self._watch = LeaseWatch(config, clock if own is None else own.clock)
+        self._in_use = InUse()
+        # The parts call back into the pool weakly (``lifecycle.weak_method``): no reference cycles.
+        self._followed = Peers(config, namespace, ns_meta, shared, self._watch, self._in_use, clock,
+                               weak_method(self._own_wid, None), weak_method(self._touched, None), engine)
+        self._closed = False
+        self._writer = None if own is None else OwnWriter(own, ns_meta, self._watch, self._in_use,
+                                                           weak_method(self._leased_peer_bytes, 0), shared, clock)
+
+    @property
+    def own(self) -> PageStore | None:
+        """The own writer's store now (None: a reader pool); replaced when fenced (``sharing.fencing``)."""
+        return None if self._writer is None else self._writer.store
+
+    @property
+    def quota(self) -> QuotaLoop | None:
+        """The quota loop on the own store (None: a reader pool)."""
+        return None if self._writer is None else self._writer.quota
+
+    # ------------------------------------------------------------------ open / close
+    @classmethod
+    def open_writer(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None,
+                    clock: Callable[[], float] | None = None) -> SharedPool:
+        """Claim a writer directory of ``namespace`` (``sharing.writers``), open its ``PageStore`` (``clock``:
+        its page-age clock) and follow the other writers; the quota runs after each lease beat from here on.
+        Raises what ``PageStore.open`` raises; peers that fail to open are retried later."""
+        shared = _telemetry(config)
+        own = PageStore.open(config, namespace, engine=engine, shared=shared, clock=clock)
+        pool = cls(config, namespace, own.layout.ns_meta, own, shared)
+        if pool._writer is not None:
+            pool._writer.writable()  # a directory found fenced at open is replaced now (``sharing.fencing``)
+        pool.refresh(force=True)
+        return pool
+
+    @classmethod
+    def open_reader(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> SharedPool:
+        """Follow every writer of ``namespace`` read-only. Raises DeviceError while no writer has made its
+        directory (or none can be opened yet): retry later."""
+        ns_meta = meta_dir(config, namespace)
+        if not writer_dirs(ns_meta):
+            if engine is not None:
+                engine.close()
+            raise DeviceError(f"{ns_meta}: no store here (no writer has made it yet)")
+        pool = cls(config, namespace, ns_meta, None, _telemetry(config), engine=engine)
+        pool.refresh(force=True)
+        if not pool._followed.readers:
+            pool.close()
+            raise DeviceError(f"{ns_meta}: no writer directory can be opened yet")
+        return pool
+
+    def close(self) -> None:
+        """Close every peer, then the own store (its checkpoint first), each whatever the others raise.
+        The own store's ``StoreCloseError`` is raised as it is when it is the only failure; otherwise one
+        ``StoreCloseError`` names every failed step. Idempotent."""
+        taken = self._followed.close_all()
+        if taken is None:
+            return
+        self._closed = True
+        peers, engine = taken
+        own_steps = [] if self._writer is None else self._writer.close_steps()  # no quota step from here on
+        steps: list[Step] = [(f"peer {p.layout.wid}", p.close) for p in peers]
+        if engine is not None:
+            steps.append(("unused io engine", engine.close))
+        steps += own_steps
+        failures = run_steps(steps)
+        if failures:  # raised from a helper: this frame is in their tracebacks and keeps none (lifecycle.handed_on)
+            raise _close_error(f"the pool of {self.namespace.dirname()}", handed_on(failures))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("page store is closed")
+
+    @property
+    def read_rates(self) -> ReadRates:
+        """The measured read rates of every shard of the pool (one set: the devices are the same)."""
+        return self._read_rates
+
+    @read_rates.setter
+    def read_rates(self, rates: ReadRates) -> None:
+        """Measure from here on into ``rates`` (every shard, peers opened later too)."""
+        self._read_rates = rates
+        self._shared = dataclasses.replace(self._shared, read_rates=rates)
+        for shard in self._shards():
+            shard.read_rates = rates
+
+    # ------------------------------------------------------------------ who is in the pool
+    @property
+    def writer(self) -> bool:
+        """Whether this pool has a writer of its own (``put`` stores pages)."""
+        return self.own is not None
+
+    @property
+    def wid(self) -> str | None:
+        """The own writer's id, or None for a reader pool."""
+        return None if self.own is None else self.own.wid
+
+    @property
+    def layout(self) -> Layout:
+        """The own writer's layout (a reader pool: its first peer's)."""
+        return self._first().layout
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._first().slot_bytes
+
+    def _first(self) -> PageShard:
+        if self.own is not None:
+            return self.own
+        peers = list(self._followed.readers.values())
+        if not peers:
+            raise StoreClosedError("page store is closed")
+        return peers[0]
+
+    def peers(self) -> dict[str, PageReader]:
+        """The other writers followed now, by wid."""
+        return dict(self._followed.readers)
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """The peers' last leases read, by wid (refreshed with the journals)."""
+        return dict(self._followed.leases)
+
+    def verdict(self, wid: str) -> Judged:
+        """The pool's lease watch's verdict on writer ``wid`` now, from its last lease read."""
+        return self._watch.judge(self.ns_meta / writer_dirname(wid), self._followed.leases.get(wid))
+
+    def peer_alive(self, wid: str) -> bool | None:
+        """Whether peer ``wid``'s writer is alive (``verdict``: live True; dead or retired False; None: unknown)."""
+        verdict = self.verdict(wid).verdict
+        return None if verdict is Verdict.UNKNOWN else verdict is Verdict.LIVE
+
+    def sharing_stats(self) -> dict[str, int]:
+        """Peers dropped (retired or vanished), writers of other hosts retired by this one, pages refused
+        while fenced, re-registrations after a fence."""
+        w = self._writer
+        mine = {"writers_retired": 0, "fenced_pages": 0, "reregistrations": 0} if w is None else w.stats()
+        return {"peers_dropped": self._followed.dropped, **mine}
+
+    def _shards(self) -> list[PageShard]:
+        own: list[PageShard] = [] if self.own is None else [self.own]
+        return own + list(self._followed.readers.values())
+
+    def _own_wid(self) -> str | None:
+        return self.wid
+
+    def _leased_peer_bytes(self) -> int:
+        return self._followed.bytes_leased
+
+    # ------------------------------------------------------------------ refresh
+    def refresh(self, force: bool = False, wait_s: float = 0.0) -> bool:
+        """Follow every peer's journal, open new writer directories, read and judge the leases
+        (``Peers.refresh``); True if any peer's pages changed. Never raises."""
+        return self._followed.refresh(force, wait_s)
+
+    def _touched(self, keys: list[PageKey]) -> None:
+        own = self.own
+        if own is not None and own.fenced is None:
+            own.touch_own([k for k in keys if own.contains(k)])
+
+    # ------------------------------------------------------------------ queries
+    def longest_prefix(self, keys: Sequence[PageKey]) -> int:
+        """How many leading ``keys`` some writer of the pool holds readable now (re-reading the peers'
+        journals once, rate-limited, when the answer falls short)."""
+        self._check_open()
+        self.refresh()
+        n = self._prefix(keys)
+        if n < len(keys) and self._followed.shortfall():
+            n = self._prefix(keys)
+        return n
+
+    def _prefix(self, keys: Sequence[PageKey]) -> int:
+        keys = list(keys)
+        pos = 0
+        while pos < len(keys):
+            step = 0
+            for shard in self._shards():
+                step = self._call(shard, partial(shard.longest_prefix, keys[pos:]), 0)
+                if step:
+                    break
+            if not step:
+                break
+            pos += step
+        return pos
+
+    def contains(self, key: PageKey) -> bool:
+        """Whether some writer of the pool has ``key`` in its index."""
+        return valid_key(key) and self._holder(key) is not None
+
+    def slot_of(self, key: PageKey) -> int | None:
+        """The global slot holding ``key`` in ``layout`` (the own writer's; a reader pool's first peer's)."""
+        return self._first().slot_of(key)
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        """The page ``key`` chains on, as its holder recorded it, or None."""
+        holder = self._holder(key) if valid_key(key) else None
+        return None if holder is None else holder.parent_of(key)
+
+    def keys(self) -> list[PageKey]:
+        """Every stored key, own first (a key two writers hold is listed once)."""
+        seen: dict[PageKey, None] = {}
+        for shard in self._shards():
+            seen.update(dict.fromkeys(shard.keys()))
+        return list(seen)
+
+    def __len__(self) -> int:
+        """Pages over all writers (a page two writers both hold counts twice)."""
+        return sum(len(shard) for shard in self._shards())
+
+    def stats(self) -> StoreStats:
+        """The own store's stats (a reader pool: its first peer's) with the pool's pages and bytes."""
+        base = self._first().stats()
+        pages = len(self)
+        base.pages, base.bytes_used = pages, pages * base.slot_bytes
+        base.counters = self.counters.snapshot()
+        return base
+
+    # ------------------------------------------------------------------ writes (own pages only)
+    def put(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None = None) -> list[bool]:
+        """Store pages as ``PageStore.put`` does, except those some peer holds already (True, counted as
+        ``put_present``): the pool keeps one copy of a page. Raises KVTierError on a reader pool."""
+        self._check_open()
+        if self._writer is None:
+            raise KVTierError(f"shard {self.namespace.dirname()} is open read-only here")
+        own = self._writer.writable()
+        if own.fenced is not None:  # fenced, and no fresh directory yet: refused without IO
+            self._writer.fenced_pages += len(keys)
+            return [False] * len(keys)
+        self.refresh()
+        peers = list(self._followed.readers.values())
+        held = [valid_key(k) and any(p.contains(k) for p in peers) for k in keys]
+        results = [True] * len(keys)
+        start = 0
+        while start < len(keys):
+            if held[start]:
+                self.counters.put_present += 1
+                start += 1
+                continue
+            end = start
+            while end < len(keys) and not held[end]:
+                end += 1
+            # The run chains on the key before it, whoever holds that one.
+            chain = keys[start - 1] if start > 0 else parent
+            refused = [False] * (end - start)
+            results[start:end] = self._call(own, partial(own.put, keys[start:end], pages[start:end], chain), refused)
+            start = end
+        return results
+
+    def delete(self, keys: Sequence[PageKey]) -> int:
+        """Drop own pages among ``keys`` (others' are theirs); how many."""
+        return self._own_call(lambda own: own.delete(keys), 0)
+
+    def evict(self, keys: Sequence[PageKey]) -> int:
+        """Evict own pages among ``keys`` (the pool quota's choice); how many."""
+        return self._own_call(lambda own: own.evict(keys), 0)
+
+    def clear(self) -> int:
+        """Drop every own page; how many."""
+        return self._own_call(lambda own: own.clear(), 0)
+
+    def checkpoint(self) -> None:
+        """Checkpoint the own store (a reader pool has nothing to checkpoint)."""
+        self._own_call(lambda own: own.checkpoint(), None)
+
+    def _own_call(self, call: Callable[[PageStore], _T], fallback: _T) -> _T:
+        """``call(own store)``, a fenced one replaced first; ``fallback`` for a reader pool or while fenced."""
+        if self._writer is None:
+            return fallback
+        own = self._writer.writable()
+        return fallback if own.fenced is not None else self._call(own, partial(call, own), fallback)
+
+
+def _telemetry(config: StoreConfig) -> SharedTelemetry:
+    health = DeviceHealth(list(config.devices), config.breaker_failures, config.breaker_cooldown_s, config.slow_io_s)
+    return SharedTelemetry(StoreCounters(), health, ReadRates(len(config.devices)))
+
+
+def _close_error(what: str, failures: list[Failure]) -> BaseException:
+    """``SharedPool.close``'s error: the first interrupt, else a lone failure as it is (the own store's
+    ``StoreCloseError``), else one ``StoreCloseError`` from the first naming every failed step."""
+    interrupt = next((e for _, e in failures if not isinstance(e, Exception)), None)
+    if interrupt is not None:
+        return interrupt
+    if len(failures) == 1:
+        return failures[0][1]
+    error = StoreCloseError(what, failures)
+    error.__cause__ = failures[0][1]  # as ``raise ... from`` sets it
+    return error

@@ -1,0 +1,239 @@
+"""The pool quota, kept by every writer of a namespace shard with no coordinator (``policy.quota``).
+
+Each writer of a ``SharedPool`` (``pool.quota``) runs ``QuotaLoop.step`` right after each of its lease
+beats (the ``kvtier-lease`` thread, through ``Lease.after_beat``, installed by the constructor; tests call
+``step`` or ``Lease.beat`` directly with injected clocks). One step:
+  1. Usages: its own is exactly what the beat just published (``PageStore.published``: ``bytes_used`` and
+     ``age_hist`` at the clock's ``now``); every other ``w-<wid>`` directory of the namespace is read from
+     its LEASE and judged by the pool's ``liveness.LeaseWatch`` (one per pool, on this writer's clock):
+     ``live`` is the verdict (same host: a free LOCK is dead at once; another host: dead once its lease
+     stayed unchanged for ``dead_after_s`` of our watching), ``seen_age_s`` how long its lease has not
+     changed on our clock. A ``RETIRED`` writer counts nothing, nor does a directory with no readable lease.
+  2. ``quota.plan`` over them with ``capacity_bytes`` (None: the layout's capacity) and the config's
+     ``quota_high`` / ``quota_low`` / ``min_share_bytes``. A cutoff evicts the writer's own pages at least
+     that old (``PageStore.evict_older_than``: chain-aware policy order, journaled DELs, then holes punched
+     over the freed slots no reader pins). ``may_grow`` sets the store's growth limit (False: a new page
+     replaces an own one; the hard cap against the peers' leases stays in the reserve path either way).
+  3. Dead writers of this host whose share ``quota.dead_writer_plan`` asks for (so: whenever the pool is
+     over ``quota_high``; dead bytes go before any live writer's): ``reclaim`` opens that directory as a
+     ``PageStore`` by wid (a non-blocking LOCK claim: held means it restarted or another writer is
+     reclaiming it, so skip; warm recovery as any open), evicts its coldest ``evict_bytes`` with holes,
+     beats its lease once (the pool sees its smaller ``bytes_used``), and closes it, releasing the lock
+     last. Its remaining pages stay readable to everyone. A restarted instance claiming the lowest free
+     ``k`` gets its directory back warm; if its claim races a reclaim, it takes the next ``k`` (a cold
+     start: fine, the reclaim is brief and the old directory is reclaimed later like any dead one).
+  4. ``sharing = "cluster"`` only: a dead writer of ANOTHER host is retired (``sharing.retire``: fenced, then
+     its files deleted) when ``quota.dead_writer_plan`` asks for any of its bytes, or once it has been dead
+     for ``reclaim_after_s`` (``LeaseWatch.reclaim_due``). Its lease is read once more just before: one that
+     moved meanwhile is live again and left alone. Every directory judged ``RETIRED`` (a retirement cut
+     short, by anyone) has its deletion continued. Writers of this host are never retired (step 3), and in
+     ``sharing = "host"`` nobody is.
+
+A shared raw pool (``host_index``): the quota is the host's share. Writers of other host slots count
+nothing here and are never retired (a host's share is its own: their pages stay readable until their
+host_index starts again and adopts or reclaims them); dead writers of this host slot are reclaimed as in 3.
+
+Invariants: a writer only ever evicts its own pages (or, holding its LOCK, a dead writer's of this host; or
+deletes every file of a writer of another host that it has fenced, or that is fenced); one step at a
+time per writer (a step finding one in progress returns at once); a step never raises past the lease
+thread (``Lease`` counts a failed beat); every writer computes from the same leases the same cutoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sgl_kvtier.config import Sharing
+from sgl_kvtier.errors import KVTierError, StoreLockedError
+from sgl_kvtier.media.shared_raw.regions import in_share
+from sgl_kvtier.policy import quota
+from sgl_kvtier.sharing import retire as rt
+from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
+from sgl_kvtier.sharing.writers import host_id, writer_dirname, writer_dirs
+from sgl_kvtier.store.page_store import PageStore
+
+log = logging.getLogger(__name__)
+_Dead = tuple[str, dict[str, Any], Judged]  # a dead writer of another host: wid, its last lease, the verdict
+
+
+@dataclass
+class QuotaStep:
+    """What one step did: the plan (None: skipped, a step was in progress or nothing was published yet),
+    own pages evicted and bytes punched, pages evicted per reclaimed dead writer (this host's), the leased
+    bytes of each writer of another host retired, and the retired directories whose deletion it continued."""
+
+    plan: quota.QuotaPlan | None
+    evicted_pages: int = 0
+    punched_bytes: int = 0
+    reclaimed: dict[str, int] = field(default_factory=dict)
+    retired: dict[str, int] = field(default_factory=dict)
+    continued: list[str] = field(default_factory=list)
+    usages: list[quota.WriterUsage] = field(default_factory=list)
+
+
+class QuotaLoop:
+    """One writer's side of the pool quota (see the module docstring)."""
+
+    def __init__(self, own: PageStore, ns_meta: Path, peer_bytes: Callable[[], int] | None = None,
+                 clock: Callable[[], float] | None = None, watch: LeaseWatch | None = None):
+        """``peer_bytes``: what the own store's hard cap counts of the other writers (the pool's number);
+        ``watch``: the pool's lease watch (default: one of its own on ``clock``)."""
+        self.own = own
+        if peer_bytes is not None:
+            own.peer_bytes = peer_bytes
+        self.ns_meta = ns_meta
+        self.clock = own.clock if clock is None else clock
+        self.last: QuotaStep | None = None
+        self.watch = LeaseWatch(own.config, self.clock) if watch is None else watch
+        self.retired = 0  # writers of other hosts this loop retired
+        self._busy = threading.Lock()
+        self._stopped = False
+        if own.lease is not None:
+            own.lease.after_beat = self.on_beat  # from now on, a step after each beat
+
+    def stop(self) -> None:
+        """No more steps (the pool is closing); one in progress finishes."""
+        self._stopped = True
+        if self.own.lease is not None:
+            self.own.lease.after_beat = None
+
+    def on_beat(self) -> None:
+        """``Lease.after_beat``: run one step."""
+        self.step()
+
+    def step(self) -> QuotaStep:
+        """Plan from the leases and act on it: evict own old pages, reclaim dead writers of this host."""
+        if self._stopped or not self._busy.acquire(blocking=False):
+            return QuotaStep(None)
+        try:
+            result = self._step()
+            self.last = result
+            return result
+        finally:
+            self._busy.release()
+
+    def _step(self) -> QuotaStep:
+        own, config = self.own, self.own.config
+        published = own.published
+        if published is None:
+            return QuotaStep(None)
+        at, mine = published
+        usages, dead_here, dead_there, going = self._usages()
+        usages.append(quota.WriterUsage(own.wid, True, int(mine["bytes_used"]), tuple(mine["age_hist"])))
+        cap = own.pool_capacity_bytes()
+        knobs = (config.quota_high, config.quota_low, config.min_share_bytes)
+        plan = quota.plan(usages, own.wid, cap, *knobs, grow_bytes=own.slot_bytes)
+        result = QuotaStep(plan, usages=usages)
+        if plan.cutoff_age_s is not None and plan.evict_bytes > 0:
+            result.evicted_pages, result.punched_bytes = own.evict_older_than(plan.cutoff_age_s, at, plan.evict_bytes)
+        own.grow_limit_bytes = None if plan.may_grow else len(own) * own.slot_bytes
+        for wid in dead_here:
+            share = quota.dead_writer_plan(usages, wid, cap, *knobs).evict_bytes
+            if share > 0:
+                result.reclaimed[wid] = self.reclaim(wid, share)
+        for wid, lease, judged in dead_there:  # cluster mode only (``_usages``)
+            if quota.dead_writer_plan(usages, wid, cap, *knobs).evict_bytes > 0 or self.watch.reclaim_due(judged):
+                if self.retire(wid, lease):
+                    result.retired[wid] = int(lease.get("bytes_used", 0))
+        for wid in going:
+            if self.continue_retirement(wid):
+                result.continued.append(wid)
+        if result.evicted_pages or result.reclaimed or result.retired:
+            log.debug("quota of %s: %s", own.wid, result)
+        return result
+
+    def _usages(self) -> tuple[list[quota.WriterUsage], list[str], list[_Dead], list[str]]:
+        """Every other writer's usage from its lease and verdict; the wids of this host's dead writers; the
+        dead writers of other hosts and the retired directories (both only under ``sharing = "cluster"``)."""
+        cluster = self.own.config.sharing is Sharing.CLUSTER
+        usages: list[quota.WriterUsage] = []
+        dead_here: list[str] = []
+        dead_there: list[_Dead] = []
+        going: list[str] = []
+        for wid, path in writer_dirs(self.ns_meta):
+            if wid == self.own.wid:
+                continue
+            lease = read_lease(path / LEASE)
+            if lease is None and not cluster:
+                continue  # nothing published (and, outside cluster mode, no fence to look for)
+            if lease is not None and not in_share(self.own.config, lease):
+                continue  # another host slot of a shared raw pool: not in this host's quota
+            judged = self.watch.judge(path, lease)
+            if judged.verdict is Verdict.RETIRED:
+                going.append(wid)
+                continue
+            if lease is None:
+                continue
+            dead = judged.verdict is Verdict.DEAD
+            hist = tuple(int(b) for b in lease.get("age_hist") or ())
+            usages.append(quota.WriterUsage(wid, not dead, int(lease.get("bytes_used", 0)), hist, judged.unchanged_s))
+            if dead and judged.same_host:
+                dead_here.append(wid)
+            elif dead and cluster and self.own.config.host_index is None:  # never retired on a raw pool
+                dead_there.append((wid, lease, judged))
+        return usages, dead_here, dead_there, going
+
+    def retire(self, wid: str, lease: dict[str, Any]) -> bool:
+        """Retire dead writer ``wid`` of another host whose last lease is ``lease`` (``sharing.retire``); True
+        once it is fenced. False: its lease moved meanwhile (alive after all), or the fence failed (logged,
+        tried again on a later step). A deletion failing after the fence is continued later."""
+        path = self.ns_meta / writer_dirname(wid)
+        now = read_lease(path / LEASE)
+        incarnation = lease.get("incarnation")
+        if now is None or _mark(now) != _mark(lease) or not isinstance(incarnation, bytes):
+            return False  # it beat again (or its lease went): judged afresh on the next step
+        config = self.own.config
+        try:
+            fenced = rt.write_fence(path, incarnation, self.own.wid, host_id(config))
+        except OSError as exc:
+            log.warning("fencing dead writer %s of %s failed: %r", wid, self.ns_meta, exc)
+            return False
+        if not fenced:  # another writer is retiring it and is past its lease: only directories may be left
+            self.continue_retirement(wid)
+            return False
+        self.retired += 1
+        log.info("fenced dead writer %s of %s; deleting its files", wid, self.ns_meta)
+        self.continue_retirement(wid)
+        return True
+
+    def continue_retirement(self, wid: str) -> bool:
+        """Delete what is left of retired writer ``wid`` (``retire.delete_writer``); True once its directory
+        is gone. Never raises (a failure is logged; the next step continues)."""
+        try:
+            done = rt.delete_writer(self.own.config, self.ns_meta, wid)
+        except OSError as exc:
+            log.warning("deleting retired writer %s of %s failed (continued later): %r", wid, self.ns_meta, exc)
+            return False
+        if done.finished:
+            self.watch.forget(self.ns_meta / writer_dirname(wid))
+        return done.finished
+
+    def reclaim(self, wid: str, evict_bytes: int) -> int:
+        """Evict the coldest ``evict_bytes`` of dead writer ``wid`` of this host (see the module docstring);
+        pages evicted (0: its lock is held, or it could not be opened: logged, tried on a later step)."""
+        try:
+            store = PageStore.open(self.own.config, self.own.namespace, wid=wid, clock=self.clock)
+        except StoreLockedError:
+            return 0  # it restarted, or another live writer is reclaiming it
+        except (OSError, KVTierError) as exc:
+            log.warning("reclaiming dead writer %s of %s failed: %r", wid, self.ns_meta, exc)
+            return 0
+        try:
+            # Its ages are all "now" in a fresh index: cutoff 0.0 takes the policy's coldest first.
+            evicted, _ = store.evict_older_than(0.0, store.clock(), evict_bytes)
+            if store.lease is not None:
+                store.lease.beat()  # publish what is left before the lock goes (close releases it last)
+        finally:
+            store.close()
+        log.info("reclaimed %d pages of dead writer %s of %s", evicted, wid, self.ns_meta)
+        return evicted
+
+
+def _mark(lease: dict[str, Any]) -> tuple[Any, Any]:
+    return lease.get("counter"), lease.get("incarnation")
