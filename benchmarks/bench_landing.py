@@ -13,7 +13,7 @@ hashing included). IOs: one per page read whole; one per page, K|V range and rea
 
 On a CPU engine the landing of a streamed tail runs on the cores its forward computes on, so its CPU is the
 forward's delay; ``CPU per IO`` (the extra CPU of a streamed read over the whole read of the same round, per
-extra IO) is the figure ``policy.stream_read`` weighs (``OP_CPU_S``). Results: ``--out`` (JSON) and a table.
+extra IO) is the figure ``experiments.streaming.rules.read_groups`` weighs (``OP_CPU_S``). Results: ``--out`` (JSON) and a table.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from benchmarks.common import (
 )
 from benchmarks.machine import machine_info, machine_line
 from sgl_kvtier.config import IOEngineName
+from sgl_kvtier.experiments.streaming.backend_side import install, require_side
+from sgl_kvtier.experiments.streaming.rules.read_groups import even_cuts
 from sgl_kvtier.keys import parse_keys
-from sgl_kvtier.policy.stream_read import even_cuts
 from sgl_kvtier.sglang import KVTierStorage
 
 console = make_console()
@@ -89,6 +90,7 @@ def backend_on(root: Path, pool: MHATokenToKVPoolHost, nbytes: int, io_engine: s
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
                                model_name="bench/landing", extra_config=extra)
+    install()  # the stream plugin's streaming side on this backend (as KVTIER_STREAM=1 would)
     backend = KVTierStorage(cfg, {})
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
         def streamed(g: int) -> Any:
             def read() -> None:
-                stream = backend.binder.bind(parse_keys(keys), dst, cuts=even_cuts(plan.group_count, g))
+                stream = require_side(backend).binder.bind(parse_keys(keys), dst, cuts=even_cuts(plan.group_count, g))
                 if stream is None or not stream.wait_ended(600) or stream.landed_pages() != args.pages:
                     raise SystemExit(f"the stream in {g} read groups did not land")
             return read

@@ -171,7 +171,7 @@ def test_counters_from_metrics_and_log() -> None:
     assert counters.total([{"stream_counters": {"a": 1.0}}, {"stream_counters": {"a": 2.0, "b": 1.0}}, {}]) == \
         {"a": 3.0, "b": 1.0}
     log = ("[x] sgl_kvtier stream: tail of r1 retracted\nTraceback (most recent call last):\n"
-           '  File "/w/sgl_kvtier/sglang/plugins/stream.py", line 3, in load\nValueError: boom\n')
+           '  File "/w/sgl_kvtier/experiments/streaming/plugin.py", line 3, in load\nValueError: boom\n')
     counts = counters.log_counts(log)
     assert counts["sgl_kvtier_tracebacks"] == 1 and counts["retract_lines"] == 1 and counts["stream_lines"] >= 1
 

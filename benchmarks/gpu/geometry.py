@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sgl_kvtier.policy.stream_read import even_cuts
+from sgl_kvtier.experiments.streaming.rules.read_groups import even_cuts
 from sgl_kvtier.sglang.parts_plan import LayerPlan
 
 KV_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}

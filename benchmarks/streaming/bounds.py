@@ -4,7 +4,7 @@ With streaming off, an L3 hit's TTFT is its whole-load wait before admission (th
 plus everything a device hit costs too. A streamed hit can remove at most that wait, and its landing (reads,
 checksums, host -> device copies) runs beside its forward: on an engine whose forward takes every core
 (a CPU engine) the forward runs longer by the landing's interference, ``k`` x the tail's bytes, ``k`` as the
-on server's bind rule learned it (``policy.stream_bind``).
+on server's bind rule learned it (``experiments.streaming.rules.bind``).
 
   * ``free``: on/off if a streamed hit waited for nothing and its landing cost the forward nothing,
     ``(off TTFT - off wait) / off TTFT``: no streaming engine can read lower on that run's machine;

@@ -9,7 +9,7 @@ our backend parses the extra config.
 Inputs, both typed and both owned by the backend's ``CostPolicy``:
 - read path (``ReadPath``): page geometry and the KV store's measured read model, from a callable the
   backend hands in (moving least squares over the real ``get`` batches);
-- prefill speed (``PrefillSampler``): fed by the cost-policy plugin (``sglang.plugins.prefetch``), which
+- prefill speed (``PrefillSampler``): fed by the cost-policy plugin (``experiments.cost_policy.plugin``), which
   reaches this object through the backend it finds on the cache or scheduler it hooks, from SGLang's own
   per-batch timings (a batch's ``launch_ts`` to the end of its ``process_batch_result``); the first
   ``WARMUP_BATCHES`` extend batches are skipped (compilation, warm-up request). Until it has enough samples

@@ -32,7 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_kvtier.policy.stream_read import even_cuts
+Cuts = tuple[int, ...]  # read group r is stored layer groups [cuts[r], cuts[r + 1]); cuts[0] = 0, cuts[-1] = G
+
+
+def even_cuts(stored_groups: int, count: int) -> Cuts:
+    """``count`` read groups of ``stored_groups`` as even as can be (sizes differ by at most one)."""
+    return tuple(g * stored_groups // count for g in range(count + 1))
+
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +101,7 @@ class LayerPlan:
         return ReadPlan(self, even_cuts(self.group_count, count))
 
     def read_in(self, cuts: Sequence[int]) -> ReadPlan:
-        """How to read these pages in the read groups ``cuts`` (``policy.stream_read.Cuts``: read group r is
+        """How to read these pages in the read groups ``cuts`` (``experiments.streaming.rules.read_groups.Cuts``: read group r is
         layer groups ``[cuts[r], cuts[r + 1])``). Raises ValueError for cuts that are not ``0 < .. < G``."""
         cut = tuple(int(c) for c in cuts)
         g = self.group_count
@@ -110,7 +116,7 @@ class ReadPlan:
     groups ``[cuts[r], cuts[r + 1])``. The stored parts and their checksums are the plan's (the namespace does
     not change); a read group's parts of one range are consecutive in the page, so ``store.part_reads``
     reads them as one IO per page and range, each part still verified on its own. Fewer read groups: fewer
-    IOs (less CPU per hit) and a longer wait for the first group (``policy.stream_read``)."""
+    IOs (less CPU per hit) and a longer wait for the first group (``experiments.streaming.rules.read_groups``)."""
 
     stored: LayerPlan
     cuts: tuple[int, ...]

@@ -1,5 +1,4 @@
-"""Per-op transfer figures in SGLang's ``StorageMetrics`` shape, drained by the scheduler every step, and the
-backend's streamed-tail figures as the typed ``StreamSnapshot`` (``stream_snapshot``).
+"""Per-op transfer figures in SGLang's ``StorageMetrics`` shape, drained by the scheduler every step.
 
 Invariant: ``drain`` hands each recorded op to SGLang exactly once (the lists are swapped under the lock).
 """
@@ -11,9 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sglang.srt.observability.metrics_collector import StorageMetrics
-
-from sgl_kvtier.sglang.stream.binding import StreamCounters
-from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot, StreamHookSnapshot, StreamSnapshot
 
 
 @dataclass
@@ -46,14 +42,3 @@ class TransferStats:
         with self._lock:
             out, self._pending = self._pending, StorageMetrics()
         return out
-
-
-def stream_snapshot(counts: StreamCounters, hooks: StreamHookSnapshot | None,
-                    bind: StreamBindSnapshot | None = None) -> StreamSnapshot:
-    """The binder's counters (``StreamBinder.counts``), the stream plugin's (None: not active) and the bind
-    rule's learned figures, typed."""
-    return StreamSnapshot(
-        bound_hits=counts.streams_bound, read_groups=counts.read_groups, head_pages=counts.head_pages,
-        streamed_pages=counts.streamed_pages, staged_pages=counts.staged_pages, failed_pages=counts.failed_pages,
-        failed_groups=counts.failed_groups, cancelled=counts.cancelled_streams, read_errors=counts.stream_errors,
-        withheld_pages=counts.withheld_pages, mismatches=counts.mismatches, hooks=hooks, bind=bind)

@@ -23,28 +23,23 @@ scheduler; none of these raises. Every exception is caught in ``_guarded``, answ
 ``kvtier_boundary_errors`` gauge), and logged at a bounded rate: IO faults and bad arguments
 (``EXPECTED_ERRORS``) in one line, anything else (a bug) with its traceback.
 
-Streamed hits (issue #13, ``sgl_kvtier.sglang.stream``): with ``streaming = "on"`` and a KV pool whose pages
-stream in layer groups (``streaming_enabled``; else one log line at registration says why), ``bind_hit`` (the
-stream plugin, once SGLang allocated a hit's host slots) starts a ``TailStream`` into them, and
-``batch_get_v1`` answers bound slots at once (``binder.answer``: the leading pages landed and verified True,
-the rest False) and reads any other slots as before. ``close`` closes the binder before the stores.
-``telemetry().stream`` reports the binder's reads and, once the stream plugin decided on for this backend
-(``attach_stream_hooks``: the plugin hands its reader over, the backend imports no plugin), the plugin's
-counters of this process.
+Extensions (``Extension``): an opt-in feature rides on a backend without the adapter importing it. A plugin's
+``load`` adds a factory to ``EXTENSIONS``; each backend made afterwards carries one of each. ``batch_get_v1``
+lets them answer first (the streamed tails' bound slots: ``experiments.streaming.backend_side``),
+``telemetry().stream`` is theirs, and ``close`` closes them before the stores. With none (the default) a
+read goes straight to the KV shard.
 
 State: everything per backend lives on the instance (stores, transfer figures, the error counters, the
 cost policy with its prefill estimator, the metrics feed); the one per-process object is the Prometheus
 exporter (``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's registry is per process.
-(The stream plugin's counters are per process too: the backend only reads them.)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -60,26 +55,46 @@ import sgl_kvtier
 from sgl_kvtier import __version__
 from sgl_kvtier.config import Streaming
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.keys import PageKey
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
-from sgl_kvtier.policy.stream_bind import StreamCosts
-from sgl_kvtier.policy.stream_read import Cuts
 from sgl_kvtier.sglang import plugins, release
 from sgl_kvtier.sglang.host_pages import check_indices
 from sgl_kvtier.sglang.page_keys import keys_or_none, keys_until_invalid, parent_of, prefix_keys, warm_page_hash
 from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
 from sgl_kvtier.sglang.sidecars import exists_v2
-from sgl_kvtier.sglang.stats import TransferStats, stream_snapshot
-from sgl_kvtier.sglang.stream.binding import StreamBinder, why_not_streaming
+from sgl_kvtier.sglang.stats import TransferStats
 from sgl_kvtier.sglang.tiers import KV, PoolTiers
 from sgl_kvtier.store.lifecycle import Failure, handed_on, weak_method
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.prometheus import PrometheusFeed
-from sgl_kvtier.telemetry.snapshot import RankLabels, StreamHookSnapshot, StreamSnapshot, TelemetrySnapshot
+from sgl_kvtier.telemetry.snapshot import RankLabels, StreamSnapshot, TelemetrySnapshot
 
 log = logging.getLogger(__name__)
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (KVTierError, OSError, ValueError, RuntimeError)
 T = TypeVar("T")
+
+
+class Extension(Protocol):
+    """An opt-in feature riding on a backend (the stream plugin's ``StreamingSide``): the adapter calls it
+    through these four methods alone and never imports it. Each method is called under the backend's
+    boundary rules: ``answer`` inside ``batch_get_v1``'s guard, the others guarded here."""
+
+    def answer(self, keys: list[PageKey | None], host_indices: torch.Tensor) -> list[bool] | None:
+        """The read of these slots if the extension answers it itself, else None (read them as usual)."""
+
+    def pools_registered(self) -> None:
+        """Every host pool is known (say once what stays off)."""
+
+    def snapshot(self) -> StreamSnapshot | None:
+        """Its figures for ``telemetry()`` (None: nothing to report)."""
+
+    def close(self) -> None:
+        """Release what it holds; called before the stores close."""
+
+
+# Made per backend at construction, in order: filled by plugins' ``load`` (``KVTIER_STREAM=1``), empty otherwise.
+EXTENSIONS: list[Callable[[KVTierStorage], Extension]] = []
 
 
 class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGLang ships no type information
@@ -101,11 +116,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         # (parts call back weakly: no reference cycle, store.lifecycle; a closed backend goes by refcounting alone)
         self.cost = CostPolicy(weak_method(self._read_path, None), boundary=self.boundary)
         self._metrics = PrometheusFeed(bool(storage_config.enable_storage_metrics), self.boundary)
-        self.stream_costs = StreamCosts()  # the bind rule's learned figures (policy.stream_bind)
-        pools, me = self.pools, weakref.ref(self)
-        self.binder = StreamBinder(lambda: pools.kv, lambda: bool((b := me()) and b.streaming_enabled), self.boundary)
         self._said_streaming = False
-        self._stream_hooks: Callable[[], StreamHookSnapshot] | None = None
+        self.extensions: tuple[Extension, ...] = tuple(make(self) for make in EXTENSIONS)
         warm_page_hash()
         log.info("kvtier: sgl-kvtier %s (%s) on SGLang %s, rank tp%d pp%d, devices %s", __version__,
                  sgl_kvtier.__path__[0], sglang_release, storage_config.tp_rank, storage_config.pp_rank,
@@ -146,41 +158,19 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.pools.open_all()
         self._say_streaming()
 
-    # ------------------------------------------------------------------ streamed hits (issue #13)
-    @property
-    def streaming_enabled(self) -> bool:
-        """``streaming = "on"`` and the KV pool's pages stream in layer groups (``binding.why_not_streaming``)."""
-        return self.config.streaming is Streaming.ON and why_not_streaming(self.kv, self.tiers) is None
-
+    # ------------------------------------------------------------------ extensions
     def _say_streaming(self) -> None:
-        """Once per backend: why ``streaming = "on"`` cannot stream here (the stream plugin is off in this
-        process, a registered layout, side pools)."""
-        if self._said_streaming or self.config.streaming is not Streaming.ON or self.kv is None:
+        """Once the pools are known: each extension says what stays off; with ``streaming = "on"`` and no
+        streaming extension in this process (the stream plugin is off), one line says why hits load whole."""
+        for ext in self.extensions:
+            self._guarded("extension (pools registered)", ext.pools_registered, lambda: None)
+        if self._said_streaming or self.config.streaming is not Streaming.ON or self.kv is None or self.extensions:
             return
-        why = why_not_streaming(self.kv, self.tiers) or plugins.why_off("stream")
-        if why:
-            self._said_streaming = True
-            log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)
-
-    def attach_stream_hooks(self, counts: Callable[[], StreamHookSnapshot]) -> None:
-        """The stream plugin is on for this backend: ``counts()`` reads its counters (``telemetry().stream``)."""
-        self._stream_hooks = counts
-
-    def bind_hit(self, hashes: list[str], host_indices: torch.Tensor, cuts: Cuts | None = None) -> None:
-        """SGLang allocated ``host_indices`` for the hit of ``hashes`` (its leading ``len(host_indices) //
-        page_tokens`` pages; the allocation may be shorter than the hit): stream them in now, in the read
-        groups ``cuts`` (``policy.stream_read``; None: the pool's layer groups). Never raises (a failure is
-        counted at the boundary and the hit loads as today)."""
-        def bind() -> None:
-            tier = self.kv
-            if not self.streaming_enabled or tier is None:
-                return
-            pages = host_indices.numel() // tier.pages.page_tokens
-            keys = keys_until_invalid(hashes[:pages])
-            if pages and len(keys) == pages:
-                self.binder.bind(keys, host_indices, cuts)
-
-        self._guarded("bind_hit", bind, lambda: None)
+        why = plugins.why_off("stream")
+        if not why:  # the plugin is on: its side says what stays off
+            return
+        self._said_streaming = True
+        log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)
 
     # ------------------------------------------------------------------ v1: zero-copy KV
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -206,9 +196,10 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             start = time.perf_counter()
             tier = self._kv()
             parsed = keys_or_none(keys)
-            answer = self.binder.answer(parsed, host_indices)  # bound slots: the stream's head, at once
-            if answer is not None:
-                return answer
+            for ext in self.extensions:  # none unless a plugin added one (a streamed hit's head, at once)
+                answer = ext.answer(parsed, host_indices)
+                if answer is not None:
+                    return answer
             result = tier.read(parsed, host_indices)
             self.stats.record_get(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
             return result
@@ -330,17 +321,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             cost_policy_enabled=self.cost.enabled(), boundary=self.boundary.counts(), stream=self._stream())
 
     def _stream(self) -> StreamSnapshot | None:
-        if not self.streaming_enabled:
-            return None
-        hooks = None
-        if self._stream_hooks is not None:
-            try:
-                hooks = self._stream_hooks()
-            except Exception as exc:  # the rest of the snapshot stands
-                self.boundary.fail("telemetry (stream plugin counters)", exc, outcome="reported without them")
-        model = self.cost.prefill.model()
-        return stream_snapshot(self.binder.counts(), hooks,
-                               self.stream_costs.snapshot(None if model is None else model.batch_time))
+        for ext in self.extensions:
+            snap = self._guarded("telemetry (extension)", ext.snapshot, lambda: None)
+            if snap is not None:
+                return snap
+        return None
 
     def cost_inputs(self) -> dict[str, Any]:
         """The cost policy's measured inputs: read bandwidth / batch latency per pool and device, prefill speed."""
@@ -353,10 +338,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         first: its streams read the stores. A closed backend holds no host pool (nor, by the no-cycles rule
         of ``store.lifecycle``, is anything it held kept past its last reference): whoever still holds it
         keeps no host memory alive."""
-        try:
-            self.binder.close()
-        except Exception as exc:  # the stores are closed whatever the binder raised
-            self.boundary.fail("close (tail streams)", exc, outcome="the stores closed anyway")
+        for ext in self.extensions:  # first: a streamed tail reads the stores
+            try:
+                ext.close()
+            except Exception as exc:  # the stores are closed whatever an extension raised
+                self.boundary.fail("close (extension)", exc, outcome="the stores closed anyway")
         for held in ("mem_pool_host", "registered_pools"):  # HiCacheStorage's own references to the host pools
             self.__dict__.pop(held, None)
         failures = self.pools.close()

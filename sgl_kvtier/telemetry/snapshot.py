@@ -187,7 +187,7 @@ class StreamHookSnapshot:
 
 @dataclass(frozen=True)
 class StreamBindSnapshot:
-    """The bind rule's learned figures of one backend (``policy.stream_bind.StreamCosts``; None: not learned
+    """The bind rule's learned figures of one backend (``experiments.streaming.rules.bind.StreamCosts``; None: not learned
     yet): the whole-load wait W = fixed + bytes x per-MB, fitted on hits loaded whole alone, and the
     interference k (seconds a forward ran over the prefill model per MB of streamed tail) and the load-back
     copy X a whole load makes before its forward, with the sample counts of each (the rule uses a figure
@@ -216,7 +216,7 @@ class StreamSnapshot:
     learned figures (``bind``)."""
 
     bound_hits: int = 0  # hits bound to a tail stream
-    read_groups: int = 0  # their read groups, summed (``policy.stream_read``; / bound_hits = the mean)
+    read_groups: int = 0  # their read groups, summed (``experiments.streaming.rules.read_groups``; / bound_hits = the mean)
     head_pages: int = 0  # pages answered True to SGLang's IO thread from a stream (inserted as today)
     streamed_pages: int = 0  # pages streams landed whole and verified
     staged_pages: int = 0  # ... of which copied from read-ahead staging

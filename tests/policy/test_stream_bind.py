@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from sgl_kvtier.policy.stream_bind import HIT_WINDOW, MAX_PENDING, BindInputs, BindVerdict, StreamCosts, decide
+from sgl_kvtier.experiments.streaming.rules.bind import (
+    HIT_WINDOW,
+    MAX_PENDING,
+    BindInputs,
+    BindVerdict,
+    StreamCosts,
+    decide,
+)
 
 MB = 1_000_000
 HIT = 200 * MB  # the benchmark's hit: 201 MB of KV

@@ -1,4 +1,4 @@
-"""The T_hide admission rule of a streamed tail (``policy.stream_gate``): pure, every branch."""
+"""The T_hide admission rule of a streamed tail (``experiments.streaming.rules.gate``): pure, every branch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sgl_kvtier.policy.stream_gate import (
+from sgl_kvtier.experiments.streaming.rules.gate import (
     GateInputs,
     Verdict,
     decide,

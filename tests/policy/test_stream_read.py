@@ -1,4 +1,4 @@
-"""How a streamed tail is cut into read groups, and the pipeline's stall (``policy.stream_read``): pure."""
+"""How a streamed tail is cut into read groups, and the pipeline's stall (``experiments.streaming.rules.read_groups``): pure."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from sgl_kvtier.policy.stream_read import OP_CPU_S, even_cuts, read_cuts, read_groups, shares, stall_s
+from sgl_kvtier.experiments.streaming.rules.read_groups import (
+    OP_CPU_S,
+    even_cuts,
+    read_cuts,
+    read_groups,
+    shares,
+    stall_s,
+)
 
 PAGES, RANGES = 96, 2  # a 201 MB kvheavy hit: 96 pages of K and V
 

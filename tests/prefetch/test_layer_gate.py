@@ -11,7 +11,7 @@ import threading
 import pytest
 from thread_kit import BOUND_S, HeldCopy, Parked, finished, start
 
-from sgl_kvtier.prefetch.layer_gate import THREAD_NAME, LayerGate, LayerLoad
+from sgl_kvtier.experiments.layer_loader.layer_gate import THREAD_NAME, LayerGate, LayerLoad
 
 
 # ------------------------------------------------------------------------------------------ (a) the gate

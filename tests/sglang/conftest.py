@@ -41,3 +41,31 @@ def kit_on_cpu(single_rank, monkeypatch):
 
     monkeypatch.setattr(fixtures, "get_device", lambda *a, **k: "cpu")
     return fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def streaming_side(request):
+    """In the streamed-tail test modules (``stream`` in their name), backends carry the stream plugin's side,
+    as in a process with ``KVTIER_STREAM=1``; in every other module none does, as by default."""
+    if "stream" not in request.module.__name__:
+        yield
+        return
+    from sgl_kvtier.experiments.streaming.backend_side import StreamingSide, install
+    from sgl_kvtier.sglang import storage
+
+    install()
+    try:
+        yield
+    finally:
+        storage.EXTENSIONS.remove(StreamingSide)
+
+
+@pytest.fixture(autouse=True)
+def extensions_restored():
+    """A test that loads the stream plugin (which adds its side to ``storage.EXTENSIONS``) leaves the list as
+    it found it for the tests after it in this process."""
+    from sgl_kvtier.sglang import storage
+
+    before = list(storage.EXTENSIONS)
+    yield
+    storage.EXTENSIONS[:] = before

@@ -1,7 +1,7 @@
 r"""Test doubles and helpers for the streamed-tail admission tests (``test_stream_admit``).
 
-``StreamingTestStorage`` is our real ``KVTierStorage`` (store, read path, cost policy) whose ``bind_hit`` /
-``binder`` are test doubles: ``FakeBinder`` (``binding.StreamBinder``'s interface) of ``FakeStream``\ s
+``StreamingTestStorage`` is our real ``KVTierStorage`` (store, read path, cost policy) whose streaming side
+(``FakeSide``: ``bind_hit`` / ``binder``) is a test double: ``FakeBinder`` (``binding.StreamBinder``'s interface) of ``FakeStream``\ s
 (``contract.TailStream`` with controllable groups). The head pages a stream answers True to SGLang's IO
 thread are read from the real store into their slots first; landing a group of the tail reads the tail
 pages' real bytes into their withheld slots. An IO in flight is simulated: a cancelled stream ends only
@@ -31,10 +31,11 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
+from sgl_kvtier.experiments.streaming import plugin as stream
+from sgl_kvtier.experiments.streaming.backend_side import StreamingSide, require_side
+from sgl_kvtier.experiments.streaming.binding import StreamCounters
+from sgl_kvtier.experiments.streaming.contract import GroupVerdict
 from sgl_kvtier.sglang import KVTierStorage
-from sgl_kvtier.sglang.plugins import stream
-from sgl_kvtier.sglang.stream.binding import StreamCounters
-from sgl_kvtier.sglang.stream.contract import GroupVerdict
 
 PS, LAYERS, HEADS, HEAD_DIM = 16, 2, 2, 64
 DTYPE = torch.bfloat16
@@ -149,7 +150,7 @@ class FakeBinder:
         self._index: dict[int, tuple[FakeStream, int]] = {}  # host page -> (stream, page in it)
         self._lock = threading.Lock()
         self.claims: list[tuple[FakeStream, torch.Tensor]] = []
-        self.cuts: list[tuple[int, ...] | None] = []  # what each bind was asked for (``policy.stream_read``)
+        self.cuts: list[tuple[int, ...] | None] = []  # what each bind was asked for (``experiments.streaming.rules.read_groups``)
 
     def bind(self, hashes: list[str], host_indices: torch.Tensor, cuts: tuple[int, ...] | None = None) -> FakeStream:
         self.cuts.append(cuts)
@@ -214,20 +215,30 @@ class FakeBinder:
             s.finish()
 
 
-class StreamingTestStorage(KVTierStorage):
-    """Our real backend (store, read path, cost policy) with a test-double binder (module docstring)."""
+class FakeSide(StreamingSide):
+    """The backend's streaming side with the test-double binder: it always streams and binds raw hashes."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.binder = FakeBinder(self)
-        self.group_bytes = PS * HEADS * HEAD_DIM * DTYPE.itemsize * 2  # K and V of one layer of one page
+    def __init__(self, backend: StreamingTestStorage):
+        super().__init__(backend)
+        self.binder.close()  # the real binder is never used here
+        self.binder = FakeBinder(backend)  # type: ignore[assignment]
 
     @property
-    def streaming_enabled(self) -> bool:
+    def enabled(self) -> bool:
         return True
 
     def bind_hit(self, hashes, host_indices, cuts=None):
         self.binder.bind(list(hashes), host_indices, cuts)
+
+
+class StreamingTestStorage(KVTierStorage):
+    """Our real backend (store, read path, cost policy) with a test-double streaming side (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extensions = (FakeSide(self),)
+        self.binder = require_side(self).binder
+        self.group_bytes = PS * HEADS * HEAD_DIM * DTYPE.itemsize * 2  # K and V of one layer of one page
 
     def batch_get_v1(self, keys, host_indices, extra_info=None):
         """SGLang's IO thread: bound slots get the stream's head answer at once, others a real read."""
@@ -369,7 +380,7 @@ def arrive(env, req: Req, storage_hit_end: int | None = None) -> None:
 def registered(env, req: Req, head: int, storage_hit_end: int | None = None):
     """``req`` arrives with ``head`` pages of its hit landed when SGLang's IO thread asks; pumped until the
     prefetch result was handled (the tail registered, or not)."""
-    env.backend.binder.head = head
+    require_side(env.backend).binder.head = head
     arrive(env, req, storage_hit_end)
     registry = stream.active(env.cache)
     assert registry is not None

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from hook_kit import keep_hooks  # noqa: E402
 from thread_kit import BOUND_S, HeldCopy, Parked, finished, start  # noqa: E402
 
-from sgl_kvtier.sglang.plugins import layer_loader  # noqa: E402
+from sgl_kvtier.experiments.layer_loader import plugin as layer_loader  # noqa: E402
 
 # The loader acts only where SGLang's device module is torch.cpu (on GPUs SGLang pipelines natively).
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU route: the loader is inert with a GPU")

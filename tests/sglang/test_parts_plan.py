@@ -175,7 +175,7 @@ def test_read_plans_merge_layer_groups_in_order() -> None:
     assert plan.reads(8).groups == plan.groups and [list(plan.reads(8).layers(g)) for g in range(8)] == [
         list(plan.layers(g)) for g in range(8)]
     assert plan.reads(99).group_count == 8 and plan.reads(0).group_count == 1  # clamped
-    small_first = plan.read_in((0, 1, 3, 8))  # ``policy.stream_read``'s uneven cuts: a small group 0
+    small_first = plan.read_in((0, 1, 3, 8))  # ``experiments.streaming.rules.read_groups``'s uneven cuts: a small group 0
     assert small_first.group_count == 3
     assert small_first.groups == [[0, 8], [1, 2, 9, 10], [3, 4, 5, 6, 7, 11, 12, 13, 14, 15]]
     assert [list(small_first.layers(r)) for r in range(3)] == [[0], [1, 2], [3, 4, 5, 6, 7]]

@@ -93,7 +93,7 @@ def registered(registry) -> dict[str, int]:
 
 
 def test_one_missing_target_registers_none(registry, monkeypatch, caplog) -> None:
-    from sgl_kvtier.sglang.plugins import stream
+    from sgl_kvtier.experiments.streaming import plugin as stream
 
     specs = [*stream.hook_specs(), ("sglang.srt.managers.scheduler.Scheduler.no_such_method", print, "AFTER")]
     monkeypatch.setattr(release, "installed", lambda: "0.5.23")
@@ -109,7 +109,7 @@ def test_one_missing_target_registers_none(registry, monkeypatch, caplog) -> Non
 
 
 def test_an_untested_release_registers_none(registry, monkeypatch, caplog) -> None:
-    from sgl_kvtier.sglang.plugins import stream
+    from sgl_kvtier.experiments.streaming import plugin as stream
 
     monkeypatch.setattr(release, "installed", lambda: "0.5.22")
     before = registered(registry)
@@ -126,8 +126,10 @@ def test_each_plugin_on_the_installed_release_is_all_or_nothing(registry, cpu_sh
     stand-ins are in place already, so its ``load()`` adds only its hooks here.)"""
     import torch
 
-    from sgl_kvtier.sglang.plugins import cpu, cpu_shims, layer_loader, prefetch, stream
-
+    from sgl_kvtier.experiments.cost_policy import plugin as prefetch
+    from sgl_kvtier.experiments.layer_loader import plugin as layer_loader
+    from sgl_kvtier.experiments.streaming import plugin as stream
+    from sgl_kvtier.sglang.plugins import cpu, cpu_shims
     for module in (cpu, layer_loader, prefetch, stream):
         monkeypatch.setattr(module, "_loaded", False)
     for plugin in PLUGINS:

@@ -39,10 +39,10 @@ from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
+from sgl_kvtier.experiments.cost_policy import plugin as prefetch_plugin  # noqa: E402
 from sgl_kvtier.policy import cost_inputs  # noqa: E402
 from sgl_kvtier.policy.cost_model import LoadProgress, PrefillModel, RequestShape, should_terminate  # noqa: E402
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
-from sgl_kvtier.sglang.plugins import prefetch as prefetch_plugin  # noqa: E402
 from sgl_kvtier.store.read_rates import ReadRates  # noqa: E402
 from sgl_kvtier.telemetry.counters import BoundaryCounts  # noqa: E402
 

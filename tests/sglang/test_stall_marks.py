@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sgl_kvtier.sglang.plugins import stall_marks
+from sgl_kvtier.experiments.streaming.hooks import stall_marks
 
 
 def test_a_mark_is_taken_once_and_only_for_its_forward():

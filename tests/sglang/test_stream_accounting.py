@@ -20,12 +20,11 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from stream_kit import PS, consumer_over_stored_prompt, new_req, reap_all, registered  # noqa: E402
 from test_controller import _PrivateRegistryCollector  # noqa: E402
 
-from sgl_kvtier.sglang.plugins import (  # noqa: E402
-    stream_accounting,
-    stream_admit,
-    stream_core,
-    stream_slots,
-)
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit
+from sgl_kvtier.experiments.streaming.hooks import core as stream_core
+from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
 
 pytestmark = pytest.mark.timeout(300)
 LABELS = {"storage_backend": "dynamic", "tp_rank": "0"}
@@ -154,7 +153,7 @@ def test_a_streamed_tail_counts_unfulfilled_only_once_dropped_and_a_part_not_str
     req2 = new_req("r-not-streamed")
     registered(env, req2, head=2)
     assert registry.get(req2.rid) is None and stream_admit.STATS.not_registered["another rank"] >= 1
-    given_up = env.backend.binder.streams[-1]  # its op's part not landed: past the head it answered True for
+    given_up = require_side(env.backend).binder.streams[-1]  # its op's part not landed: past the head it answered True for
     assert metrics.unfulfilled() == tail.tokens + (given_up.pages - given_up.head) * PS  # counted at its result
     given_up.finish()
     reap_all(env, registry)

@@ -57,15 +57,14 @@ from stream_kit import (  # noqa: E402
     tree_device_tokens,
 )
 
-from sgl_kvtier.policy.stream_bind import BindVerdict  # noqa: E402
-from sgl_kvtier.sglang.plugins import (  # noqa: E402
-    stream,
-    stream_admit,
-    stream_bind,
-    stream_core,
-    stream_slots,
-)
-from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
+from sgl_kvtier.experiments.streaming import plugin as stream  # noqa: E402
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.contract import TailState  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind
+from sgl_kvtier.experiments.streaming.hooks import core as stream_core
+from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
+from sgl_kvtier.experiments.streaming.rules.bind import BindVerdict  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,11 +97,11 @@ def test_register_gate_match_load_back_own_and_rows(consumer):
     registry = registered(env, req, head=3)
     tail = registry.get(req.rid)
     assert tail is not None and tail.state is TailState.REGISTERED
-    assert env.backend.stream_costs.timing(req.rid) is BindVerdict.STREAM  # the rule's choice, timed to its token
+    assert require_side(env.backend).stream_costs.timing(req.rid) is BindVerdict.STREAM  # the rule's choice, timed to its token
     assert (tail.first_page, tail.token_start, tail.tokens) == (3, 3 * PS, (N_PAGES - 3) * PS)
     stream_ = tail.stream
     assert torch.equal(tail.host_indices, stream_.host_indices[3 * PS:])
-    assert env.backend.binder.claims == []  # SGLang released none of the tail's slots: all withheld
+    assert require_side(env.backend).binder.claims == []  # SGLang released none of the tail's slots: all withheld
     assert env.host.available_size() == env.host_baseline - N_TOKENS  # head in the tree + tail withheld
 
     # the gate: group 0 not landed -> skipped (not blocking); landed -> READY
@@ -229,9 +228,9 @@ def test_a_rank_that_cannot_stream_vetoes_the_tail(consumer, monkeypatch):
     registry = registered(env, req, head=3)
     assert [1] in votes  # this rank could stream it
     assert registry.get(req.rid) is None and len(registry) == 0
-    [stream_] = env.backend.binder.streams
+    [stream_] = require_side(env.backend).binder.streams
     assert stream_.cancelled and registry.deferred() == 1  # taken by this rank: its tail slots are ours to free
-    assert env.backend.binder.claims == [] and env.host.available_size() == env.host_baseline - N_TOKENS
+    assert require_side(env.backend).binder.claims == [] and env.host.available_size() == env.host_baseline - N_TOKENS
     monkeypatch.setattr(stream_admit, "min_reduce", stream.min_reduce)
     adder, _ = admit(env, req)
     assert req.prefix_len == 3 * PS  # the head, loaded as today
@@ -247,7 +246,7 @@ def test_a_hit_over_the_withheld_cap_is_not_bound_and_loads_whole(consumer, monk
     monkeypatch.setattr(stream_bind, "MAX_WITHHELD", 0.0)
     before = stream_admit.STATS.not_registered["withheld cap: loaded whole"]
     registry = registered(env, req, head=3)
-    assert env.backend.binder.streams == [] and len(registry) == 0 and registry.deferred() == 0
+    assert require_side(env.backend).binder.streams == [] and len(registry) == 0 and registry.deferred() == 0
     assert stream_admit.STATS.not_registered["withheld cap: loaded whole"] == before + 1
     adder, _ = admit(env, req)
     assert req.prefix_len == N_TOKENS and req.host_hit_length == N_TOKENS  # the whole hit, from L3 via L2
@@ -325,7 +324,7 @@ def test_inert_when_streaming_is_off(stored, kit_on_cpu, monkeypatch):
         arrive(env, req)
         assert stream.active(env.cache) is None
         queues.pump(env.cache, lambda: not env.cache.ongoing_prefetch, "the prefetch result")
-        assert env.backend.binder.bound_pages() == 0 and len(stream.registry_of(env.cache)) == 0
+        assert require_side(env.backend).binder.bound_pages() == 0 and len(stream.registry_of(env.cache)) == 0
         adder, _ = admit(env, req)
         assert adder.can_run_list == [req] and req.prefix_len == N_TOKENS  # the whole hit, loaded as today
         assert req.kv.cache_protected_len == N_TOKENS
@@ -339,7 +338,7 @@ def test_a_blocked_request_loads_its_hit_whole(consumer):
     stream.active(env.cache).block(req.rid)  # retracted once after a failed tail: never streams again
     arrive(env, req)
     env.queues.pump(env.cache, lambda: not env.cache.ongoing_prefetch, "the prefetch result")
-    assert env.backend.binder.streams == [] and len(stream.active(env.cache)) == 0
+    assert require_side(env.backend).binder.streams == [] and len(stream.active(env.cache)) == 0
     adder, _ = admit(env, req)
     assert req.prefix_len == N_TOKENS and req.kv.cache_protected_len == N_TOKENS
 
@@ -401,8 +400,8 @@ def test_a_rolled_back_bounce_of_a_bound_hit_waits_for_its_stream(consumer):
     registry = stream.active(env.cache)
     slots = env.host.alloc(2 * PS)
     hashes = [f"{i:064x}" for i in range(2)]
-    env.backend.bind_hit(hashes, slots)  # bound, as after allocate_storage_hit
-    [stream_] = env.backend.binder.streams
+    require_side(env.backend).bind_hit(hashes, slots)  # bound, as after allocate_storage_hit
+    [stream_] = require_side(env.backend).binder.streams
     env.cc.free_prefetch_host_buffers(SimpleNamespace(pool_transfers=None), slots)  # SGLang's direct rollback
     assert stream_.cancelled and registry.deferred() == 1
     assert env.host.available_size() == env.host_baseline - 2 * PS  # not freed under the stream's reads
@@ -414,18 +413,18 @@ def test_a_rolled_back_bounce_of_a_bound_hit_waits_for_its_stream(consumer):
 def test_an_early_cut_streams_nothing(consumer):
     env, req = consumer, new_req("r-early")
     env.cache.prefetch_stop_policy = "best_effort"  # cut at the first admission poll, IO maybe still running
-    env.backend.binder.head = 2
+    require_side(env.backend).binder.head = 2
     arrive(env, req)
     handle = req.cache_request_handle
     env.queues.pump(env.cache, lambda: env.cache.ongoing_prefetch[handle].host_indices is not None,
                     "the hit's host slots")
     op = env.cache.ongoing_prefetch[handle].operation
-    assert len(env.backend.binder.streams) == 1  # bound at allocation
+    assert len(require_side(env.backend).binder.streams) == 1  # bound at allocation
     assert env.cache.check_prefetch_progress(handle) is True  # SGLang's cut; our register stays out of it
     registry = stream.active(env.cache)
     assert len(registry) == 0 and op.ack_releases_incomplete_host_indices  # SGLang releases the rest itself
-    env.queues.pump(env.cache, lambda: bool(env.backend.binder.claims), "the op's last ack")
-    [(stream_, held)] = env.backend.binder.claims  # its unfinished pages: withheld until the stream ended
+    env.queues.pump(env.cache, lambda: bool(require_side(env.backend).binder.claims), "the op's last ack")
+    [(stream_, held)] = require_side(env.backend).binder.claims  # its unfinished pages: withheld until the stream ended
     assert stream_.cancelled and registry.deferred() == 1 and torch.equal(held, stream_.host_indices[2 * PS:])
     stream_.finish()
     reap_all(env, registry)

@@ -30,15 +30,14 @@ from stream_kit import (  # noqa: E402
     registered,
 )
 
-from sgl_kvtier.policy.stream_bind import BindVerdict  # noqa: E402
-from sgl_kvtier.sglang.plugins import (  # noqa: E402
-    prefetch,
-    stream_admit,
-    stream_bind,
-    stream_core,
-    stream_slots,
-)
-from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
+from sgl_kvtier.experiments.cost_policy import plugin as prefetch  # noqa: E402
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.contract import TailState  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind
+from sgl_kvtier.experiments.streaming.hooks import core as stream_core
+from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
+from sgl_kvtier.experiments.streaming.rules.bind import BindVerdict  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,7 +114,7 @@ def test_the_gate_counts_the_learned_interference_in_the_forward_the_read_hides_
         tail_bytes = env.backend.kv.pages.bytes_of(tail.tokens)
         for _ in range(2 if k_s else 0):  # k learned after the bind (with it, the bind rule would load whole):
             # forwards of this tail's bytes ``k_s`` over the model's 8 s for their batch
-            env.backend.stream_costs.record_stream_forward(tail_bytes, [(8, 8)], 8.0 + k_s)
+            require_side(env.backend).stream_costs.record_stream_forward(tail_bytes, [(8, 8)], 8.0 + k_s)
         tail.stream.rate = tail.stream.remaining_bytes(tail.first_page) / (
             (1 - 1 / tail.stream.groups) * SUFFIX + over_s)
         answer = env.cache.check_prefetch_progress(req.cache_request_handle)
@@ -203,11 +202,11 @@ def test_with_another_request_in_the_engine_a_tail_is_admitted_only_once_landed_
     tail.stream.finish()
     reap_all(env, registry)
 
-    before, streams = stream_admit.STATS.not_registered["busy: loaded whole"], len(env.backend.binder.streams)
+    before, streams = stream_admit.STATS.not_registered["busy: loaded whole"], len(require_side(env.backend).binder.streams)
     req2 = new_req("r-busy-bind")
     scheduler.waiting_queue = [other, req2]
     registered(env, req2, head=0)  # nothing else in flight, no tail: only the other request makes it busy
-    assert registry.get(req2.rid) is None and len(env.backend.binder.streams) == streams
+    assert registry.get(req2.rid) is None and len(require_side(env.backend).binder.streams) == streams
     assert stream_admit.STATS.not_registered["busy: loaded whole"] == before + 1
     del scheduler  # the cache holds it weakly: unknown again, as before a first batch
     assert not stream_core.others_in_engine(env.cache, "r-any")
@@ -225,7 +224,7 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
     before = stream_admit.STATS.not_registered["busy: loaded whole"]
     second = new_req("r-second")
     registered(env, second, head=0)
-    assert len(env.backend.binder.streams) == 1 and registry.get(second.rid) is None
+    assert len(require_side(env.backend).binder.streams) == 1 and registry.get(second.rid) is None
     assert stream_admit.STATS.not_registered["busy: loaded whole"] == before + 1
     admit(env, second)
     assert second.prefix_len == N_TOKENS  # the first's head from the tree, the rest read whole from L3
@@ -235,7 +234,7 @@ def test_a_hit_while_another_tail_streams_loads_whole(consumer):
 
 
 def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkeypatch, caplog):
-    """``policy.stream_read`` is asked with the pool's layer groups, the hit's predicted read (the store's read
+    """``experiments.streaming.rules.read_groups`` is asked with the pool's layer groups, the hit's predicted read (the store's read
     model), its suffix's compute (the prefill model's), its pages and K|V ranges, and the binder is handed its
     cut (logged when it changes, at most every CUTS_LOG_EVERY_S); the bind rule weighs the hit in that cut's
     shares."""
@@ -250,16 +249,16 @@ def test_the_hit_is_bound_in_the_read_groups_the_read_rule_cuts(consumer, monkey
     cut = (0, 1, pages.plan.group_count)
     monkeypatch.setattr(stream_bind, "read_cuts", lambda *a: asked.append(a) or cut)
     weighed: list[tuple] = []
-    decide = env.backend.stream_costs.decide
-    monkeypatch.setattr(env.backend.stream_costs, "decide", lambda *a: weighed.append(a) or decide(*a))
+    decide = require_side(env.backend).stream_costs.decide
+    monkeypatch.setattr(require_side(env.backend).stream_costs, "decide", lambda *a: weighed.append(a) or decide(*a))
     req = new_req("r-groups")
     with caplog.at_level("INFO", logger=stream_bind.logger.name):
         registry = registered(env, req, head=3)
     tail = registry.get(req.rid)
-    assert tail is not None and env.backend.binder.cuts == [cut]
+    assert tail is not None and require_side(env.backend).binder.cuts == [cut]
     assert sum(f"read in layer groups {cut}" in r.getMessage() for r in caplog.records) == 1  # a new cut: said
     ((bounds, read_s, compute_s, n, ranges),) = asked
-    assert (bounds, n, ranges) == (pages.plan.bounds, env.backend.binder.streams[0].pages, 2)
+    assert (bounds, n, ranges) == (pages.plan.bounds, require_side(env.backend).binder.streams[0].pages, 2)
     assert read_s == pytest.approx(model.load_time(n, pages.page_bytes))
     prefill = env.backend.cost.prefill.model()
     assert (compute_s is None) == (prefill is None)
@@ -295,14 +294,14 @@ def test_the_bind_rule_loads_whole_a_hit_it_predicts_no_faster_and_times_that_lo
     monkeypatch.setattr(env.backend.cost, "read_path", lambda: ReadPath(pages.page_tokens, pages.page_bytes,
                                                                         DeviceModel(1e9, 1e-3)))
     env.backend.cost.prefill.estimator.seed = PrefillModel(1e-3, 0.0, 0.0)
-    costs = env.backend.stream_costs
+    costs = require_side(env.backend).stream_costs
     for n in (1, 2):  # 1 s of forward over the model per MB of tail: never worth it
         costs.record_stream_forward(n * 1_000_000, [(8, 8)], 8e-3 + n * 1.0)
     reason = "predicted no faster: loaded whole"
     before = stream_admit.STATS.not_registered[reason]
     req = new_req("r-whole")
     registry = registered(env, req, head=3)
-    assert env.backend.binder.streams == [] and len(registry) == 0
+    assert require_side(env.backend).binder.streams == [] and len(registry) == 0
     assert stream_admit.STATS.not_registered[reason] == before + 1
     assert costs.snapshot().whole_samples == 1  # the load from its op's start to its handled result
     assert costs.timing(req.rid) is BindVerdict.WHOLE  # and its request is timed on to its first token

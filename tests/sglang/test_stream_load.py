@@ -24,17 +24,15 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 from thread_kit import BOUND_S, Parked, finished, start  # noqa: E402
 
-from sgl_kvtier.prefetch import layer_gate  # noqa: E402
-from sgl_kvtier.sglang.plugins import (  # noqa: E402
-    layer_loader,
-    stream,
-    stream_bind,
-    stream_copy,
-    stream_core,
-    stream_load,
-    stream_retract,
-)
-from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, TailState  # noqa: E402
+from sgl_kvtier.experiments.layer_loader import layer_gate  # noqa: E402
+from sgl_kvtier.experiments.layer_loader import plugin as layer_loader  # noqa: E402
+from sgl_kvtier.experiments.streaming import plugin as stream  # noqa: E402
+from sgl_kvtier.experiments.streaming.contract import GroupVerdict, StreamedTail, TailState  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import copy as stream_copy
+from sgl_kvtier.experiments.streaming.hooks import core as stream_core
+from sgl_kvtier.experiments.streaming.hooks import load as stream_load
+from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
 
 if torch.cuda.is_available():  # pragma: no cover - the loader thread is the CPU route
     pytest.skip("CPU route: CPU pools and the torch.cpu device module", allow_module_level=True)

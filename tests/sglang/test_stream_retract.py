@@ -33,7 +33,9 @@ from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from test_prometheus import only, scrape  # noqa: E402
 
-from sgl_kvtier.sglang.plugins import stream, stream_copy, stream_retract  # noqa: E402
+from sgl_kvtier.experiments.streaming import plugin as stream  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import copy as stream_copy
+from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
 
 PAGE = 16
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}

@@ -47,19 +47,18 @@ from stream_kit import (  # noqa: E402
 from test_storage_adapter import slots  # noqa: E402
 from test_tail_stream import BOUND_S, DST, Hold, N, flip, group_slice, streamed  # noqa: E402
 
+from sgl_kvtier.experiments.cost_policy import plugin as prefetch  # noqa: E402
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.contract import TailState  # noqa: E402
+from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit
+from sgl_kvtier.experiments.streaming.hooks import copy as stream_copy
+from sgl_kvtier.experiments.streaming.hooks import core as stream_core
+from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
+from sgl_kvtier.experiments.streaming.hooks import sample as stream_sample
+from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
+from sgl_kvtier.experiments.streaming.hooks import stall_marks  # noqa: E402
 from sgl_kvtier.keys import parse_keys  # noqa: E402
 from sgl_kvtier.policy import cost_inputs  # noqa: E402
-from sgl_kvtier.sglang.plugins import (  # noqa: E402
-    prefetch,
-    stall_marks,
-    stream_admit,
-    stream_copy,
-    stream_core,
-    stream_retract,
-    stream_sample,
-    stream_slots,
-)
-from sgl_kvtier.sglang.stream.contract import TailState  # noqa: E402
 from sgl_kvtier.telemetry import prometheus  # noqa: E402
 from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot, StreamHookSnapshot, StreamSnapshot  # noqa: E402
 
@@ -85,21 +84,21 @@ def test_the_backends_tail_reads_are_in_its_telemetry_and_gauges(tmp_path) -> No
         assert value("kvtier_streaming_enabled", RANKS) == 1 and value("kvtier_stream_bound_hits", RANKS) == 0
         assert value("kvtier_stream_tails", RANKS) is None  # the plugin never decided on here: not measured
 
-        clean = backend.binder.bind(parse_keys(keys), slots(DST))
+        clean = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert clean.wait_ended(BOUND_S)
         assert backend.batch_get_v1(keys, slots(DST)) == [True] * N  # all of it answered to SGLang: the head
         flip(backend, keys[3], group_slice(backend.kv.pages.plan, 0, 0).start + 5)  # page 3 fails group 0
-        corrupt = backend.binder.bind(parse_keys(keys), slots(DST))
+        corrupt = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert corrupt.wait_ended(BOUND_S)
         hold = Hold(group=0)
-        backend.binder.observer = hold
-        released = backend.binder.bind(parse_keys(keys), slots(DST))
+        require_side(backend).binder.observer = hold
+        released = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert hold.reached.wait(BOUND_S)
-        _, withheld = backend.binder.claim_released(slots(DST))  # SGLang releases the slots mid-read
+        _, withheld = require_side(backend).binder.claim_released(slots(DST))  # SGLang releases the slots mid-read
         hold.release()
         assert released.wait_ended(BOUND_S)
 
-        counts, snap = backend.binder.counts(), backend.telemetry().stream
+        counts, snap = require_side(backend).binder.counts(), backend.telemetry().stream
         assert snap is not None and snap.hooks is None
         assert (snap.bound_hits, snap.head_pages, snap.failed_pages, snap.cancelled) == (3, N, 1, 1)
         assert snap.failed_groups >= 1  # group 0 of page 3, and the later ones of a page dropped as corrupt
@@ -110,7 +109,7 @@ def test_the_backends_tail_reads_are_in_its_telemetry_and_gauges(tmp_path) -> No
             streamed_pages=counts.streamed_pages,
             staged_pages=counts.staged_pages, failed_pages=counts.failed_pages, failed_groups=counts.failed_groups,
             cancelled=counts.cancelled_streams, read_errors=counts.stream_errors, withheld_pages=counts.withheld_pages,
-            mismatches=counts.mismatches, bind=backend.stream_costs.snapshot())
+            mismatches=counts.mismatches, bind=require_side(backend).stream_costs.snapshot())
         value = gauges(backend)
         assert {f: value(f"kvtier_stream_{f}", RANKS) for f in prometheus.STREAM_READS} == {
             f: getattr(snap, f) for f in prometheus.STREAM_READS}
@@ -129,7 +128,7 @@ def test_a_backend_that_does_not_stream_has_no_stream_series(tmp_path) -> None:
 
 
 def test_the_stream_counters_are_the_binders_and_the_plugins_fields():
-    from sgl_kvtier.sglang.stream.binding import StreamCounters
+    from sgl_kvtier.experiments.streaming.binding import StreamCounters
 
     binder = {f.name for f in dataclasses.fields(StreamCounters)}
     renamed = {"streams_bound": "bound_hits", "cancelled_streams": "cancelled", "stream_errors": "read_errors"}
@@ -236,7 +235,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     stall_marks.note_batch(scheduler, stalled, waits=2, seconds=8.7, tail_bytes=1 << 20)
     stream_sample.record_prefill(None, scheduler, stalled.copy())  # the overlap loop processes a copy
     assert sampler.estimator.samples == 4 and not scheduler.__dict__[stall_marks.MARKS_ATTR]  # mark taken
-    costs = env.backend.stream_costs
+    costs = require_side(env.backend).stream_costs
     assert costs.snapshot().interference_samples == 0  # a stalled forward is no sample of either kind
     stream_sample.record_prefill(None, scheduler, batch("MIXED", 200, 0.2, 92))
     assert sampler.estimator.samples == 5
@@ -264,10 +263,10 @@ def test_hits_the_rule_decided_are_timed_to_their_first_token(sampled) -> None:
     """The bind rule's measured comparison: a hit's op start to the handled result of the batch that gave its
     request's first token is a sample of its path when the batch was that request alone and ran as its path
     says; any other batch drops it (``stall_marks.first_tokens``)."""
-    from sgl_kvtier.policy.stream_bind import BindVerdict
+    from sgl_kvtier.experiments.streaming.rules.bind import BindVerdict
 
     env = sampled
-    scheduler, costs = scheduler_over(env.cache), env.backend.stream_costs
+    scheduler, costs = scheduler_over(env.cache), require_side(env.backend).stream_costs
     mb = 1_000_000
 
     def first_token(rid: str, path: BindVerdict, forward_iter: int, *, tails: int = 0, waits: int = 0,

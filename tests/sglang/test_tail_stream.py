@@ -1,4 +1,4 @@
-"""``TailStream`` (``sglang.stream.tail_stream``) on SGLang's real host pool and a real store on a tmp dir: a
+"""``TailStream`` (``experiments.streaming.tail_stream``) on SGLang's real host pool and a real store on a tmp dir: a
 bound hit's pages land group-major into its host slots, group by group, verified; a corrupt part, a read
 error or a raising store fails exactly what did not land; ``cancel`` stops the IO; pages read-ahead staged
 are copied whole, not read again (READY at once, READING when their read ends, FAILED read from the store)."""
@@ -14,8 +14,9 @@ pytest.importorskip("sglang")
 from pools import fill_random, mha_host_pool, page_bytes, zero  # noqa: E402
 from test_storage_adapter import PS, chain_keys, make_backend, slots  # noqa: E402
 
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.contract import GroupVerdict  # noqa: E402
 from sgl_kvtier.keys import parse_keys  # noqa: E402
-from sgl_kvtier.sglang.stream.contract import GroupVerdict  # noqa: E402
 
 N = 6
 SRC = [3, 9, 4, 11, 6, 13]
@@ -44,7 +45,7 @@ class Hold:
     @classmethod
     def on(cls, backend, group: int = 0) -> Hold:
         """A hold at ``group`` installed as ``backend``'s binder observer."""
-        hold = backend.binder.observer = cls(group)
+        hold = require_side(backend).binder.observer = cls(group)
         return hold
 
 
@@ -101,7 +102,7 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
         plan = backend.kv.pages.plan
         assert plan.group_count == 4
         hold = Hold.on(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream is not None and stream.pages == N and stream.groups == 4
         assert hold.reached.wait(BOUND_S)
         assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.LANDED
@@ -123,7 +124,7 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
         assert stream.landed_pages() == N and stream.remaining_bytes(0) == 0
         assert dst_bytes(pool) == want
         assert [list(stream.layers(g)) for g in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-        counts = backend.binder.counts()
+        counts = require_side(backend).binder.counts()
         assert counts.streams_bound == 1 and counts.streamed_pages == N and counts.failed_groups == 0
         assert backend.telemetry().boundary.total == 0
     finally:
@@ -131,7 +132,7 @@ def test_groups_land_in_order_and_group_0_lands_before_the_rest(tmp_path) -> Non
 
 
 def test_a_stream_in_two_uneven_read_groups_lands_their_layer_groups_together(tmp_path) -> None:
-    """``cuts=(0, 1, 4)`` over the pool's 4 layer groups (``policy.stream_read``'s small group 0): read group 0
+    """``cuts=(0, 1, 4)`` over the pool's 4 layer groups (``experiments.streaming.rules.read_groups``'s small group 0): read group 0
     is layers 0-1 (layer group 0), read group 1 layers 2-7 (layer groups 1-3, each still verified by its own
     checksums); the binder counts the read groups."""
     backend, pool, keys, want = streamed(tmp_path)
@@ -139,7 +140,7 @@ def test_a_stream_in_two_uneven_read_groups_lands_their_layer_groups_together(tm
         plan = backend.kv.pages.plan
         hold = Hold.on(backend)
         before = parts_read(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST), cuts=(0, 1, 4))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST), cuts=(0, 1, 4))
         assert stream is not None and stream.groups == 2
         assert [list(stream.layers(g)) for g in range(2)] == [[0, 1], [2, 3, 4, 5, 6, 7]]
         assert hold.reached.wait(BOUND_S)
@@ -154,7 +155,7 @@ def test_a_stream_in_two_uneven_read_groups_lands_their_layer_groups_together(tm
         assert stream.wait_ended(BOUND_S) and hold.seen == [0, 1]
         assert dst_bytes(pool) == want and stream.landed_pages() == N
         assert parts_read(backend) - before == N * 8  # 4 layer groups x K, V: every part verified
-        assert backend.binder.counts().read_groups == 2 and backend.binder.counts().streams_bound == 1
+        assert require_side(backend).binder.counts().read_groups == 2 and require_side(backend).binder.counts().streams_bound == 1
     finally:
         backend.close()
 
@@ -164,8 +165,8 @@ def test_the_read_rate_leaves_the_first_landing_s_set_up_out_once_a_second_lande
     try:
         per_group = N * backend.kv.pages.plan.page_bytes // 4
         holds = [Hold(group=0), Hold(group=1)]
-        backend.binder.observer = lambda stream, group: [h(stream, group) for h in holds]
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        require_side(backend).binder.observer = lambda stream, group: [h(stream, group) for h in holds]
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream is not None and holds[0].reached.wait(BOUND_S)
         began, first = stream._began, stream._first_at
         stream._clock = lambda: began + 4.0  # one landing: counted from the thread's start
@@ -188,7 +189,7 @@ def test_a_corrupt_part_fails_that_pages_group_on_and_nothing_else(tmp_path) -> 
     try:
         plan = backend.kv.pages.plan
         flip(backend, keys[2], group_slice(plan, 2, 1).start + 17)  # page 2, group 2's V range
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S)
         assert stream.wait_group(0, 0, None) is GroupVerdict.LANDED and stream.wait_group(1, 0, None) is GroupVerdict.LANDED
         assert stream.wait_group(2, 0, None) is GroupVerdict.FAILED and stream.wait_group(3, 2, None) is GroupVerdict.FAILED
@@ -196,9 +197,9 @@ def test_a_corrupt_part_fails_that_pages_group_on_and_nothing_else(tmp_path) -> 
         assert stream.landed_pages() == 2
         got = dst_bytes(pool)
         assert got[:2] == want[:2] and got[3:] == want[3:]
-        counts = backend.binder.counts()
+        counts = require_side(backend).binder.counts()
         assert counts.failed_pages == 1 and counts.failed_groups == 2 and counts.streamed_pages == N - 1
-        assert backend.binder.answer(parse_keys(keys), slots(DST)) == [True, True] + [False] * 4
+        assert require_side(backend).binder.answer(parse_keys(keys), slots(DST)) == [True, True] + [False] * 4
         assert backend.kv.store.counters.corrupt_pages == 1  # dropped by the store, as get drops it
     finally:
         backend.close()
@@ -213,9 +214,9 @@ def test_a_page_failing_a_group_settles_only_after_the_group_sent_beside_it_land
         plan = backend.kv.pages.plan
         flip(backend, keys[2], group_slice(plan, 1, 0).start + 5)  # page 2, group 1's K range
         seen: list[tuple[int, bool, bool]] = []
-        backend.binder.observer = lambda stream, group: seen.append(
+        require_side(backend).binder.observer = lambda stream, group: seen.append(
             (group, stream.page_settled(2), stream.page_settled(3)))
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S) and stream.groups == 4
         assert seen == [(0, False, False), (1, False, False), (2, True, False), (3, True, True)]
         assert stream.wait_group(1, 2, None) is GroupVerdict.FAILED
@@ -228,12 +229,12 @@ def test_a_page_failing_a_group_settles_only_after_the_group_sent_beside_it_land
 def test_read_errors_fail_every_group_and_answer_nothing(tmp_path) -> None:
     backend, pool, keys, _ = streamed(tmp_path, fault_injection={"read_error_rate": 1.0, "seed": 1})
     try:
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S)
         assert [stream.wait_group(g, 0, None) for g in range(4)] == [GroupVerdict.FAILED] * 4
         assert stream.landed_pages() == 0 and stream.remaining_bytes(0) == 0
         assert backend.batch_get_v1(keys, slots(DST)) == [False] * N
-        assert backend.binder.counts().failed_pages == N
+        assert require_side(backend).binder.counts().failed_pages == N
     finally:
         backend.close()
 
@@ -245,10 +246,10 @@ def test_a_raising_store_fails_the_stream_and_is_counted_once(tmp_path, monkeypa
             raise OSError(5, "the device went away")
 
         monkeypatch.setattr(backend.kv.store, "get_parts", broken)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S)
         assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.FAILED and stream.read_rate() is None
-        assert backend.telemetry().boundary.expected == 1 and backend.binder.counts().stream_errors == 1
+        assert backend.telemetry().boundary.expected == 1 and require_side(backend).binder.counts().stream_errors == 1
     finally:
         backend.close()
 
@@ -259,7 +260,7 @@ def test_cancel_stops_the_io_after_what_was_in_flight(tmp_path) -> None:
         plan = backend.kv.pages.plan
         hold = Hold.on(backend)
         before = parts_read(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert hold.reached.wait(BOUND_S)
         stream.cancel()
         assert stream.wait_group(1, 0, timeout=0) is GroupVerdict.FAILED  # at once, while IO is in flight
@@ -272,7 +273,7 @@ def test_cancel_stops_the_io_after_what_was_in_flight(tmp_path) -> None:
             for rng in (0, 1):
                 for later in (2, 3):
                     assert got[group_slice(plan, later, rng)] == bytes(plan.page_bytes // 8)
-        assert stream.landed_pages() == 0 and backend.binder.counts().cancelled_streams == 1
+        assert stream.landed_pages() == 0 and require_side(backend).binder.counts().cancelled_streams == 1
         stream.cancel()  # idempotent
     finally:
         backend.close()
@@ -284,13 +285,13 @@ def test_staged_ready_pages_are_copied_not_read_again(tmp_path) -> None:
         assert backend.batch_exists(keys[:3]) == 3  # read-ahead stages the first three pages
         staged_done(backend)
         before = parts_read(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S)
         assert dst_bytes(pool) == want and stream.landed_pages() == N
         assert parts_read(backend) - before == (N - 3) * 8  # only the unstaged pages were read group-major
         ra = backend.kv.readahead
         assert ra.counters.served == 3 and ra.counters.joined == 0 and ra.buffers_in_use() == 0
-        assert backend.binder.counts().staged_pages == 3
+        assert require_side(backend).binder.counts().staged_pages == 3
     finally:
         backend.close()
 
@@ -317,7 +318,7 @@ def test_staged_reading_pages_land_when_their_read_ends(tmp_path) -> None:
         assert backend.batch_exists(keys) == N
         assert entered.wait(BOUND_S)  # the staged read is in flight, held
         before = parts_read(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.TIMEOUT  # nothing landed under a held read
         gate.set()
         assert stream.wait_ended(BOUND_S) and dst_bytes(pool) == want
@@ -342,7 +343,7 @@ def test_a_failed_staged_read_is_read_from_the_store(tmp_path) -> None:
         assert backend.batch_exists(keys) == N
         staged_done(backend)
         before = parts_read(backend)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_ended(BOUND_S) and dst_bytes(pool) == want and stream.landed_pages() == N
         assert parts_read(backend) - before == 8  # page 1 alone, group-major from the store
         assert ra.counters.served == N - 1 and ra.buffers_in_use() == 0
@@ -356,7 +357,7 @@ def test_a_cancelled_stream_gives_its_staged_pages_back(tmp_path) -> None:
         ra = backend.kv.readahead
         gate, entered = hold_staged_reads(ra)
         assert backend.batch_exists(keys) == N and entered.wait(BOUND_S)
-        stream = backend.binder.bind(parse_keys(keys), slots(DST))
+        stream = require_side(backend).binder.bind(parse_keys(keys), slots(DST))
         assert stream.wait_group(0, 0, timeout=0) is GroupVerdict.TIMEOUT
         stream.cancel()
         assert stream.wait_ended(BOUND_S)  # ends while the staged read is still held: it writes only staging
@@ -379,11 +380,11 @@ def test_a_stream_queued_behind_others_is_correct_and_cancels_at_once(tmp_path) 
                 held.release()
                 assert go.wait(BOUND_S)
 
-        backend.binder.observer = hold_all
+        require_side(backend).binder.observer = hold_all
         sets = [DST, [0, 1, 2, 5, 7, 8], [10, 12, 14, 15, 16, 17], [18, 19, 23, 24, 26, 27]]
-        running = [backend.binder.bind(parse_keys(keys), slots(s)) for s in sets[:2]]
+        running = [require_side(backend).binder.bind(parse_keys(keys), slots(s)) for s in sets[:2]]
         assert held.acquire(timeout=BOUND_S) and held.acquire(timeout=BOUND_S)  # both executor threads held
-        queued = [backend.binder.bind(parse_keys(keys), slots(s)) for s in sets[2:]]
+        queued = [require_side(backend).binder.bind(parse_keys(keys), slots(s)) for s in sets[2:]]
         assert all(q.wait_group(0, 0, timeout=0) is GroupVerdict.TIMEOUT for q in queued)
         queued[0].cancel()
         assert queued[0].ended and queued[0].wait_group(0, 0, timeout=0) is GroupVerdict.FAILED  # never ran
@@ -392,7 +393,7 @@ def test_a_stream_queued_behind_others_is_correct_and_cancels_at_once(tmp_path) 
             assert stream.wait_ended(BOUND_S)
         assert [dst_bytes(pool, s) == want for s in sets] == [True, True, False, True]
         assert dst_bytes(pool, sets[2]) == [bytes(len(b)) for b in want]  # the cancelled one wrote nothing
-        assert backend.binder.live_streams() == 0
+        assert require_side(backend).binder.live_streams() == 0
     finally:
         go.set()
         backend.close()

@@ -61,9 +61,9 @@ class Plugin:
 
 PLUGINS = (
     Plugin("cpu_shims", "KVTIER_CPU_SHIMS", "1", "sgl_kvtier.sglang.plugins.cpu", ("0.5.22", "0.5.23")),
-    Plugin("cost_policy", "KVTIER_PREFETCH_POLICY", "cost", "sgl_kvtier.sglang.plugins.prefetch", ("0.5.23",)),
-    Plugin("layer_loader", "KVTIER_LAYER_LOADER", "1", "sgl_kvtier.sglang.plugins.layer_loader", ("0.5.23",)),
-    Plugin("stream", "KVTIER_STREAM", "1", "sgl_kvtier.sglang.plugins.stream", ("0.5.23",)),
+    Plugin("cost_policy", "KVTIER_PREFETCH_POLICY", "cost", "sgl_kvtier.experiments.cost_policy.plugin", ("0.5.23",)),
+    Plugin("layer_loader", "KVTIER_LAYER_LOADER", "1", "sgl_kvtier.experiments.layer_loader.plugin", ("0.5.23",)),
+    Plugin("stream", "KVTIER_STREAM", "1", "sgl_kvtier.experiments.streaming.plugin", ("0.5.23",)),
 )
 BY_NAME = {p.name: p for p in PLUGINS}
 _status: dict[str, str] = {}  # plugin name -> ON, or why it stayed off (only for plugins switched on)

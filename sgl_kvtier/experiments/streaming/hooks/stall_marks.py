@@ -2,14 +2,14 @@
 (``stream_sample.record_prefill``, the cost plugin's ``prefetch.record_prefill_timing``) fits such a batch's
 time as compute: a forward that waited on a tail's layer group (a stall) would come back as predicted
 compute, and one that ran beside its tails' landing and copies is compute plus their interference. The
-latter is the bind rule's sample instead (``policy.stream_bind``: seconds over the prediction, per tail byte).
+latter is the bind rule's sample instead (``experiments.streaming.rules.bind``: seconds over the prediction, per tail byte).
 
 A mark is ``scheduler.__dict__[MARKS_ATTR][forward_iter] = Mark(...)`` (``forward_iter``: set by SGLang's
 ``run_batch`` and kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``take`` removes it
 when read, and at most ``MAX_MARKS`` are kept per scheduler (the oldest go first). It imports neither
 sampler: both use it without importing each other.
 
-Both samplers also end the bind rule's end-to-end timing of a hit (``first_tokens``; ``policy.stream_bind``,
+Both samplers also end the bind rule's end-to-end timing of a hit (``first_tokens``; ``experiments.streaming.rules.bind``,
 the measured comparison): a request the rule is timing gets its first token from an extend batch, which is
 the sample if the batch was that request alone and ran as its path says (a streamed hit: with its tail,
 unfailed; a whole load: without tails); anything else drops it (a tail dropped at the gate, its request
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_kvtier.policy.stream_bind import BindVerdict
+from sgl_kvtier.experiments.streaming.rules.bind import BindVerdict
 
 MARKS_ATTR = "_kvtier_stream_marks"  # on the Scheduler: forward_iter -> Mark
 MAX_MARKS = 64

@@ -38,9 +38,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from sgl_kvtier.experiments.streaming.backend_side import require_side, side_of
+from sgl_kvtier.experiments.streaming.hooks import stall_marks
 from sgl_kvtier.policy.cost_inputs import PolicyMode
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
-from sgl_kvtier.sglang.plugins import HookSpec, register_all, stall_marks
+from sgl_kvtier.sglang.plugins import HookSpec, register_all
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 if TYPE_CHECKING:
@@ -165,8 +167,10 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
     if backend is None:
         return
     now = _clock()
+    side = side_of(backend)  # the stream plugin's side of this backend (None: the plugin is off)
     try:  # the bind rule's end-to-end hit samples end here, stalled batches included (a stall is the path's cost)
-        stall_marks.first_tokens(backend.stream_costs, batch, mark, now)
+        if side is not None:
+            stall_marks.first_tokens(side.stream_costs, batch, mark, now)
     except Exception as exc:
         backend.boundary.fail("bind rule hit timing", exc, outcome="sample skipped")
     if mark is not None and mark.stalled:  # compute + a wait on streamed tails: fitted, it would be "compute"
@@ -178,7 +182,7 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
             return
         # Compute + the interference of its tails' landing and copies: the bind rule's sample, not a prefill
         # one (kept raw: judged against the prefill model of the moment it is used, ``StreamCosts``).
-        backend.stream_costs.record_stream_forward(mark.tail_bytes, list(zip(batch.extend_lens, batch.prefix_lens)),
-                                                   seconds)
+        require_side(backend).stream_costs.record_stream_forward(
+            mark.tail_bytes, list(zip(batch.extend_lens, batch.prefix_lens)), seconds)
     except Exception as exc:  # a timing sample must never break the scheduler loop
         backend.boundary.fail("prefill timing", exc, outcome="sample skipped")

@@ -51,7 +51,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sgl_kvtier.prefetch.layer_gate import LayerLoad
+from sgl_kvtier.experiments.layer_loader.layer_gate import LayerLoad
 from sgl_kvtier.sglang.plugins import BY_NAME, HookSpec, register_all
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 

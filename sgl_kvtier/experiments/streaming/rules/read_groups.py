@@ -45,13 +45,10 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from sgl_kvtier.sglang.parts_plan import Cuts as Cuts
+from sgl_kvtier.sglang.parts_plan import even_cuts as even_cuts
+
 OP_CPU_S = 1e-4  # CPU seconds per streamed IO on a CPU engine (measured above)
-Cuts = tuple[int, ...]  # read group r is stored layer groups [cuts[r], cuts[r + 1]); cuts[0] = 0, cuts[-1] = G
-
-
-def even_cuts(stored_groups: int, count: int) -> Cuts:
-    """``count`` read groups of ``stored_groups`` as even as can be (sizes differ by at most one)."""
-    return tuple(g * stored_groups // count for g in range(count + 1))
 
 
 def shares(layer_bounds: Sequence[int], cuts: Sequence[int]) -> tuple[float, ...]:

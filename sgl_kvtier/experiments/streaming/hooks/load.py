@@ -45,8 +45,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stall_marks, stream_accounting, stream_bind, stream_retract
-from sgl_kvtier.sglang.plugins.stream_copy import (
+from sgl_kvtier.experiments.streaming.contract import StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
+from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind
+from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
+from sgl_kvtier.experiments.streaming.hooks import stall_marks
+from sgl_kvtier.experiments.streaming.hooks.copy import (
     StreamLoad,
     TailCopy,
     add_stats,
@@ -56,8 +60,7 @@ from sgl_kvtier.sglang.plugins.stream_copy import (
     logger,
     slow_io_of,
 )
-from sgl_kvtier.sglang.plugins.stream_core import guard, kv_bytes, note_scheduler
-from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.hooks.core import guard, kv_bytes, note_scheduler
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 START_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.ready_to_load_host_cache"
@@ -67,7 +70,7 @@ RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 def active(cache: Any) -> StreamRegistry | None:
     """The cache's registry if streaming is on for it (``stream_core.active``, looked up at each call), else None."""
-    from sgl_kvtier.sglang.plugins import stream_core
+    from sgl_kvtier.experiments.streaming.hooks import core as stream_core
 
     registry: StreamRegistry | None = stream_core.active(cache)
     return registry

@@ -2,7 +2,7 @@
 
 A request whose tail is still streaming is admitted once the rest of its read is predicted to hide under
 the prefill of its own suffix. The forward computes layer by layer and the tail lands read group by read
-group (``shares``: each group's share of the tail's layers, ``policy.stream_read``; even over ``groups``
+group (``shares``: each group's share of the tail's layers, ``experiments.streaming.rules.read_groups``; even over ``groups``
 where not given), so group k is needed only once the forward computed the layers before it. The forward
 of a request whose tail lands meanwhile runs ``c = suffix_compute_s + interference_s``: the prefill model's
 time plus what the landing costs it (the bind rule's learned ``k`` x the tail's bytes: on a CPU engine the
@@ -57,7 +57,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from sgl_kvtier.policy.stream_read import check_shares, or_even, stall_s
+from sgl_kvtier.experiments.streaming.rules.read_groups import check_shares, or_even, stall_s
 
 
 class Verdict(enum.Enum):

@@ -19,7 +19,7 @@ result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_
   processes a copy of the batch that ran). A batch whose forward waited on a tail group is compute plus
   stall: fitted as compute, the stall would come back as predicted compute and the gate would admit earlier,
   to stall more; it is no sample at all. One that never waited is compute plus its tails' interference: its
-  time over the prefill model's prediction is the bind rule's sample (``backend.stream_costs``). Marks are
+  time over the prefill model's prediction is the bind rule's sample (``StreamingSide.stream_costs``). Marks are
   taken when read and at most ``MAX_MARKS`` are kept per scheduler (a batch whose result is never processed
   cannot pile them up).
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_kvtier.sglang.plugins import stall_marks
+from sgl_kvtier.experiments.streaming.hooks import stall_marks
 
 BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
@@ -39,7 +39,7 @@ BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_res
 def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``process_batch_result``: one prefill sample for the gate's model (module docstring). Returns None
     (an AFTER hook's non-None value would replace SGLang's result)."""
-    from sgl_kvtier.sglang.plugins import prefetch
+    from sgl_kvtier.experiments.cost_policy import plugin as prefetch
 
     if prefetch.loaded():  # the cost plugin samples this batch itself
         return None
@@ -48,13 +48,13 @@ def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs
         return None
     cache = getattr(scheduler, "tree_cache", None)
     try:
-        from sgl_kvtier.sglang.plugins import stream_core
+        from sgl_kvtier.experiments.streaming.hooks import core as stream_core
 
         if stream_core.active(cache) is None:
             stall_marks.take(scheduler, batch)  # none lingers
             return None
     except Exception as exc:
-        from sgl_kvtier.sglang.plugins.stream_core import boundary
+        from sgl_kvtier.experiments.streaming.hooks.core import boundary
 
         boundary(cache).fail("streamed tails: prefill sample", exc, outcome="sample skipped")
         return None

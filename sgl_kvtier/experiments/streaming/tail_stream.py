@@ -3,7 +3,7 @@ group by group, straight into the host slots SGLang allocated for it (``contract
 
 One ``TailStream`` per bound hit (``binding.StreamBinder.bind``), run on one thread of the binder's small
 executor (a stream queued behind others is still correct, just later). Its groups are *read groups* (the
-stored layer groups merged in ``cuts``, ``policy.stream_read``); everything below counts in read groups. Its thread:
+stored layer groups merged in ``cuts``, ``experiments.streaming.rules.read_groups``); everything below counts in read groups. Its thread:
 
 1. takes the hit's pages that read-ahead staged at ``batch_exists`` (``ReadAhead.take``) and copies those
    whose staged read already ended into their slots, whole: every layer group of such a page lands at once;
@@ -47,15 +47,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.experiments.streaming import contract
+from sgl_kvtier.experiments.streaming.contract import GroupVerdict
+from sgl_kvtier.experiments.streaming.rules.read_groups import Cuts
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.keys import PageKey
-from sgl_kvtier.policy.stream_read import Cuts
 from sgl_kvtier.prefetch.readahead import ReadAhead, StagedPage
 from sgl_kvtier.sglang.group_reads import read_layer_groups
 from sgl_kvtier.sglang.host_pages import check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
-from sgl_kvtier.sglang.stream import contract
-from sgl_kvtier.sglang.stream.contract import GroupVerdict
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 Observer = Callable[["TailStream", int], None]  # (stream, group) on the stream's thread after g is recorded

@@ -62,7 +62,7 @@ RETRACTABLE_MODES = frozenset({"EXTEND", "MIXED"})
 
 def _boundary(scheduler: Any) -> ErrorBoundary:
     """Where a failure here is counted: the backend's boundary (``stream_copy.boundary_of``)."""
-    from sgl_kvtier.sglang.plugins.stream_copy import boundary_of
+    from sgl_kvtier.experiments.streaming.hooks.copy import boundary_of
 
     return boundary_of(getattr(scheduler, "tree_cache", None))
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sgl_kvtier.sglang.stream.contract import StreamedTail
+from sgl_kvtier.experiments.streaming.contract import StreamedTail
 
 RESOLVE_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._resolve_storage_prefetch_tokens"
 REMAINING_ATTR = "_storage_prefetch_hit_remaining_by_reqid"

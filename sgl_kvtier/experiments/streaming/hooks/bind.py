@@ -8,14 +8,14 @@ The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_ad
    ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
    Not for a request blocked after a failed tail (it loads whole), an op with side pools, a hit another
    request's L3 work overlaps or whose engine runs or queues another request (busy), one over the withheld
-   cap, nor one the bind rule loads whole: ``policy.stream_bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
+   cap, nor one the bind rule loads whole: ``experiments.streaming.rules.bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
    (the backend's prefill model) against the figures it learns here: a hit it loads whole, alone, is
    timed from its op's start to SGLang's handling of its result (``sample_whole``, called by
    ``stream_admit.register_tail``), SGLang's own load-backs are timed (``sample_load_back``, called by
    ``stream_load``'s start hook around ``start_loading``), and a forward that ran with tails is timed by
    the prefill samplers (``stall_marks``). The rule's verdict is logged when it changes; every hit it
    loads whole is counted by its reason (``STATS.not_registered``). A hit that streams is read in the
-   read groups ``policy.stream_read`` cuts from its predicted read and its suffix's compute (fewer, larger
+   read groups ``experiments.streaming.rules.read_groups`` cuts from its predicted read and its suffix's compute (fewer, larger
    IOs where it reads fast; a small group 0 where the compute outlasts the read), and the rule weighs it in
    those.
    ``allocate_storage_hit`` runs in a drain after the op's storage query: ``note_prompt`` has run.
@@ -37,10 +37,8 @@ import time
 import weakref
 from typing import Any
 
-from sgl_kvtier.policy import stream_read
-from sgl_kvtier.policy.stream_bind import BindDecision, BindVerdict
-from sgl_kvtier.policy.stream_read import Cuts, read_cuts
-from sgl_kvtier.sglang.plugins.stream_core import (
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.hooks.core import (
     HCC,
     STATS,
     URC,
@@ -50,6 +48,9 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     guard,
     others_in_engine,
 )
+from sgl_kvtier.experiments.streaming.rules import read_groups as stream_read
+from sgl_kvtier.experiments.streaming.rules.bind import BindDecision, BindVerdict
+from sgl_kvtier.experiments.streaming.rules.read_groups import Cuts, read_cuts
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +84,13 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         # forwards, streaming every hit cost 13-24% (its stalls hold the whole batch).
         # Nor one whose request another one's forward or admission would share the engine with (a tail
         # bound alone that others join later is admitted only once landed whole: ``stream_gate``, busy).
-        if (len(registry) or backend.binder.bound_pages() or len(cache.ongoing_prefetch) > 1
+        if (len(registry) or require_side(backend).binder.bound_pages() or len(cache.ongoing_prefetch) > 1
                 or others_in_engine(cache, operation.handle.rid)):
             STATS.not_registered["busy: loaded whole"] += 1
             return
         # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole
         # before admission (today's path); one bound and then refused at registration would be recomputed.
-        held = sum(t.tokens for t in registry) + backend.binder.bound_pages() * cache.page_size
+        held = sum(t.tokens for t in registry) + require_side(backend).binder.bound_pages() * cache.page_size
         if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
             STATS.not_registered["withheld cap: loaded whole"] += 1
             return
@@ -100,11 +101,11 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
             STATS.not_registered[decision.reason] += 1
             setattr(operation, WHOLE_ALONE, True)  # its load is the rule's sample of W (register_tail)
             return
-        backend.bind_hit(list(operation.hash_value[:pages]), host_indices, cuts)
+        require_side(backend).bind_hit(list(operation.hash_value[:pages]), host_indices, cuts)
         STATS.bind_calls += 1
         kv = backend.kv
         if decision is not None and kv is not None:  # the rule's choice: timed to its first token (stall_marks)
-            backend.stream_costs.begin_hit(operation.handle.rid, BindVerdict.STREAM, float(operation.start_time),
+            require_side(backend).stream_costs.begin_hit(operation.handle.rid, BindVerdict.STREAM, float(operation.start_time),
                                            pages * kv.pages.page_bytes)
 
     guard(cache, "bind", "the hit loads whole, as today", bind)
@@ -134,7 +135,7 @@ def _hit_costs(cache: Any, backend: Any, operation: Any, pages: int) -> _HitCost
 
 
 def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
-    """The read groups of this hit's stream (``policy.stream_read``: fewer, larger IOs where the hit reads
+    """The read groups of this hit's stream (``experiments.streaming.rules.read_groups``: fewer, larger IOs where the hit reads
     fast, a small group 0 where the compute outlasts the read; logged when it changed, at most every
     ``CUTS_LOG_EVERY_S``); None (the pool's layer groups) under the testing knob or without a layer plan.
     Streaming runs on CPU engines only in this version (``stream_core``): the landing's IOs take the
@@ -153,7 +154,7 @@ def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
 
 
 def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cuts | None) -> BindDecision | None:
-    """Stream this hit or load it whole (``policy.stream_bind``), read in the read groups ``cuts`` (None: the
+    """Stream this hit or load it whole (``experiments.streaming.rules.bind``), read in the read groups ``cuts`` (None: the
     pool's layer groups). None: the testing knob (every hit streams)."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
@@ -161,13 +162,13 @@ def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cut
     plan = kv.pages.plan
     groups = plan.group_count if cuts is None else len(cuts) - 1
     shares: tuple[float, ...] = () if cuts is None else stream_read.shares(plan.bounds, cuts)
-    decision: BindDecision = backend.stream_costs.decide(pages * kv.pages.page_bytes, groups, costs.read_s,
+    decision: BindDecision = require_side(backend).stream_costs.decide(pages * kv.pages.page_bytes, groups, costs.read_s,
                                                          costs.compute_s, costs.predict, shares)
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
                     "-" if decision.gain_s is None else f"{decision.gain_s:.3f}s",
-                    dataclasses.asdict(backend.stream_costs.snapshot(costs.predict)))
+                    dataclasses.asdict(require_side(backend).stream_costs.snapshot(costs.predict)))
     return decision
 
 
@@ -208,7 +209,7 @@ def sample_load_back(cache: Any, tokens: int, seconds: float) -> None:
 
 
 def _record(cache: Any, method: str, tokens: int, seconds: float) -> None:
-    """``backend.stream_costs.<method>(bytes of tokens, seconds)`` for the backend behind ``cache``, if any."""
+    """``require_side(backend).stream_costs.<method>(bytes of tokens, seconds)`` for the backend behind ``cache``, if any."""
     found = _costs_of(cache)
     if found is not None:
         costs, pages = found
@@ -219,7 +220,7 @@ def _costs_of(cache: Any) -> tuple[Any, Any] | None:
     """(``StreamCosts``, ``HostPages``) of the backend behind ``cache``; None without one (or its KV tier)."""
     backend = backend_of(cache)
     kv = None if backend is None else backend.kv
-    return None if backend is None or kv is None else (backend.stream_costs, kv.pages)
+    return None if backend is None or kv is None else (require_side(backend).stream_costs, kv.pages)
 
 
 HOOKS: list[tuple[str, Any, str]] = [

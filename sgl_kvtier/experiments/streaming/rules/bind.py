@@ -9,7 +9,7 @@ before the forward computed the layers before it (``stream_gate``), at least for
 runs while the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take
 the cores the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on
 a GPU the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
-model), read in groups of ``shares`` (``policy.stream_read``; even over ``G`` where not given), and
+model), read in groups of ``shares`` (``experiments.streaming.rules.read_groups``; even over ``G`` where not given), and
 ``S = stream_read.stall_s(shares, R, c + k * bytes)`` (the pipeline's fill and stalls; even groups:
 ``max(R / G, R - (1 - 1/G) * (c + k * bytes))``):
 
@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sgl_kvtier.estimation import TransferEstimator
-from sgl_kvtier.policy.stream_read import check_shares, or_even, stall_s
+from sgl_kvtier.experiments.streaming.rules.read_groups import check_shares, or_even, stall_s
 from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot
 
 MIN_GAIN_SHARE = 0.05  # a stream must be predicted to save this share of the whole-load TTFT

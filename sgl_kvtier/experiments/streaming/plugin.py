@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import os
 
-from sgl_kvtier.sglang.plugins import BY_NAME, HookSpec, register_all
-from sgl_kvtier.sglang.plugins.stream_core import (
+from sgl_kvtier.experiments.streaming.backend_side import install
+from sgl_kvtier.experiments.streaming.hooks.core import (
     ACTIVE_ATTR,
     CACHE_REF_ATTR,
     REGISTRY_ATTR,
@@ -37,6 +37,7 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     scope_problems,
     streaming_enabled,
 )
+from sgl_kvtier.sglang.plugins import BY_NAME, HookSpec, register_all
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,11 @@ _loaded = False
 
 def hook_specs() -> list[HookSpec]:
     """Every hook of the streamed tail, in registration order."""
-    from sgl_kvtier.sglang.plugins import stream_accounting, stream_admit, stream_load, stream_sample, stream_slots
+    from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
+    from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit
+    from sgl_kvtier.experiments.streaming.hooks import load as stream_load
+    from sgl_kvtier.experiments.streaming.hooks import sample as stream_sample
+    from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
 
     return [*stream_admit.HOOKS, *stream_slots.HOOKS, *stream_load.HOOKS, *stream_sample.HOOKS,
             *stream_accounting.HOOKS]
@@ -61,6 +66,7 @@ def load() -> None:
     specs = hook_specs()
     if not register_all(PLUGIN.name, specs):
         return
+    install()  # every backend made from now on in this process carries its streaming side
     _loaded = True
     logger.info("sgl_kvtier streamed tails: %d hooks registered in pid %d (inert unless streaming = \"on\")",
                 len(specs), os.getpid())

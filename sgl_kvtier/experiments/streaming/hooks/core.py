@@ -17,7 +17,7 @@ registry, its private device slots freed only while ADMITTED (from the batch's `
 they are in the request's row, which ``release_kv_cache`` frees), its stream cancelled, its host slots
 deferred (``registry.defer_free``); the rest of the host-slot rules are ``stream_slots``'), and ``STATS``,
 the admission counters of this process. ``hook_snapshot`` types them with the loader's and the retract
-path's; ``active`` hands it to a backend it decides on for (``attach_stream_hooks``), whose ``telemetry()``
+path's; ``active`` hands it to a backend it decides on for (``StreamingSide.attach_hooks``), whose ``telemetry()``
 then reports them (the scheduler process is the backend's process, and the backend imports no plugin).
 
 The hook modules import this one, never the reverse (``plugins.stream`` imports them all); ``hook_snapshot``
@@ -35,8 +35,9 @@ from collections.abc import Callable
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
-from sgl_kvtier.sglang.plugins import stream_accounting
-from sgl_kvtier.sglang.stream.contract import StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.backend_side import require_side, side_enabled
+from sgl_kvtier.experiments.streaming.contract import StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, frozen_counts
 
@@ -66,7 +67,7 @@ def registry_of(cache: Any) -> StreamRegistry:
 # ---------------------------------------------------------------------------------------------- on or off
 def backend_of(cache: Any) -> KVTierStorage | None:
     """Our backend behind a HiCache tree (``prefetch.backend_of``)."""
-    from sgl_kvtier.sglang.plugins.prefetch import backend_of as _backend_of
+    from sgl_kvtier.experiments.cost_policy.plugin import backend_of as _backend_of
 
     return _backend_of(cache)
 
@@ -89,11 +90,8 @@ def boundary(cache: Any) -> ErrorBoundary:
 
 
 def streaming_enabled(backend: Any) -> bool:
-    """The backend's ``streaming_enabled`` (a property or a method), False when it has none."""
-    value = getattr(backend, "streaming_enabled", None)
-    if callable(value):
-        value = value()
-    return value is True
+    """Whether ``backend`` carries a streaming side that streams (``backend_side.side_enabled``)."""
+    return side_enabled(backend)
 
 
 def scope_problems(cache: Any) -> list[str]:
@@ -153,7 +151,7 @@ def active(cache: Any) -> StreamRegistry | None:
             if not problems:
                 registry = registry_of(cache)
                 cache.cache_controller.__dict__[CACHE_REF_ATTR] = weakref.ref(cache)
-                backend.attach_stream_hooks(hook_snapshot)  # its telemetry() reports this process's counters
+                require_side(backend).attach_hooks(hook_snapshot)  # its telemetry() reports this process's counters
     except Exception as exc:
         boundary(cache).fail("streamed tails: scope check", exc, outcome="streaming off")
         registry, reason = None, f"scope check failed ({type(exc).__name__})"
@@ -290,7 +288,8 @@ def guard(cache: Any, what: str, outcome: str, fn: Callable[[], Any], fallback: 
 def hook_snapshot() -> StreamHookSnapshot:
     """This process's counters of the stream hooks, typed: admission (``STATS``), the tail loader
     (``stream_copy.stats``) and the retract path (``stream_retract.stats``)."""
-    from sgl_kvtier.sglang.plugins import stream_copy, stream_retract
+    from sgl_kvtier.experiments.streaming.hooks import copy as stream_copy
+    from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
 
     a, load, retract = STATS, stream_copy.stats(), stream_retract.stats()
     return StreamHookSnapshot(

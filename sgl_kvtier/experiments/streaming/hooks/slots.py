@@ -38,8 +38,10 @@ from functools import partial
 from typing import Any
 
 from sgl_kvtier.errors import KVTierError
-from sgl_kvtier.sglang.plugins import stream_accounting
-from sgl_kvtier.sglang.plugins.stream_core import (
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.contract import StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
+from sgl_kvtier.experiments.streaming.hooks.core import (
     HCC,
     REGISTRY_ATTR,
     STATS,
@@ -52,7 +54,6 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     guard,
     min_reduce,
 )
-from sgl_kvtier.sglang.stream.contract import StreamRegistry, TailState
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def withhold(cache: Any, host_indices: Any) -> Any:
     backend = backend_of(cache)
     if backend is None or host_indices.numel() == 0:
         return host_indices
-    releasable, withheld = backend.binder.claim_released(host_indices)
+    releasable, withheld = require_side(backend).binder.claim_released(host_indices)
     for stream, slots in withheld:
         registry.defer_free(stream, slots)
     return releasable

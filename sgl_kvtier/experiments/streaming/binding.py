@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.experiments.streaming.rules.read_groups import Cuts
+from sgl_kvtier.experiments.streaming.tail_stream import Observer, TailStream
 from sgl_kvtier.io.threads import io_thread_started
 from sgl_kvtier.keys import PageKey
-from sgl_kvtier.policy.stream_read import Cuts
 from sgl_kvtier.sglang.host_pages import Access, check_indices
 from sgl_kvtier.sglang.pool_tier import PoolTier
-from sgl_kvtier.sglang.stream.tail_stream import Observer, TailStream
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class StreamBinder:
     # ------------------------------------------------------------------ bind (scheduler thread)
     def bind(self, keys: Sequence[PageKey], host_indices: torch.Tensor,
              cuts: Cuts | None = None) -> TailStream | None:
-        """Start streaming ``keys`` into ``host_indices`` in the read groups ``cuts`` (``policy.stream_read``;
+        """Start streaming ``keys`` into ``host_indices`` in the read groups ``cuts`` (``experiments.streaming.rules.read_groups``;
         None: the pool's layer groups; ``TailStream``); None when streaming is off or the hit empty."""
         if not keys or not self._enabled():
             return None

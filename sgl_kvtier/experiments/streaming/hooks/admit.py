@@ -57,9 +57,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.policy import stream_gate, stream_read
-from sgl_kvtier.sglang.plugins import prefetch, stream_accounting, stream_bind
-from sgl_kvtier.sglang.plugins.stream_core import (
+from sgl_kvtier.experiments.cost_policy import plugin as prefetch
+from sgl_kvtier.experiments.streaming.backend_side import require_side
+from sgl_kvtier.experiments.streaming.contract import GroupVerdict, StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
+from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind
+from sgl_kvtier.experiments.streaming.hooks.core import (
     STATS,
     URC,
     active,
@@ -72,8 +75,9 @@ from sgl_kvtier.sglang.plugins.stream_core import (
     min_reduce,
     others_in_engine,
 )
-from sgl_kvtier.sglang.plugins.stream_slots import counting_releases
-from sgl_kvtier.sglang.stream.contract import GroupVerdict, StreamedTail, StreamRegistry, TailState
+from sgl_kvtier.experiments.streaming.hooks.slots import counting_releases
+from sgl_kvtier.experiments.streaming.rules import gate as stream_gate
+from sgl_kvtier.experiments.streaming.rules import read_groups as stream_read
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +128,7 @@ def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> A
         why = _why_not(cache, registry, operation, host_indices, completed, releases)
         backend = backend_of(cache)
         if why is None and backend is not None:
-            stream = backend.binder.take(host_indices)
+            stream = require_side(backend).binder.take(host_indices)
             if stream is None:
                 return "not bound"
             taken.append(stream)
@@ -263,7 +267,7 @@ def _interference_s(cache: Any, backend: Any, model: Any, tail: StreamedTail, in
     """What the tail's landing adds to its forward: the bind rule's learned ``k`` (judged against ``model``)
     x the tail's bytes, 0.0 while ``k`` is unknown. Taken once per tail (the gate polls every scheduler round)."""
     if info.interference_s is None:
-        k = backend.stream_costs.interference_s_per_byte(model.batch_time)
+        k = require_side(backend).stream_costs.interference_s_per_byte(model.batch_time)
         info.interference_s = 0.0 if k is None else k * kv_bytes(cache, tail.tokens)
     return info.interference_s
 
