@@ -45,8 +45,6 @@ STILL_UPWARD = {
     ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.region_meta"),
     ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.regions"),
     ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.superblock"),
-    ("sgl_kvtier.store.layout", "sgl_kvtier.sharing.writers"),
-    ("sgl_kvtier.store.meta", "sgl_kvtier.sharing.lease"),
     ("sgl_kvtier.store.page_store", "sgl_kvtier.media.shared_raw.claim"),
     ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.lease"),
     ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.writer_quota"),

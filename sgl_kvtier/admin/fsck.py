@@ -1,25 +1,20 @@
 """Offline inspection and verification of stores, for ``sgl-kvtier inspect`` and ``sgl-kvtier fsck``.
 
-``find_shards(path)`` finds the namespace shards reachable from a path: a directory device (or meta dir)
-holds ``ns-*/HEADER``; a raw block device's region table names each shard's meta directory; a shared raw
-pool's host tables name every host's regions (read with O_DIRECT, ``media.shared_raw.regions``), so ``inspect`` and
-``fsck`` show and verify the writers of every host. ``fsck --repair`` opens only dead writers of this host
-there (their region, by wid); ``fsck --rebuild`` is not available for a shared raw pool (reported per writer).
+``find_shards(path)`` finds the namespace shards reachable from a path: ``ns-*/HEADER`` under a directory
+device (or meta dir), the region table of a raw block device, or the host tables of a shared raw pool
+(``media.shared_raw.regions``: every host's writers).
 
-``fsck`` reads every indexed page of one writer (``fsck_pool``: of every writer directory of the
-namespace, each opened read-only) and checks it against its recorded checksum, and reports journal or
-checkpoint damage found by recovery. With ``repair`` a damaged writer is opened as that writer: recovery
-folds the readable journal into a fresh checkpoint and discards torn tails, and every page that fails
-verification is dropped (journaled as deleted). Only a writer of this host whose ``LOCK`` is free is
-opened so (``open_writer_at``); a live one, or one of another host, is reported skipped and left alone.
-Without ``repair`` nothing on disk changes.
+``fsck`` reads every indexed page of one writer (``fsck_pool``: of every writer, each opened read-only),
+checks it against its recorded checksum and reports journal or checkpoint damage found by recovery.
+Without ``repair`` nothing on disk changes. With it, a damaged writer is opened as that writer (recovery
+folds the readable journal into a fresh checkpoint, discards torn tails) and every page failing
+verification is journaled as deleted; only a writer of this host whose ``LOCK`` is free is opened so
+(``open_writer_at``; on a shared raw pool its region, by wid), any other is reported skipped.
 
-``rebuild_shard`` (``fsck --rebuild``) rebuilds the index of each writer of a shard from its pages alone
-(``admin.rebuild``): the writers are those with a directory in the namespace's meta directory, a
-``ns-<digest>/w-<wid>/`` of segments on a directory device, or a region on a raw device. Each is rebuilt
-under its own ``LOCK``; one held by a live writer is reported and left alone. The config is the one a
-writer recorded (``CONFIG``), else the namespace header's devices with the segment size read off the
-segment files.
+``rebuild_shard`` (``fsck --rebuild``) rebuilds each writer's index from its pages alone (``admin.rebuild``),
+under that writer's ``LOCK`` (a live writer's is reported and left alone), with the config the writer
+recorded (``CONFIG``), else the header's devices and the segment files' size. Not available for a shared
+raw pool (reported per writer).
 """
 
 from __future__ import annotations
@@ -40,12 +35,14 @@ from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.media.shared_raw.regions import pool_namespaces
 from sgl_kvtier.media.shared_raw.superblock import superblock_of
 from sgl_kvtier.sharing.follower import PageReader
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.pool_status import DEAD, pool_summary, state_of
-from sgl_kvtier.sharing.writers import WRITER_PREFIX, writer_dirname, writer_dirs
+from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import is_block_like
+from sgl_kvtier.store.format import WRITER_PREFIX, writer_dirname
 from sgl_kvtier.store.layout import load_config, open_layout
+from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.page_store import PageStore
 
 VERIFY_BATCH = 32

@@ -55,13 +55,14 @@ from sgl_kvtier.errors import CorruptRecordError, DeviceError
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.io.files import POSIX, FileView
 from sgl_kvtier.keys import Namespace, PageKey
-from sgl_kvtier.sharing.lease import LEASE
-from sgl_kvtier.sharing.writers import writer_dirname, writer_dirs
+from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.index import PageIndex
 from sgl_kvtier.store.layout import Layout, meta_dir, open_layout
 from sgl_kvtier.store.lifecycle import Acquired
+from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
 from sgl_kvtier.store.slots import SlotTable

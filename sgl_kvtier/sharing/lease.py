@@ -34,21 +34,20 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.io.threads import name_this_thread
 from sgl_kvtier.media.shared_raw.regions import region_read
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.meta import FileBlocks, LeaseBlocks
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 
 log = logging.getLogger(__name__)
-LEASE = "LEASE"
 THREAD_NAME = "kvtier-lease"
 Usage = Callable[[], dict[str, Any]]
 
@@ -67,29 +66,6 @@ def read_lease(path: Path) -> dict[str, Any] | None:
         return fmt.unpack_lease(data, str(path))
     except CorruptRecordError:
         return None
-
-
-class LeaseBlocks(Protocol):
-    """Where a lease's two blocks go: ``write_block`` is durable when it returns."""
-
-    def write_block(self, index: int, data: bytes) -> None: ...
-    def close(self) -> None: ...
-
-
-class FileBlocks:
-    """A ``LEASE`` file's blocks (created 0600 where absent): pwrite + fdatasync."""
-
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def write_block(self, index: int, data: bytes) -> None:
-        os.pwrite(self.fd, data, index * fmt.LEASE_BLOCK_BYTES)
-        os.fdatasync(self.fd)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1  # detached first: closed once
-        if fd >= 0:
-            os.close(fd)
 
 
 class Lease:

@@ -45,10 +45,12 @@ from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.media.shared_raw.regions import in_share, region_identity
 from sgl_kvtier.sharing.follower import PageReader
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.liveness import LeaseWatch
-from sgl_kvtier.sharing.writers import writer_dirname, writer_dirs
+from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import journal as jr
+from sgl_kvtier.store.format import writer_dirname
+from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 

@@ -60,7 +60,8 @@ from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.sharing.peers import InUse, Peers
 from sgl_kvtier.sharing.pool_reads import PoolReads, valid_key
 from sgl_kvtier.sharing.quota_loop import QuotaLoop
-from sgl_kvtier.sharing.writers import writer_dirname, writer_dirs
+from sgl_kvtier.sharing.writers import writer_dirs
+from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout, meta_dir
 from sgl_kvtier.store.lifecycle import ClosedOnExit, Failure, Step, StoreCloseError, handed_on, run_steps, weak_method

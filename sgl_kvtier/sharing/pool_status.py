@@ -31,8 +31,9 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.sharing.follower import PageReader
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.writers import host_id, machine_id, writer_alive, writer_dirs
+from sgl_kvtier.store.meta import LEASE
 
 LIVE, DEAD, UNKNOWN = "live", "dead", "unknown"
 LEASE_AGE_FROM = "LEASE mtime"

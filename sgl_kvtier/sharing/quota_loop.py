@@ -53,9 +53,11 @@ from sgl_kvtier.errors import KVTierError, StoreLockedError
 from sgl_kvtier.media.shared_raw.regions import in_share
 from sgl_kvtier.policy import quota
 from sgl_kvtier.sharing import retire as rt
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
-from sgl_kvtier.sharing.writers import host_id, writer_dirname, writer_dirs
+from sgl_kvtier.sharing.writers import host_id, writer_dirs
+from sgl_kvtier.store.format import writer_dirname
+from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.page_store import PageStore
 
 log = logging.getLogger(__name__)

@@ -45,11 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_kvtier.config import StoreConfig
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.liveness import FENCE, fence_retires, read_fence
-from sgl_kvtier.sharing.writers import writer_dirname
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import fsync_dir
+from sgl_kvtier.store.format import writer_dirname
+from sgl_kvtier.store.meta import LEASE
 
 log = logging.getLogger(__name__)
 LOCK = "LOCK"

@@ -57,12 +57,13 @@ from typing import Any
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import DeviceError, StoreLockedError
 from sgl_kvtier.media.shared_raw.regions import pool_writers, region_alive
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import make_dir
+from sgl_kvtier.store.format import WRITER_PREFIX, writer_dirname
 from sgl_kvtier.store.lifecycle import abandon, release_all
+from sgl_kvtier.store.meta import LEASE
 
-WRITER_PREFIX = "w-"
 MAX_WRITERS_PER_HOST = 4096  # claim gives up past this many held directories (a runaway, not a real host)
 RECENT_BEATS = 3  # a lease of another boot written longer ago than this many heartbeats is not watched
 WATCH_BEATS = 2  # ... and a recent one is watched this many heartbeats for a change
@@ -75,11 +76,6 @@ def host_id(config: StoreConfig) -> str:
     if config.host_id is not None:
         return config.host_id
     return _NOT_HOST.sub("_", socket.gethostname())[:64] or "host"
-
-
-def writer_dirname(wid: str) -> str:
-    """The directory name of writer ``wid`` (``w-<wid>``)."""
-    return WRITER_PREFIX + wid
 
 
 def writer_dirs(ns_meta: Path) -> list[tuple[str, Path]]:

@@ -392,3 +392,11 @@ def unpack_trailer(data: bytes) -> Trailer | None:
         return None
     sums = struct.unpack_from(f"<{parts}Q", data, _TRAILER.size)
     return Trailer(ns, key, parent if flags & TRAILER_HAS_PARENT else None, inc, seq, tuple(sums))
+
+
+WRITER_PREFIX = "w-"
+
+
+def writer_dirname(wid: str) -> str:
+    """The directory name of writer ``wid`` (``w-<wid>``)."""
+    return WRITER_PREFIX + wid

@@ -43,7 +43,6 @@ from sgl_kvtier.keys import Namespace
 from sgl_kvtier.media.shared_raw.region_meta import RegionFiles, open_regions, read_config
 from sgl_kvtier.media.shared_raw.regions import pool_writers, region_read
 from sgl_kvtier.media.shared_raw.superblock import superblock_of
-from sgl_kvtier.sharing.writers import writer_dirname
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import (
     DIRECT_CLUSTER,
@@ -55,6 +54,7 @@ from sgl_kvtier.store.devices import (
     is_block_like,
     write_file_atomic,
 )
+from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.lifecycle import abandon, release_all
 
 CHECKPOINT = "checkpoint.bin"

@@ -14,15 +14,41 @@ through the same views, so ``journal``'s recovery and following never know which
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.files import POSIX, FileView
-from sgl_kvtier.sharing.lease import LEASE, FileBlocks, LeaseBlocks
+from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.layout import Layout, save_config
+
+LEASE = "LEASE"  # a writer's lease file (``store.format``; beaten by ``sharing.lease``)
+
+
+class LeaseBlocks(Protocol):
+    """Where a lease's two blocks go: ``write_block`` is durable when it returns."""
+
+    def write_block(self, index: int, data: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class FileBlocks:
+    """A ``LEASE`` file's blocks (created 0600 where absent): pwrite + fdatasync."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def write_block(self, index: int, data: bytes) -> None:
+        os.pwrite(self.fd, data, index * fmt.LEASE_BLOCK_BYTES)
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1  # detached first: closed once
+        if fd >= 0:
+            os.close(fd)
 
 
 class WriterJournal(Protocol):

@@ -67,14 +67,14 @@ from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.policy.admission import AdmissionFilter
-from sgl_kvtier.sharing.lease import LEASE, Lease
+from sgl_kvtier.sharing.lease import Lease
 from sgl_kvtier.sharing.writer_quota import PoolSide
 from sgl_kvtier.sharing.writers import WriterClaim, boot_id, machine_id
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired, Step
-from sgl_kvtier.store.meta import WriterJournal, writer_meta
+from sgl_kvtier.store.meta import LEASE, WriterJournal, writer_meta
 from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
 from sgl_kvtier.store.transfer import SlotIdentity

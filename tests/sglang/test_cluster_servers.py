@@ -50,7 +50,8 @@ from test_shared_servers import (  # noqa: E402
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402
-from sgl_kvtier.sharing.lease import LEASE, read_lease  # noqa: E402
+from sgl_kvtier.sharing.lease import read_lease  # noqa: E402
+from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.telemetry.prometheus import ENV_INTERVAL  # noqa: E402
 
 pytestmark = pytest.mark.server  # starts real SGLang servers

@@ -15,11 +15,12 @@ from support import HostMemory, key, namespace, store_config
 
 from sgl_kvtier.io.files import PosixView
 from sgl_kvtier.sharing.follower import PageReader
-from sgl_kvtier.sharing.lease import LEASE, read_lease
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
+from sgl_kvtier.store.meta import LEASE
 
 PAGE = 16 * 1024 - 4096  # a 16 KiB slot with its trailer
 

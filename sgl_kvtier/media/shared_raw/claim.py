@@ -1,32 +1,30 @@
-"""Claiming a writer's region of a shared raw pool (``sharing = "cluster"`` with ``host_index``), and the
-host lease that says which machine holds a host slot.
+"""Claiming a writer's region of a shared raw pool (``sharing = "cluster"`` with ``host_index``), and the host
+lease that says which machine holds a host slot.
 
-``claim`` (what ``PageStore.open`` calls there instead of ``writers.claim_writer``):
-  1. The devices are checked as one pool (``pool_dev.open_pool``: each pool-formatted, in order, and
+``claim`` (what ``PageStore.open`` calls there instead of ``sharing.writers.claim_writer``):
+  1. The devices are checked as one pool (``superblock.open_pool``: each pool-formatted, in order,
      ``host_index`` in range).
-  2. The host slot. Its host lease (``HostLease``) names the machine using ``host_index`` (host_id,
-     machine_id, boot_id). One of another boot is watched for up to WATCH_BEATS of its heartbeats (each at
-     most MAX_WATCHED_BEAT_S, as ``writers`` watches a duplicate host_id): if it advances meanwhile another
-     machine is using this host_index and start-up fails with ``HostIndexInUseError`` ("host_index 3 is in
-     use by host X (boot ...)"); if it stays still, that machine is dead or stopped and this one takes the
-     slot over (its own host lease, written under the lease range's lock). An exact claim (``wid``: a
-     reclaim or ``fsck --repair`` of a dead writer of this host) skips the watch.
+  2. The host slot. Its host lease (``HostLease``: host_id, machine_id, boot_id) names the machine using
+     ``host_index``. One of another boot is watched for up to WATCH_BEATS of its heartbeats (each at most
+     MAX_WATCHED_BEAT_S): if it advances, another machine uses this host_index (``HostIndexInUseError``);
+     if it stays still, that machine is dead or stopped and this one takes the slot over (writing its own
+     host lease under the lease range's lock). An exact claim (``wid``: a reclaim or ``fsck --repair``)
+     skips the watch.
   3. The region, under the host table's lock (an OFD write lock on its range of the first device): the
-     lowest ``k`` whose region ``(namespace, <host_id>-<k>)`` is in the table and whose writer lock is free
-     (a restart gets its own region back, warm); where ``k`` has none, a new region is carved from the
-     host's share after its last region (its meta areas' first blocks and its first slot zeroed, its header
-     written, synced, and only then the table naming it). A wid already in another host slot's table is
-     ``DuplicateHostError`` (two hosts use one host_id: their writers would be one name). Every other
-     device of the pool gets a region of that wid too (slots only), under its own table lock.
+     lowest ``k`` whose region ``(namespace, <host_id>-<k>)`` is in the table with its writer lock free (a
+     restart gets its own region back, warm); where ``k`` has none, a new region is carved after the host's
+     last one (first blocks of its areas and its first slot zeroed, header written, synced, and only then
+     the table naming it). A wid already in another host slot's table is ``DuplicateHostError``. Every other
+     device gets a region of that wid too (slots only), under its own table lock.
   4. The writer lock: an OFD write lock on the region's first byte of the first device, on a descriptor of
      its own, held until ``WriterClaim.release`` closes it.
 
-Each lease beat of a writer also beats its host lease (``HostLease.beat``): the lease's counter advances
-while any writer of the host lives. A beat that finds the slot taken over by another boot writes nothing,
-and ``taken_over`` says so: the writer's lease is fenced (``sharing.fencing``), it writes nothing more and its
-next re-registration is refused while the other machine beats. (Between a takeover and the old machine's
-next beat, a writer that was only paused may still write into its region: its pages there are then misses,
-never wrong bytes; hardware fencing with NVMe reservations would close that window.)
+Each lease beat of a writer also beats its host lease (``HostLease.beat``), so its counter advances while
+any writer of the host lives. A beat that finds the slot taken over by another boot writes nothing and
+``taken_over`` says so: the writer is fenced (``sharing.fencing``), writes nothing more, and its
+re-registration is refused while the other machine beats. Between a takeover and the old machine's next
+beat, a writer that was only paused may still write into its region: its pages there read as misses, never
+wrong bytes (NVMe reservations would close that window).
 """
 
 from __future__ import annotations
@@ -72,9 +70,9 @@ from sgl_kvtier.sharing.writers import (
     boot_id,
     host_id,
     machine_id,
-    writer_dirname,
 )
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.format import writer_dirname
 
 _TABLE_SPAN = 2 * fmt.HOST_TABLE_BYTES
 
@@ -263,7 +261,7 @@ def _plan(config: StoreConfig, namespace: Namespace, sb: Superblock, h: int, wid
         return 0 if data_only else checkpoint_bytes_for(n, parts)
     if config.capacity_bytes is not None:
         slots = up(-(-config.capacity_bytes // len(config.devices)), slot_bytes) // slot_bytes
-    else:  # no limit: this host's share over the shards of the model, as a raw device's whole size is today
+    else:  # no limit: this host's share split over the model's shards, as a raw device's whole size is
         total = (hi - lo) // namespace.shard_count
         slots = max(1, (total - fmt.REGION_CHECKPOINT_AT - journals * journal) // (slot_bytes + 2 * (56 + 8 * parts)))
         while slots > 1 and plan_region(h, b"", wid, lo, slot_bytes, slots, ckpt(slots), journal, journals).length > total:
