@@ -47,7 +47,6 @@ STILL_UPWARD = {
     ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.superblock"),
     ("sgl_kvtier.store.page_store", "sgl_kvtier.media.shared_raw.claim"),
     ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.lease"),
-    ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.writer_quota"),
     ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.writers"),
     ("sgl_kvtier.store.writer_open", "sgl_kvtier.media.shared_raw.claim"),
     ("sgl_kvtier.store.writer_open", "sgl_kvtier.sharing.cluster_fs.check"),

@@ -7,7 +7,7 @@ processes share one namespace's pool, each in its own directory and segments), i
 ``sharing.follower.PageReader``; the merged view over every writer of a namespace is ``sharing.pool.SharedPool``.
 
 Pool-wide cap: ``capacity_bytes`` limits the namespace shard over all its writers. Before taking a slot
-for a new page (``sharing.writer_quota``), a writer checks its own pages (stored and being stored) plus the
+for a new page (``store.capacity``), a writer checks its own pages (stored and being stored) plus the
 other writers' last leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it
 evicts its own coldest pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
 growing at once may overshoot by what they store in that time. On top of that hard cap the pool quota
@@ -21,7 +21,7 @@ valid ``PageKey``s):
     delete(keys) -> int, evict(keys) -> int, clear() -> int, checkpoint(), close()
     usage() (what the lease publishes; ``published`` keeps the last), evict_older_than(age_s, now, bytes)
     touch_remote(keys), touch_own(keys)     uses of other writers' pages (TOUCH records) / of own ones
-    (those of the pool side: ``sharing.writer_quota``; and everything a PageShard serves)
+    (those of the pool side: ``store.capacity``; and everything a PageShard serves)
 
 Write order for a put batch, one named phase each (the crash rule each step relies on is at its code):
     1. reserve   under the lock: admit each page, take a free slot (evicting as needed; the victims'
@@ -68,10 +68,10 @@ from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.policy.admission import AdmissionFilter
 from sgl_kvtier.sharing.lease import Lease
-from sgl_kvtier.sharing.writer_quota import PoolSide
 from sgl_kvtier.sharing.writers import WriterClaim, boot_id, machine_id
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
+from sgl_kvtier.store.capacity import CapacitySide
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired, Step
 from sgl_kvtier.store.meta import LEASE, WriterJournal, writer_meta
@@ -92,7 +92,7 @@ class _PutBatch:
 JOURNAL_SLACK = 16 << 10  # a bounded journal keeps this much for the DELs and TOUCHes outside put batches
 
 
-class PageStore(PageShard, PoolSide):
+class PageStore(PageShard, CapacitySide):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
 
     # Why a live writer of another host retired this one (``sharing.retire``; set by the pool), or None. Fenced,

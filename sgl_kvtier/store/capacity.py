@@ -1,5 +1,6 @@
-"""The pool side of a ``PageStore`` (a mixin): what its lease publishes, and what the pool quota and the
-other writers' uses do to its pages.
+"""A writer's slots against the pool-wide cap (``CapacitySide``, a ``PageStore`` mixin): what its lease
+publishes, and what the pool quota and the other writers' uses do to its pages. With no other writer
+(``peer_bytes`` answers 0) the cap is this writer's own.
 
     usage()                 the lease's fields now (pages, bytes, capacity, journal cursor, age histogram);
                             kept as ``published`` with the clock's now, so the quota plans with exactly that
@@ -32,7 +33,7 @@ from sgl_kvtier.telemetry.counters import StoreCounters
 TOUCH_INTERVAL_S = 60.0  # a remote page's use is journaled at most once per this many seconds
 
 
-class PoolSide:
+class CapacitySide:
     """See the module docstring; ``PageStore`` provides the state."""
 
     config: StoreConfig
