@@ -52,9 +52,9 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize, random_policy, stratified_cuts
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.sharing.pool import SharedPool
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import holes
-from sgl_kvtier.store.page_store import PageStore
 
 PAGE = 56 * 1024  # halves of 28 KiB: aligned runs, so pages go straight from host memory (O_DIRECT where it works)
 CAPACITY_PAGES = 40  # evictions, and three 1 MiB segments of 17 slots
@@ -165,7 +165,7 @@ def check_cut(rec: Recording, cut: int, policy: CutPolicy, rng: random.Random, s
     result = CutResult(cut, str(policy), op)
     must = must_have(rec, cut) if durability != "none" else set()
     result.acked = len(must)
-    openers = [partial(PageStore.open, config(dest, durability), namespace()) for _ in range(writers)]
+    openers = [partial(open_writer, config(dest, durability), namespace()) for _ in range(writers)]
     return read_back(result, openers, must, dest, PAGE)
 
 

@@ -45,7 +45,7 @@ class EvictionPolicyName(str, enum.Enum):
 class IOEngineName(str, enum.Enum):
     """Which IO engine moves the bytes (see sgl_kvtier.io.factory)."""
 
-    AUTO = "auto"  # the thread pool (measured: same GB/s as io_uring for MiB pages, steadier under GIL load)
+    AUTO = "auto"  # the thread pool (as fast as io_uring for large pages, steadier under GIL load)
     THREADS = "threads"
     URING = "uring"  # io_uring; start-up fails naming io_engine where its probe says it cannot run here
 
@@ -56,18 +56,18 @@ class Sharing(str, enum.Enum):
     HOST = "host"  # any number of writers on this host (servers, DP replicas): each its own segments and journal
     # Writers on several hosts over one shared filesystem (NFSv4.1+, Lustre, GPFS, CephFS, 3FS): as "host",
     # plus liveness of other hosts' writers by their lease counters on the observer's clock, retirement of
-    # dead ones, journal reads bounded by what each lease announced, O_DIRECT data (see store.liveness).
+    # dead ones, journal reads bounded by what each lease announced, O_DIRECT data (see sharing.liveness).
     CLUSTER = "cluster"
     OFF = "off"  # one writer per namespace shard; a second one fails at start-up naming the holder
 
 
 class Streaming(str, enum.Enum):
-    """Whether an L3 hit's not-yet-landed tail streams into the request's own prefill (issue #13)."""
+    """Whether an L3 hit's not-yet-landed tail streams into the request's own prefill (an experiment)."""
 
     OFF = "off"  # a hit is loaded (or cut by the cost model) before its request is admitted, as SGLang does
     # The part of a hit still in flight at admission is loaded layer group by layer group into device slots
     # private to the request while its forward runs; a group that fails to read or verify is zeros and the
-    # request is retracted and recomputed (see sgl_kvtier.sglang.stream). CPU engines, cache mode only.
+    # request is retracted and recomputed (see sgl_kvtier.experiments.streaming). CPU engines, cache mode only.
     ON = "on"
 
 
@@ -142,7 +142,7 @@ class StoreConfig:
     model_fingerprint: str | None = None
     # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
     # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
-    readahead_bytes: int = 0  # off: measured a tie in serving, 9-24% slower back to back (benchmarks/RESULTS.md)
+    readahead_bytes: int = 0  # off by default
     # "on": admit a request while the tail of its L3 hit still streams in layer groups (``Streaming``).
     streaming: Streaming = Streaming.OFF
     # Testing only: inject IO faults (a ``FaultSpec`` table, see sgl_kvtier.io.faulty). None in production.

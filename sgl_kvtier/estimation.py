@@ -1,18 +1,12 @@
 """Measured models shared by the store (its read rates) and the cost model (load or recompute).
 
-Pure Python, stdlib only, no clock: this module sits below both ``store`` and ``policy`` so that the store
-measures what the policy consumes without either importing the other.
-
-- ``DeviceModel``: a read path as a prefetch sees it, ``T(n) = ceil(n / batch_pages) * batch_latency +
-  n * page_bytes / bandwidth`` (SGLang moves L3 pages in batches of ``STORAGE_BATCH_PAGES``).
-- ``DecayingLeastSquares``: non-negative least squares over samples whose weights halve every
-  ``half_life`` samples (a moving average of a linear model). Not thread-safe: each estimator built on it
-  holds its own lock.
-- ``TransferEstimator``: ``seconds ~= batch_latency + bytes / bandwidth`` over recent transfers, published
-  as a ``DeviceModel`` (thread-safe): the store's read rates, and the stream bind rule's whole-load wait.
-
-Invariant: a fit never has a negative coefficient (exact NNLS over the candidate subsets given); a
-degenerate sample set falls back to fewer coefficients, never to a negative speed.
+Stdlib only, no clock; it sits below both ``store`` and ``policy`` so neither imports the other.
+``DeviceModel`` is a read path as a prefetch sees it (``T(n) = ceil(n / batch_pages) * batch_latency +
+n * page_bytes / bandwidth``); ``DecayingLeastSquares`` non-negative least squares with weights halving
+every ``half_life`` samples (not thread-safe: each estimator holds its own lock); ``TransferEstimator`` fits
+``seconds ~= batch_latency + bytes / bandwidth`` over recent transfers and publishes a ``DeviceModel``.
+Invariant: a fit never has a negative coefficient; a degenerate sample set falls back to fewer
+coefficients, never to a negative speed.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-STORAGE_BATCH_PAGES = 128  # SGLang 0.5.23's STORAGE_BATCH_SIZE: pages per L3 batch (one ack)
+STORAGE_BATCH_PAGES = 128  # SGLang's STORAGE_BATCH_SIZE (hicache_storage): pages per L3 batch (one ack)
 
 
 @dataclass(frozen=True)

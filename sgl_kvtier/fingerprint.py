@@ -1,29 +1,16 @@
 """The identity of a model's weights, from its files, for the namespace (``Namespace.model_fingerprint``).
 
-``fingerprint_model(model_path, tokenizer_path, settings)`` is a SHA-256 (32 hex characters) over, each
-part labelled and length-prefixed:
+``fingerprint_model(model_path, tokenizer_path, settings)`` is a SHA-256 (32 hex characters) over labelled,
+length-prefixed parts: the config files; the tokenizer files (from the tokenizer path when local, else the
+model's); the weight index (``*.index.json`` and the weight files with their sizes); sampled bytes of every
+weight file (first and last ``EDGE_BYTES``; for safetensors also the header and the first bytes of up to
+``TENSOR_SAMPLES`` tensors spread over the model, which a fine-tune changes), so even a large model costs a
+few thousand small reads; and the non-``None`` ``settings`` that change the KV.
 
-* ``config.json`` (and ``params.json``, ``quantize_config.json``, ``hf_quant_config.json`` if present),
-  as bytes;
-* the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
-  ``vocab.json``, ``merges.txt``, ``added_tokens.json``, ``*.model``, ``*.tiktoken``), from the
-  tokenizer path when it is a local directory, else from the model's;
-* the weight index: the index JSON files (``*.index.json``) and the sorted list of weight files
-  (``*.safetensors``, else ``*.bin`` / ``*.pt`` / ``*.pth`` / ``*.gguf``) with their sizes;
-* sampled bytes of every weight file: its first and last 64 KiB; for safetensors also the header (every
-  tensor's name, dtype, shape and offsets) and the first 256 bytes of up to ``TENSOR_SAMPLES`` tensors,
-  spread evenly over the model's tensors (a fine-tune of the same shapes changes every trained tensor,
-  so its first bytes differ), so that 450 GB of weights costs a few thousand small reads;
-* ``settings``: what the engine says changes the KV (revision, quantization, kv_cache_dtype, model
-  overrides ...), the ``None`` ones left out.
-
-Invariants: the value depends only on file contents, relative file names and ``settings``, never on
-absolute paths, mtimes, the host or the process, so a byte-identical copy at another path gives the same
-value and any change in a hashed part gives another. It never raises: a model that is not a local
-directory or file (a hub id not in the local cache, a remote URI) or that cannot be read is fingerprinted
-by its name and ``settings`` (``source == "name"``), with one warning per model and process saying that
-weight identity is then the name only. A hub id cached locally (the Hugging Face cache layout) is
-fingerprinted from its snapshot, the resolved commit included. ``fingerprint_once`` caches per process.
+Invariants: the value depends only on file contents, relative names and ``settings`` (never absolute paths,
+mtimes, host or process). It never raises: a model that is not local (an uncached hub id, a remote URI) or
+unreadable is fingerprinted by name and ``settings`` (``source == "name"``, warned once); a locally cached hub
+id by its snapshot, commit included. ``fingerprint_once`` caches per process.
 """
 
 from __future__ import annotations

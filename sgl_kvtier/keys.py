@@ -1,21 +1,12 @@
 """Page keys and the namespace that scopes them.
 
-A page key is 32 raw bytes: SGLang's chained SHA-256 token-prefix page hash (given to us as 64 lowercase
-hex characters). Keys carry no model, rank or layout, so the store scopes them by a ``Namespace``: every
-field that changes the bytes of a page (model label, the weights' fingerprint, dtype, host layout, page
-geometry, rank shard: TP, PP, CP and DCP) plus our schema version. Each namespace shard is stored apart
-(its own directory or device region), so a page written under one namespace is a miss under any other,
-never wrong KV. ``model`` is a label (SGLang's served model name); ``model_fingerprint`` is what names the
-weights (``sgl_kvtier.fingerprint``), so the same name over other weights is another namespace.
-
-``PageKey`` is a distinct type (``NewType`` over ``bytes``): only ``parse_key`` makes one from SGLang's
-text, and the store's API takes only valid keys. An invalid key from SGLang is handled at the adapter
-boundary (a miss, or a page not stored); ``valid_runs`` splits a parsed batch where its invalid keys are,
-so a page's chain parent is always the page really preceding it.
-
-``parts`` (the checksummed byte ranges of a page, ``store.parts``; () = one part, the whole page) joins the
-namespace's identity only when it has more than one part, so every namespace of one part keeps the digest
-(and ``to_mapping``) it had before the field existed; ``(page_bytes,)`` is the same as ``()``.
+A page key is 32 raw bytes: SGLang's chained SHA-256 token-prefix page hash (64 lowercase hex characters on
+the wire); only ``parse_key`` makes a ``PageKey``. Keys carry no model, rank or layout, so the store scopes
+them by a ``Namespace`` of every field that changes a page's bytes (model label, weights' fingerprint, dtype,
+host layout, page geometry, rank shard) plus our schema version; each namespace shard is stored apart, so a
+page of another namespace is a miss, never wrong KV. ``valid_runs`` splits a batch at invalid keys, so a
+page's chain parent is always the page really preceding it. ``parts`` joins the identity only with more
+than one part, so a one-part namespace digests as one recorded without the field.
 
 Rule for changing ``Namespace``: append fields only, and bump ``SCHEMA_VERSION`` when the meaning of the
 stored bytes changes.

@@ -12,6 +12,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.io.engine import IOOp, IOResult, ThreadPoolEngine
 from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store.format import slot_bytes_for
 from sgl_kvtier.store.page_store import PageStore
 
@@ -81,7 +82,7 @@ def store_config(path: Path | str, capacity_pages: int = 64, page_bytes: int = P
 
 def open_store(path: Path | str, capacity_pages: int = 64, page_bytes: int = PAGE_BYTES, ns: Namespace | None = None,
                **config) -> PageStore:
-    return PageStore.open(store_config(path, capacity_pages, page_bytes, **config), ns or namespace(page_bytes))
+    return open_writer(store_config(path, capacity_pages, page_bytes, **config), ns or namespace(page_bytes))
 
 
 def slot_file(store: PageStore, k: PageKey) -> tuple[Path, int]:

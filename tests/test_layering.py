@@ -17,8 +17,8 @@ Layers, lowest first; a module imports only from its own package or from package
                                          policy's hooks, the layer loader): the adapter never imports them
    10  cli                               operator commands (11: ``__main__``, which runs them)
 
-``STILL_UPWARD`` lists the upward edges that remain where the shard opens through the writer claim, the lease
-and the shared raw device's claim; it may only shrink (a listed edge that is gone fails too).
+So the shard imports neither media nor sharing: ``PageStore.open`` takes a ``store.site.WriterSite`` that
+``sharing.sites.site_for`` chooses once from the config.
 Only ``sgl_kvtier.sglang`` and ``sgl_kvtier.experiments`` import ``sglang`` or ``torch``. No import cycles,
 also inside a package (a module's edges include the ``__init__`` of every package it imports from, as Python
 runs those too).
@@ -38,20 +38,6 @@ LAYERS = {
     "cli": 10, "__main__": 11,
 }
 ADAPTER = ("sglang", "experiments")
-# Upward imports not yet cut: the shard's open still claims its writer directory, starts its lease and, on
-# the shared raw device, claims its regions itself (module -> target, as ``imports`` names them).
-STILL_UPWARD = {
-    ("sgl_kvtier.media.shared_raw.claim", "sgl_kvtier.sharing.writers"),
-    ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.region_meta"),
-    ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.regions"),
-    ("sgl_kvtier.store.layout", "sgl_kvtier.media.shared_raw.superblock"),
-    ("sgl_kvtier.store.page_store", "sgl_kvtier.media.shared_raw.claim"),
-    ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.lease"),
-    ("sgl_kvtier.store.page_store", "sgl_kvtier.sharing.writers"),
-    ("sgl_kvtier.store.writer_open", "sgl_kvtier.media.shared_raw.claim"),
-    ("sgl_kvtier.store.writer_open", "sgl_kvtier.sharing.cluster_fs.check"),
-    ("sgl_kvtier.store.writer_open", "sgl_kvtier.sharing.writers"),
-}
 ADAPTER_ONLY = {"sglang", "torch", "triton", "vllm", "flashinfer"}
 MAX_LINES = 450
 
@@ -96,17 +82,7 @@ def unlayered(mods: Modules) -> list[str]:
     return sorted({top(m) for m in mods if m != "sgl_kvtier"} - set(LAYERS))
 
 
-def upward_edges(mods: Modules) -> set[tuple[str, str]]:
-    """Every (module, target) import from a lower layer to a higher one."""
-    return {(name, target) for name in mods for target, _ in imports(mods, name) if _upward(name, target)}
-
-
-def _upward(name: str, target: str) -> bool:
-    mine, theirs = top(name), top(target) if target.startswith("sgl_kvtier.") else None
-    return mine in LAYERS and theirs in LAYERS and theirs != mine and LAYERS[theirs] >= LAYERS[mine]
-
-
-def layer_violations(mods: Modules, allowed: set[tuple[str, str]] = frozenset()) -> list[str]:  # type: ignore[assignment]
+def layer_violations(mods: Modules) -> list[str]:
     bad = []
     for name in mods:
         mine = top(name)
@@ -116,7 +92,7 @@ def layer_violations(mods: Modules, allowed: set[tuple[str, str]] = frozenset())
             theirs = top(target) if target.startswith("sgl_kvtier.") else None
             if theirs is None or theirs == mine or theirs not in LAYERS:
                 continue
-            if LAYERS[theirs] >= LAYERS[mine] and (name, target) not in allowed:
+            if LAYERS[theirs] >= LAYERS[mine]:
                 bad.append(f"{mods[name]}:{line}: {mine} (layer {LAYERS[mine]}) imports {target} "
                            f"(layer {LAYERS[theirs]})")
     return bad
@@ -167,13 +143,8 @@ def test_every_package_has_a_layer():
 
 
 def test_no_upward_or_sideways_imports():
-    bad = sorted(set(layer_violations(MODULES, STILL_UPWARD)))
+    bad = sorted(set(layer_violations(MODULES)))
     assert not bad, "\n".join(bad)
-
-
-def test_the_upward_edges_left_only_shrink():
-    gone = STILL_UPWARD - upward_edges(MODULES)
-    assert not gone, f"cut: take them off STILL_UPWARD: {sorted(gone)}"
 
 
 def test_the_adapter_never_imports_an_experiment():

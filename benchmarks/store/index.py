@@ -18,6 +18,7 @@ from benchmarks.store.rows import Row
 from benchmarks.store.stores import namespace, store_config
 from sgl_kvtier.config import GiB, StoreConfig
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.page_store import PageStore
@@ -45,7 +46,7 @@ class IndexFixture:
         path.mkdir()
         ns = namespace(INDEX_PAGE, page_tokens=1, model="bench-index")
         cfg = store_config(path, -(-n * INDEX_PAGE // GiB) * GiB, io_depth=ctx.args.io_depth)
-        store = PageStore.open(cfg, ns)  # creates HEADER, its writer directory, a journal and an empty checkpoint
+        store = open_writer(cfg, ns)  # creates HEADER, its writer directory, a journal and an empty checkpoint
         meta = store.layout.meta
         store.close()
         blob = os.urandom(32 * n)
@@ -64,7 +65,7 @@ class IndexFixture:
         gc.collect()
         ctx.drop_caches()
         t0, c0 = time.perf_counter(), time.process_time()
-        store = PageStore.open(self.cfg, self.ns)
+        store = open_writer(self.cfg, self.ns)
         return time.perf_counter() - t0, time.process_time() - c0, store
 
 
@@ -87,7 +88,7 @@ def measure_reopen_checkpoint(ctx: Ctx, idx: IndexFixture) -> list[Row]:
 
 
 def measure_lookup(ctx: Ctx, idx: IndexFixture) -> list[Row]:
-    store = PageStore.open(idx.cfg, idx.ns)
+    store = open_writer(idx.cfg, idx.ns)
     try:
         start = int(ctx.rng.integers(0, len(idx.keys) - LOOKUP_KEYS))
         query, times, cpu = idx.keys[start:start + LOOKUP_KEYS], [], []

@@ -33,10 +33,11 @@ from benchmarks.store.powerloss_check import held, number, read_back
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.powerloss import CutPolicy, Recorder, Recording, build, materialize
 from sgl_kvtier.keys import Namespace
-from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.media.shared_raw.regions import regions_of
 from sgl_kvtier.media.shared_raw.superblock import format_pool, open_direct, read_superblock
+from sgl_kvtier.sharing import shared_raw_claim as pool_claim
 from sgl_kvtier.sharing.pool import SharedPool
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.page_store import PageStore
 
@@ -226,5 +227,5 @@ def check_cut(rec: Recording, cut: int, policy: CutPolicy, rng: random.Random, s
 
     def opener(h: int) -> PageStore:
         with booted(f"reboot-{cut}-{h}", instant_watch=True):
-            return PageStore.open(config(dest / POOL, h, durability, interval), namespace())
+            return open_writer(config(dest / POOL, h, durability, interval), namespace())
     return read_back(result, [partial(opener, h) for h in range(writers)], must, dest, PAGE)

@@ -7,6 +7,7 @@ from typing import Any
 
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.keys import Namespace
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store.page_store import PageStore
 
 SMALL_SEGMENT = 1 << 20  # small stores (reliability suites) use 1 MiB segment files
@@ -24,4 +25,4 @@ def store_config(path: Path, capacity_bytes: int, **keys: Any) -> StoreConfig:
 
 def open_store(path: Path, page_bytes: int, capacity_bytes: int, page_tokens: int = 64, **keys: Any) -> PageStore:
     """Open (or create) the store of ``path`` for pages of ``page_bytes``."""
-    return PageStore.open(store_config(path, capacity_bytes, **keys), namespace(page_bytes, page_tokens))
+    return open_writer(store_config(path, capacity_bytes, **keys), namespace(page_bytes, page_tokens))

@@ -1,20 +1,13 @@
 """Offline inspection and verification of stores, for ``sgl-kvtier inspect`` and ``sgl-kvtier fsck``.
 
-``find_shards(path)`` finds the namespace shards reachable from a path: ``ns-*/HEADER`` under a directory
-device (or meta dir), the region table of a raw block device, or the host tables of a shared raw pool
-(``media.shared_raw.regions``: every host's writers).
-
-``fsck`` reads every indexed page of one writer (``fsck_pool``: of every writer, each opened read-only),
-checks it against its recorded checksum and reports journal or checkpoint damage found by recovery.
-Without ``repair`` nothing on disk changes. With it, a damaged writer is opened as that writer (recovery
-folds the readable journal into a fresh checkpoint, discards torn tails) and every page failing
-verification is journaled as deleted; only a writer of this host whose ``LOCK`` is free is opened so
-(``open_writer_at``; on a shared raw pool its region, by wid), any other is reported skipped.
-
-``rebuild_shard`` (``fsck --rebuild``) rebuilds each writer's index from its pages alone (``admin.rebuild``),
-under that writer's ``LOCK`` (a live writer's is reported and left alone), with the config the writer
-recorded (``CONFIG``), else the header's devices and the segment files' size. Not available for a shared
-raw pool (reported per writer).
+``find_shards(path)`` finds the namespace shards under a directory device or meta dir, a raw device's region
+table, or a shared raw pool's host tables (every host's writers). ``fsck`` reads every indexed page of a
+writer (``fsck_pool``: every writer, each opened read-only) against its checksum and reports journal or
+checkpoint damage; nothing on disk changes unless ``repair``, which opens a damaged writer as that writer
+(recovery folds the readable journal into a fresh checkpoint) and journals failing pages as deleted, but
+only a writer of this host whose ``LOCK`` is free (``open_writer_at``); any other is reported skipped.
+``rebuild_shard`` (``fsck --rebuild``, not on a shared raw pool) rebuilds each writer's index from its pages
+(``admin.rebuild``) under its ``LOCK``, with its recorded ``CONFIG`` or the header's devices.
 """
 
 from __future__ import annotations
@@ -34,6 +27,7 @@ from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.media.shared_raw.regions import pool_namespaces
 from sgl_kvtier.media.shared_raw.superblock import superblock_of
+from sgl_kvtier.sharing import sites
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.pool_status import DEAD, pool_summary, state_of
@@ -41,7 +35,6 @@ from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import is_block_like
 from sgl_kvtier.store.format import WRITER_PREFIX, writer_dirname
-from sgl_kvtier.store.layout import load_config, open_layout
 from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.page_store import PageStore
 
@@ -108,7 +101,7 @@ def open_shard(shard: Shard, wid: str | None = None) -> PageReader:
 
 def open_writer(shard: Shard) -> PageStore:
     """``shard``'s writer (takes its lock; recovery folds the journal into a new checkpoint)."""
-    return PageStore.open(load_config(shard.meta), shard.namespace)
+    return sites.open_writer(sites.load_config(shard.meta), shard.namespace)
 
 
 def open_writer_at(shard: Shard, wid: str) -> PageStore:
@@ -123,13 +116,13 @@ def open_writer_at(shard: Shard, wid: str) -> PageStore:
         raise StoreLockedError(f"{wid}: not a writer id of the form <host>-<k>")
     host, k = match.group(1), int(match.group(2))
     if shard_config(shard, wid).host_index is not None:  # a shared raw pool: that region, by wid
-        return PageStore.open(shard_config(shard, wid), shard.namespace, wid=wid)
+        return sites.open_writer(shard_config(shard, wid), shard.namespace, wid=wid)
     config = replace(shard_config(shard, wid), host_id=host, sharing=Sharing.HOST)
     held: list[tuple[int, Path | None]] = []
     try:
         for j in range(k):
             held.append(_hold(shard.meta / writer_dirname(f"{host}-{j}")))
-        store = PageStore.open(config, shard.namespace)
+        store = sites.open_writer(config, shard.namespace)
     finally:
         for fd, made in held:
             if fd >= 0:
@@ -265,7 +258,7 @@ def shard_config(shard: Shard, wid: str | None = None) -> StoreConfig:
     from the namespace header's devices and the segment files' size."""
     for meta in ([shard.meta / writer_dirname(wid)] if wid else []) + [shard.meta]:
         try:
-            return load_config(meta)
+            return sites.load_config(meta)
         except (OSError, ValueError, KVTierError):
             continue
     devices = [str(d) for d in shard.header["devices"]]
@@ -293,7 +286,7 @@ def rebuild_shard(shard: Shard, wids: list[str] | None = None,
         outcome = WriterRebuild(shard.namespace.describe(), wid)
         try:
             config = shard_config(shard, wid)
-            layout = open_layout(config, shard.namespace, shard.meta, wid, create=False)
+            layout = sites.site_for(config).open_layout(shard.namespace, shard.meta, wid, create=False)
             try:
                 step = None if progress is None else progress(f"{shard.namespace.model} {wid}", slots_to_scan(layout))
                 outcome.report = rebuild(config, shard.namespace, layout, progress=step,

@@ -1,26 +1,18 @@
 """Rebuild one writer's index from its pages alone (``sgl-kvtier fsck --rebuild``), when its journal and
 checkpoint are gone or damaged.
 
-Input: the writer's open ``Layout`` (its meta directory ``layout.meta`` and one arena per device; global
-slot ``g`` lives on arena ``g % n`` at local slot ``g // n``). Every slot that exists on disk (the segment
-files present on a directory device, the whole region of a raw one) is read in large sequential reads and
-its trailer (``store.format``, "Slot") decoded:
-  * no trailer magic: never written (all zeros) or a trailer lost to a torn write: skipped;
-  * a trailer failing its own checksum, of another format, or with another number of parts: skipped;
-  * a trailer naming another namespace digest: skipped (``foreign``);
-  * page bytes whose xxh3-64 (each part's) is not the trailer's: a torn or stale write, skipped (``torn``);
-  * of several good slots of one key, the highest seq wins (an equal seq: the lowest slot); the others
-    are ``superseded``. A key always names the same bytes (a content hash), so any good copy is right.
-Output: a fresh ``checkpoint.bin`` (``journal_write.write_checkpoint``, replaced atomically) listing the kept
-pages coldest first (ascending seq), each with its slot, checksums and parent (the trailer's parent key,
-where that page was kept too), at seq = the highest seq seen and a generation above every journal present,
-which it deletes: the next open of the writer serves every kept page byte-exact. Pages deleted since they
-were written may come back (their bytes are still right); pages never acknowledged may too (likewise).
+Every slot on disk of the writer's ``Layout`` is read sequentially and its trailer (``store.format``) decoded;
+a slot is skipped as ``empty`` (no trailer magic), ``bad_trailer``, ``foreign`` (another namespace) or
+``torn`` (bytes failing the trailer's checksums). Of several good copies of a key the highest seq wins
+(equal: lowest slot; the others ``superseded``); any good copy is right, since a key names fixed bytes. The
+output is a fresh ``checkpoint.bin`` (replaced atomically) of the kept pages coldest first, at the highest
+seq seen and a generation above every journal present (which it deletes), so the next open serves every kept
+page. Deleted or unacknowledged pages may come back (their bytes are still right).
 
-Invariants: ``rebuild`` holds the writer's ``LOCK`` (``flock(LOCK_EX | LOCK_NB)``, as a writer does) from
-before its first read until the checkpoint is durable, so it never races a live writer (that is
-``StoreLockedError``). It writes nothing but the writer's meta files (``checkpoint.bin``, ``CONFIG`` when
-absent, ``LOCK``); the devices are only read. A crash mid-rebuild leaves the old meta as it was.
+Invariants: ``rebuild`` holds the writer's ``LOCK`` (``flock``, as a writer does) from its first read until the
+checkpoint is durable, so it never races a live writer (``StoreLockedError``); it writes only the writer's
+meta files (``checkpoint.bin``, ``CONFIG`` when absent, ``LOCK``), never the devices; a crash mid-rebuild
+leaves the old meta as it was.
 """
 
 from __future__ import annotations
@@ -46,8 +38,9 @@ from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.devices import Arena, DirectoryArena, fsync_dir
-from sgl_kvtier.store.layout import Layout, save_config
+from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import release_all
+from sgl_kvtier.store.meta import save_config
 
 log = logging.getLogger(__name__)
 READ_BYTES = 8 << 20  # bytes per sequential read

@@ -1,14 +1,11 @@
 """``ThreadPoolEngine``: batches of vectored reads/writes as ``os.preadv``/``os.pwritev`` on a thread pool.
 
-The contract every engine keeps (one ``IOResult`` per op, in op order, never raising for a failed op,
-xxh3-64 checksums over the buffers in order, range digests and ``before_write``) is set out in ``ops.py``,
-with the primitives; they are re-exported here, where most callers import them from. Each op's digests
-are taken on the pool thread that moves it (``run_op_blocking``). The syscalls and xxhash release the
-GIL, so ``depth`` threads keep ``depth`` ops in flight and hash ``depth`` pages at once. An exception
-raised inside an op (only a caller's ``before_write`` can) is raised once every op of the batch ended.
-``in_flight`` (both engines): the ops handed to the engine whose IO has not ended; 0 whenever no ``run``
-is in progress, whatever ``run`` returned or raised (tests read it to prove that).
-``uring.py`` is the io_uring engine; ``factory.py`` picks one by name and stacks the wrappers.
+The contract every engine keeps (one ``IOResult`` per op, in op order, never raising for a failed op;
+checksums, range digests and ``before_write``) is set out in ``ops.py``, whose primitives are re-exported
+here. Each op's digests are taken on the pool thread that moves it; syscalls and xxhash release the GIL,
+so ``depth`` threads keep ``depth`` ops in flight. An exception raised inside an op (only a caller's
+``before_write`` can) is raised once every op of the batch ended. ``in_flight`` (both engines) counts ops
+handed over whose IO has not ended: 0 whenever no ``run`` is in progress, however ``run`` ended.
 """
 
 from __future__ import annotations
@@ -58,10 +55,9 @@ class ThreadPoolEngine:
     """``os.preadv``/``os.pwritev`` on ``depth`` threads: simple, portable, GIL released in syscalls.
 
     A batch is handed to ``min(depth, ops)`` workers at once (one queue entry each, no future per op); each
-    takes ops by index until none is left, so a batch of 1,152 small ops costs one wake-up per worker, not
-    per op (measured on this project's 2-core VM: ~16 us of CPU per 16 KiB op against ~27 with a
-    ``ThreadPoolExecutor`` future per op). Workers start on first use, named ``kvtier-io_N`` by
-    ``io_thread_started``; daemon threads, so a process that never closes its engine still exits.
+    takes ops by index until none is left, so a batch costs one wake-up per worker, not per op. Workers
+    start on first use, named ``kvtier-io_N``; daemon threads, so a process that never closes its engine
+    still exits.
     """
 
     name = "threads"

@@ -1,12 +1,12 @@
 """The one place engines are built and stacked from a ``StoreConfig``.
 
-Order, innermost first: the base engine (``make_engine``: ``threads``/``auto`` or ``uring``) -> the
-``FaultyEngine`` when ``fault_injection`` is set (testing) -> the ``ThrottledEngine`` when ``throttle`` is set
-(benchmarks). The throttle is outermost so real IO and injected faults both run inside its device time.
+Innermost first: the base engine (``make_engine``: ``threads``/``auto`` or ``uring``), then ``FaultyEngine``
+when ``fault_injection`` is set (tests), then ``ThrottledEngine`` when ``throttle`` is set (benchmarks), so
+real IO and injected faults both run inside the throttle's device time.
 
-``uring`` is optional native code: before anything of it runs in this process, its probe must say it
-works here (``probe.check("uring")``: a child process, cached per machine). Where it does not, opening the
-store fails with one ``ConfigError`` naming ``io_engine`` and the probe's reason. ``auto`` never probes.
+``uring`` is optional native code: before any of it runs in this process its probe must pass
+(``probe.check("uring")``: a child process, cached per machine); otherwise opening the store fails with one
+``ConfigError`` naming ``io_engine`` and the probe's reason. ``auto`` never probes.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from sgl_kvtier.io.uring import UringEngine
 def make_engine(name: IOEngineName | str, depth: int) -> IOEngine:
     """The base engine called ``name`` (an ``IOEngineName`` or its value), ``depth`` ops in flight.
 
-    ``auto`` is the thread pool: measured here with 2-8 MiB pages in 128-page batches, io_uring moved the
-    same GB/s (within noise) and fell behind when another Python thread held the GIL, as SGLang's
-    scheduler does; it costs ~3x less CPU per op, so it stays selectable by name for small pages.
-    Raises ``ConfigError("io_engine", ...)`` for an unknown name, a ``uring`` whose probe failed here, or
-    one whose first ring cannot be set up.
+    ``auto`` is the thread pool: with large pages it moves as many bytes as io_uring and does not suffer when
+    another Python thread holds the GIL (as SGLang's scheduler does); ``uring`` costs less CPU per op, so it
+    stays selectable by name for small pages. Raises ``ConfigError("io_engine", ...)`` for an unknown name, a
+    ``uring`` whose probe failed here, or one whose first ring cannot be set up.
     """
     try:
         engine = IOEngineName(name)

@@ -1,7 +1,7 @@
-"""A fault-injecting IO engine wrapper, seeded, for reliability suites (never for production).
+"""A seeded fault-injecting IO engine wrapper for reliability suites (never for production).
 
-Enabled with the store config key ``fault_injection`` (a table, parsed into ``config.FaultSpec`` when the
-config is built; its errors name ``fault_injection.<key>``). Faults, per op:
+Enabled by the store config table ``fault_injection`` (parsed into ``config.FaultSpec``; errors name
+``fault_injection.<key>``). Faults, per op:
     read_error_rate / write_error_rate   the op fails with EIO
     enospc_rate                          a write fails with ENOSPC
     stall_rate + stall_s                 the op completes, ``stall_s`` seconds late
@@ -9,13 +9,11 @@ config is built; its errors name ``fault_injection.<key>``). Faults, per op:
                                          (with the digests of the whole write: ``prepare_write`` runs first)
     down                                 device indices whose every op fails with EIO (the device is gone)
     from_group                           > 0: the knobs above strike only reads of a group-major read's
-                                         read group >= this (``IOOp.group``, set by ``store.part_reads``);
-                                         every other op runs untouched. So a test fails a streamed tail's
-                                         group 1 while its group 0, sent beside it, lands (0: every op)
-``control_file``, if given, is a JSON file with any of these keys; it is re-read when it changes, so a test
-can make a device vanish and come back under a running server; a half-written or invalid control file
-leaves the previous knobs in force (an invalid one is logged). Every decision comes from one RNG seeded
-with ``seed``; the seed is logged.
+                                         group >= this (``IOOp.group``); every other op runs untouched
+                                         (0: every op)
+``control_file``, if given, is a JSON file with any of these keys, re-read when it changes (a test can make
+a device vanish and come back under a running server); a half-written or invalid one leaves the previous
+knobs in force. Every decision comes from one RNG seeded with ``seed`` (logged).
 """
 
 from __future__ import annotations

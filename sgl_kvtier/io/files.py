@@ -1,9 +1,9 @@
-"""How a follower reads another writer's files: ``FileView`` (the protocol), ``POSIX`` (plain syscalls).
+"""How a follower reads another writer's files: ``FileView`` (the protocol) and ``POSIX`` (plain syscalls).
 
-A follower (``sharing.follower.PageReader``, ``store.journal``'s replay) reads a writer's journals, checkpoint
-and lease only through a view, so tests can interpose a stale one (``io.stale.StaleFiles``: what an NFS
-client may show). Every ``POSIX`` read opens the file afresh: on NFS, close-to-open consistency gives fresh
-attributes and data at each open.
+A follower (``sharing.follower.PageReader``, ``store.journal``'s replay) reads a writer's journals,
+checkpoint and lease only through a view, so tests can interpose a stale one (``io.stale.StaleFiles``).
+Every ``POSIX`` read opens the file afresh: on NFS, close-to-open consistency then gives fresh attributes
+and data.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import Protocol
 
 
 class FileView(Protocol):
-    """How a follower sees another writer's files (``POSIX``; ``io.stale.StaleFiles`` in tests): ``read`` (the
-    bytes from ``offset`` to the end, at most ``limit``) and ``size`` raise FileNotFoundError; ``listdir``
-    of a directory not there is []."""
+    """A writer's files as a follower sees them: ``read`` (bytes from ``offset`` to the end, at most ``limit``)
+    and ``size`` raise FileNotFoundError; ``listdir`` of a missing directory is []."""
 
     def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes: ...
     def size(self, path: Path) -> int: ...
@@ -25,7 +24,7 @@ class FileView(Protocol):
 
 
 class PosixView:
-    """Plain syscalls; every read opens the file afresh (on NFS, close-to-open: fresh attributes and data)."""
+    """Plain syscalls; every read opens the file afresh (on NFS: fresh attributes and data)."""
 
     def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes:
         fd = os.open(path, os.O_RDONLY)

@@ -1,25 +1,14 @@
 """The primitives every IO engine shares: ops, results, the engine protocol, checksums, the blocking op.
 
-An engine knows nothing of keys, slots or policy. It gets ``IOOp``s (fd, offset, a list of buffers) and
-returns one ``IOResult`` per op, in order: bytes moved, the xxh3-64 of the op's bytes when asked for, or
-the ``OSError`` that stopped it. An engine never raises for a failed op; the caller decides what a
-failure means. Checksums are taken over the buffers in order, so the digest of a page is the same
-whether it was moved as one run or as many.
-
-Range digests (a page of several checksummed parts): an op's ``digest_ranges`` lists ``(start, length)``
-byte ranges of its bytes (the buffers back to back); the engine returns the xxh3-64 of each, in order, as
-``IOResult.part_digests``, taken where it takes the op's whole digest: for a read after its last byte
-arrived, for a write before its first byte goes out (``prepare_write``). A write's ``before_write`` is
-then called with those digests, still before any byte is sent, and may fill bytes of the op outside the
-ranges (a slot trailer that carries the page's checksums goes out in the same IO as the page). Both run
-on the engine's IO thread (the thread engine's pool; the io_uring engine's submitting thread while other
-ops are in flight), never while the op's bytes move. A failed or short op carries no range digests; a
-write failed before it reached the engine's IO (an injected fault) may never have called ``before_write``.
-An exception from ``before_write`` (a bug, not an IO failure) is raised by ``run`` after every op of the
-batch it started has ended.
-
-This module imports no engine: ``engine.py`` (threads), ``uring.py`` (io_uring) and the wrappers all
-build on it, and ``factory.py`` is the one place that picks and stacks them.
+An engine knows nothing of keys, slots or policy: it gets ``IOOp``s (fd, offset, buffers) and returns one
+``IOResult`` per op, in order (bytes moved, the xxh3-64 of the op's bytes when asked, or the ``OSError``
+that stopped it), never raising for a failed op. Digests run over the buffers in order, so a page's digest
+does not depend on how it was split. An op's ``digest_ranges`` are digested too (``part_digests``), for a
+read after its last byte arrived, for a write before its first byte goes out (``prepare_write``), when its
+``before_write`` gets them and may fill bytes outside the ranges (a slot trailer goes out in the same IO).
+Both run on the engine's IO thread, never while the op's bytes move. A failed or short op has no range
+digests; a write an injected fault stopped may never have called ``before_write``. An exception from
+``before_write`` (a bug) is raised by ``run`` once every op of the batch ended. No engine is imported here.
 """
 
 from __future__ import annotations

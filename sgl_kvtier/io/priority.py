@@ -1,17 +1,13 @@
-"""How soon sgl-kvtier's IO threads get Python's GIL: opt-in ``KVTIER_GIL_SWITCH_US=N`` (50..100000; unset:
-Python's 5 ms).
+"""How soon sgl-kvtier's IO threads get Python's GIL: opt-in ``KVTIER_GIL_SWITCH_US=N`` (50..100000 us;
+unset: Python's 5 ms).
 
-A thread waiting for the GIL asks its holder to drop it after Python's switch interval
-(``sys.setswitchinterval``, 5 ms by default). In SGLang's scheduler process the forward's Python holds the
-GIL between its torch calls, and every IO op of a streamed tail needs the GIL for its Python around the
-syscall, so a landing can queue behind it for milliseconds per hand-over. Set, the first of our IO threads
-to start in a process (``io.threads.io_thread_started``, the initializer of every pool of ours that moves
-or verifies pages) sets the interval to N us (``apply_gil_switch``): process-wide, every thread's
-hand-overs come sooner (more switching). Measured on a 2-vCPU VM (``benchmarks/RESULTS.md``, session 18):
-a streamed 201 MB hit through a throttled device beside a pure-Python thread holding the GIL landed its
-last group at 700 ms with 5 ms, 619 with 1 ms (594 alone); in a server at break-even (session 19, a twin
-at 1000 in the same turns) twin / on read paired 0.97, at the edge of the noise floor, so it stays opt-in.
-A bad value is logged once and ignored: an IO thread never fails to start over it.
+A thread waiting for the GIL asks its holder to drop it after the switch interval
+(``sys.setswitchinterval``). In SGLang's scheduler the forward's Python holds the GIL between torch calls,
+and every IO op of a streamed tail needs the GIL around its syscall, so a landing can queue behind it for
+milliseconds per hand-over. When set, the first of our IO threads to start in a process
+(``io.threads.io_thread_started``) sets the interval to N us: process-wide, so every thread hands over
+sooner (more switching); that is why it stays opt-in. A bad value is logged once and ignored: an IO thread
+never fails to start over it.
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
-"""Prove optional native code works on this machine before the server or a test process runs any of it.
+"""Prove optional native code works on this machine before any process of ours runs it.
 
-A wheel built for a newer CPU kills the process that calls into it (SIGILL), with no Python traceback
-and no message; a kernel or container may refuse the syscalls (seccomp, a sysctl) or a memory limit may
-stop them. So an optional engine is first run in a *child process*: ``check`` starts
-``sys.executable -m sgl_kvtier.io.probe --child module:function`` with a timeout; the child imports the
-probe's target and calls it (the target raises ``ProbeFailure``, or any exception, when something is
-wrong) and prints one line ``MARKER + json({"status", "reason"})``. The parent turns the child's end into
-a ``ProbeVerdict``: that line, or the signal that killed the child, or its exit status, or the timeout.
+A wheel built for a newer CPU kills its caller with SIGILL (no traceback), and a kernel or container may
+refuse the syscalls. So ``check`` first runs the probe's target in a child
+(``python -m sgl_kvtier.io.probe --child module:function``, with a timeout), which prints one line
+``MARKER + json({"status", "reason"})``; the parent turns that line, the killing signal, the exit status or
+the timeout into a ``ProbeVerdict``.
 
-Invariants:
-* ``check`` never raises for a failing probe, and the asking process never imports the probed code.
-* The child gets the parent's ``sys.path`` (``PYTHONPATH``), so whatever the parent could import, it can;
-  it sets ``RLIMIT_CORE`` to 0 first, so the crash being probed for leaves no core file.
-* A verdict is memoised in-process per ``Probe`` and cached on disk per machine and software: the key is
-  the sha256 of a fingerprint (probe name and target, a digest of the target module's source, the
-  Python build and executable, the versions of the probe's ``packages`` read with ``importlib.metadata``
-  without importing them, our version, the kernel release and machine, a digest of the CPU flags line,
-  ``kernel.io_uring_disabled``, the seccomp mode and ``RLIMIT_MEMLOCK``). A TIMEOUT is not written to the
-  file (it may be a busy machine, not a property of it).
+Invariants: ``check`` never raises for a failing probe, and the asking process never imports the probed
+code; the child gets the parent's ``sys.path`` and no core file. A verdict is memoised per ``Probe`` and
+cached on disk under the sha256 of ``fingerprint`` (target source, Python, packages, kernel, CPU flags,
+io_uring sysctl, seccomp, memlock); a TIMEOUT is never cached (a busy machine, not a property of it).
 
-Cache file (``$KVTIER_PROBE_CACHE``, else ``$XDG_CACHE_HOME/sgl-kvtier/probe.json``, else
-``~/.cache/sgl-kvtier/probe.json``), JSON::
+Cache file (``$KVTIER_PROBE_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``sgl-kvtier/probe.json``)::
 
     {"format": 1, "entries": {"<key>": {"probe": "uring", "status": "available", "reason": "",
-                                         "seconds": 0.21, "checked_at": 1.7e9, "fingerprint": {...}}}}
+                                         "seconds": <float>, "checked_at": <unix time>, "fingerprint": {...}}}}
 
-Written whole to a temporary file and renamed over the old one; a missing, unreadable or corrupt file is
-read as empty (and so rewritten on the next write); at most ``MAX_ENTRIES`` entries, newest kept. Two
-processes probing at once both probe, and one of their writes wins: harmless.
+Written to a temporary file and renamed; a missing or corrupt file reads as empty; at most ``MAX_ENTRIES``
+entries, newest kept. Two processes probing at once both probe; one write wins.
 """
 
 from __future__ import annotations

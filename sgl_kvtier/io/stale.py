@@ -1,29 +1,18 @@
-"""NFS-like incoherence, injected, seeded (testing only, never for production): what a client of a shared
-filesystem may see of files another host writes, for the tests of ``sharing = "cluster"`` readers.
+"""Seeded NFS-like incoherence for the tests of ``sharing = "cluster"`` followers (never for production).
 
-``StaleFiles(inner, ...)`` wraps a file view (``read(path, offset, limit)``, ``size``, ``exists``,
-``listdir``: the ``io.files.FileView`` a reader sees its writer's journals, checkpoint and lease
-through; pass ``io.files.POSIX`` as ``inner``). Give it to ``PageReader.open(view=...)``, or to every
-reader opened in a block (a pool's peers) with ``sharing.follower.reading_through(view)``. Faults:
-    lag_rate     journal lag: a read of a file matching ``lag_match`` (journals) returns only a prefix of
-                 what is there, cut at a random byte past ``offset`` (attributes cached, writes not yet at
-                 the server); with probability ``zero_share`` the cut-off bytes read as zeros instead (the
-                 file grew but its new bytes are not there yet).
-    hide_s       negative lookup: a path matching ``hide_match`` (writer directories, journals) does not
-                 exist for ``hide_s`` seconds of ``clock`` from the first time this view looked it up and
-                 it was there (a negative dentry cached just before it was made): ``exists`` is False,
-                 ``read``/``size`` raise FileNotFoundError, listings leave it out, and so for the files
-                 in a hidden directory.
-    stale_rate   stale file: a whole read (offset 0) of a file matching ``stale_match`` (``LEASE``) returns
-                 the content the file had before the last change this view saw (the previous lease).
-``clear()`` turns every fault off at once (what a client sees once its caches expire). ``injected``
-counts each fault served.
+``StaleFiles(inner, ...)`` wraps an ``io.files.FileView`` (give it to ``PageReader.open(view=...)``, or to a
+block of followers with ``sharing.follower.reading_through``). Faults:
+    lag_rate     a read of a ``lag_match`` file (journals) returns a random prefix past ``offset``; with
+                 probability ``zero_share`` the missing bytes read as zeros instead (grown, not yet written)
+    hide_s       a ``hide_match`` path is invisible for ``hide_s`` seconds after this view first saw it (a
+                 cached negative dentry), and so are the files under a hidden directory
+    stale_rate   a whole read of a ``stale_match`` file (``LEASE``) returns its content before the last
+                 change this view saw
+``clear()`` turns every fault off; ``injected`` counts each fault served.
 
-``StaleSlotEngine(inner)`` wraps an IO engine (``io.ops``): a read at a (file, offset) with an old version
-on record (``remember(path, offset, data)``, or ``capture(path, offset, length)``: the bytes there now,
-taken before the writer rewrites them) returns those old bytes (a stale data cache serving a slot as it
-was before its last rewrite), with the checksum (and range digests) of what it served; ``forget()`` ends
-the fault. ``served`` counts the reads it answered so. Every other op runs on ``inner``.
+``StaleSlotEngine(inner)`` wraps an IO engine: a read at a (file, offset) with an old version on record
+(``remember``, or ``capture`` before the writer rewrites it) returns those bytes with their digests (a stale
+data cache) until ``forget()``; ``served`` counts them.
 """
 
 from __future__ import annotations

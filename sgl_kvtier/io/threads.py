@@ -1,14 +1,12 @@
-"""sgl-kvtier's threads as the OS sees them: named, so ``top -H`` / ``ps -L`` (and bench_streaming's CPU
-table) tell our CPU from SGLang's, and the GIL switch interval set where asked (``io.priority``).
+"""sgl-kvtier's threads as the OS sees them: named, so ``top -H`` / ``ps -L`` tell our CPU from SGLang's,
+with the GIL switch interval set where asked (``io.priority``).
 
-``io_thread_started`` is the initializer of every thread pool of ours that moves or verifies pages
-(``kvtier-io``, ``kvtier-parts``, ``kvtier-readahead``, ``kvtier-stream``): it names the worker's OS thread
-after its Python name (``kvtier-io_3``) and applies ``KVTIER_GIL_SWITCH_US``. ``name_this_thread`` alone
-serves our other threads (the lease heartbeat, the layer loader) as they start.
+``io_thread_started`` is the initializer of every thread pool of ours that moves or verifies pages: it
+names the worker's OS thread after its Python name (``kvtier-io_3``) and applies ``KVTIER_GIL_SWITCH_US``.
+``name_this_thread`` alone serves our other threads (the lease heartbeat, the layer loader).
 
-Naming is Linux's ``prctl(PR_SET_NAME)`` on the calling thread (the kernel keeps 15 bytes; a longer name
-keeps its first 15). Python 3.11 does not name OS threads itself. Elsewhere, or if libc refuses, the
-thread keeps the name it inherited: naming never raises and never stops a thread from starting.
+Naming is Linux's ``prctl(PR_SET_NAME)`` on the calling thread (the kernel keeps 15 bytes). Elsewhere, or
+if libc refuses, the thread keeps its inherited name: naming never raises and never stops a thread.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """A bandwidth- and latency-capping IO engine wrapper that emulates a slower device (benchmarks only).
 
-Enabled with the store config key ``throttle`` (a table, parsed into ``config.ThrottleSpec`` when the config
-is built; its errors name ``throttle.<key>``):
-    read_bytes_per_s    read bandwidth of the emulated device, bytes/s (> 0); absent: reads uncapped
-    write_bytes_per_s   write bandwidth, bytes/s (> 0); absent: writes uncapped
-    latency_s           fixed latency added to every op, seconds (>= 0); default 0
+Enabled by the store config table ``throttle`` (``config.ThrottleSpec``: ``read_bytes_per_s``,
+``write_bytes_per_s``, absent: uncapped; ``latency_s``, default 0). One emulated device per store, shared by
+every caller: at most ``depth`` ops in flight (an op is issued on arrival or when the earliest in flight
+ends); one busy-until clock, each issued op occupying it for ``nbytes / rate`` after every op issued before
+(reads and writes share it); latency added after the transfer, overlapping across ops in flight, so ``k <=
+depth`` ops of ``n`` bytes issued together end after ``k * n / rate + latency`` (the cost model's shape).
 
-The emulated device (one per store, shared by every thread that calls ``run``):
-- Queue: at most ``depth`` ops in flight (the wrapped engine's queue depth). An op is issued when it
-  arrives or, with ``depth`` ops in flight, when the earliest of them completes.
-- Bandwidth: one busy-until clock. An issued op's bytes occupy the device for ``nbytes / rate`` (the rate
-  of its kind) after the bytes of every op issued before it, so concurrent ops and concurrent callers
-  queue behind each other, and reads and writes share the device as they do on one real drive.
-- Latency: added after the op's transfer, overlapping across the ops in flight (a pipeline), so ``k``
-  ops of ``n`` bytes issued together complete after ``k * n / rate + latency`` (with ``k <= depth``):
-  the ``batch_latency + bytes / bandwidth`` shape the cost model fits.
-
-Invariants: the real IO is done by the wrapped engine, so bytes, checksums and errors are exactly the
-wrapped engine's; ``run`` returns no earlier than the emulated completion of its last op (waiting is the
-point of this engine); an op's ``IOResult.seconds`` is its emulated time from issue to completion (its
-wait behind earlier ops in flight, its transfer and the latency: what a real device's op would report),
-or the real time if that was longer. Failed ops are charged like good ones (a real device spends the
-time too). The schedule is computed under one lock at submission; sleeping happens outside it.
+Invariants: bytes, checksums and errors are the wrapped engine's; ``run`` returns no earlier than the
+emulated completion of its last op; ``IOResult.seconds`` is the emulated issue-to-completion time (or the
+real time if longer); failed ops are charged like good ones; the schedule is computed under one lock and
+sleeping happens outside it.
 """
 
 from __future__ import annotations

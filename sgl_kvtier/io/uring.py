@@ -1,33 +1,18 @@
 """``UringEngine``: batches of vectored reads/writes through io_uring (the PyPI ``liburing`` package).
 
-Invariants (the contract of every engine, see ``ops.py``):
+Besides the engine contract (``ops.py``): a negative completion is ``OSError(-res)`` (EINTR/EAGAIN retried),
+a 0-byte transfer before the end is ``short`` EIO, a partial one is resubmitted for the rest. Write digests
+are taken before submission, read digests after the last completion once the queue is refilled, both on the
+calling thread. At most ``depth`` ops are in flight per ring; every ``Iovec`` and buffer given to the kernel
+stays referenced until its completion is reaped, and ``run`` waits for every completion before returning,
+also on an exception (``in_flight`` keeps counting ops a failed drain left). Completions are reaped one at
+a time (the binding's ``cqe[i]`` ignores ring wrap-around), and waits are ``poll()`` on the ring fd, since
+``io_uring_wait_cqe`` holds the GIL.
 
-* ``run(ops)`` returns one ``IOResult`` per op, in op order, and never raises for a failed op: a negative
-  completion becomes ``OSError(-res)`` (EINTR/EAGAIN are retried); a 0-byte transfer before the op is
-  complete (EOF) ends it with ``short=True`` and an EIO error, as ``run_op_blocking`` does. A partial
-  transfer is resubmitted from ``offset + n`` with the remaining buffer slices.
-* Checksums are ``digest(op.buffers)`` (xxh3-64, buffers in order), and range digests those of the op's
-  ``digest_ranges``: for writes taken before submission (``prepare_write``, which also calls the op's
-  ``before_write``), for reads after the op's last completion, once the queue is refilled (so while other
-  ops are in flight). Both on the thread calling ``run``. Failed and short ops carry none.
-* At most ``depth`` ops are in flight per ring. Each ``Iovec`` and buffer slice given to the kernel stays
-  referenced from the in-flight table until its completion is reaped; ``run`` waits for every in-flight
-  completion before it returns, also when it leaves by an exception. ``in_flight`` sums the tables of the
-  runs in progress (and of any whose drain gave up: those ops may still move), so it is 0 after a ``run``.
-* Completions are reaped one at a time (``cqe[0]``, then ``io_uring_cqe_seen``): this binding's ``cqe[i]``
-  ignores ring wrap-around, which is why reaping several by index gave bogus results.
-* The binding holds the GIL inside ``io_uring_wait_cqe``, so we never block there but in ``poll()`` on
-  the ring fd, which releases the GIL (SGLang's scheduler and the other IO threads keep running).
-
-Native code: importing this module does not import ``liburing``. Its wheel may not run on this CPU (the
-2026.3.30 wheel has AVX-512 instructions: SIGILL on an AVX2-only machine) or the kernel may refuse
-io_uring, so ``UringEngine()`` first asks ``probe.require("uring")``, which runs ``self_test`` in a child
-process (cached per machine); only after that says available is ``liburing`` imported here.
-
-Threads: SGLang calls ``run`` from up to three threads at once; each ``run`` checks a ring out of a pool
-(making one when all are busy) and puts it back after, so a ring is used by one thread at a time. One
-ring behind a lock would make a small prefetch wait behind a large write-back batch; a ring per
-``threading.local`` would leak the rings of exited threads, out of reach of ``close()``.
+``liburing`` is imported only after ``probe.require("uring")`` passed in a child process (its wheel may use
+instructions this CPU lacks, or the kernel may refuse io_uring). Each ``run`` checks a ring out of a pool
+(made when all are busy): a ring serves one thread at a time, a small prefetch never waits behind a
+write-back batch, and ``close()`` reaches every ring.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The load-or-recompute policy of one backend: its switch, its measured inputs, and the hit it reports.
 
-The switch: ``KVTIER_PREFETCH_POLICY=cost`` in the server's environment (SGLang's spawned scheduler
-processes inherit it). Unset, empty or ``off``: off. Any other value: off, with one warning per value. An
-environment variable rather than a key of the extra-config JSON because SGLang runs ``load_plugins()``
-(which decides whether to hook anything) early in each process, before the scheduler builds the cache and
-our backend parses the extra config.
-
-Inputs, both typed and both owned by the backend's ``CostPolicy``:
-- read path (``ReadPath``): page geometry and the KV store's measured read model, from a callable the
-  backend hands in (moving least squares over the real ``get`` batches);
-- prefill speed (``PrefillSampler``): fed by the cost-policy plugin (``experiments.cost_policy.plugin``), which
-  reaches this object through the backend it finds on the cache or scheduler it hooks, from SGLang's own
-  per-batch timings (a batch's ``launch_ts`` to the end of its ``process_batch_result``); the first
-  ``WARMUP_BATCHES`` extend batches are skipped (compilation, warm-up request). Until it has enough samples
-  it answers the seed from ``KVTIER_PREFILL_TOKENS_PER_S`` if set, else nothing (and the policy defers to
-  SGLang's own).
-
-Invariants: imports no SGLang (callers hand SGLang objects' plain fields in); no module state but the
-warn-once memo of bad switch values; ``shorten_hit`` never raises (any problem: the unshortened hit, the
-error counted by the backend's boundary); with the switch off, nothing here changes what the backend reports.
+Switch: ``KVTIER_PREFETCH_POLICY=cost`` in the server's environment (an environment variable because
+SGLang's ``load_plugins()`` decides what to hook before our backend parses its config); anything but
+``cost`` is off, an unknown value warned once. Inputs: ``ReadPath`` (page geometry and the store's fitted
+read model) and ``PrefillSampler`` (fed by ``experiments.cost_policy.plugin`` from SGLang's per-batch
+timings after ``WARMUP_BATCHES``; until fitted, ``KVTIER_PREFILL_TOKENS_PER_S`` or nothing, and the policy
+defers to SGLang's own). Invariants: imports no SGLang; ``shorten_hit`` never raises (on any problem: the
+unshortened hit, the error counted); with the switch off, nothing here changes a hit.
 """
 
 from __future__ import annotations

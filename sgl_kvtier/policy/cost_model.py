@@ -1,32 +1,21 @@
 """Load or recompute: a per-request TTFT model for L3 prefix pages, and the prefill estimator that feeds it.
 
-Pure Python: no clock, no sleep, no SGLang; callers pass measured figures and elapsed times in. The read
-side (``DeviceModel``) is measured by the store (``store.read_rates``) and shared through
-``sgl_kvtier.estimation``, so this module imports nothing of the store.
-Modelled (SGLang 0.5.23, shared/reference/sglang-hicache.md section 5): a request whose storage prefetch
-is in flight is skipped at admission until the stop policy terminates the prefetch; only then can its own
-prefill start (loads of other requests overlap with it, its own prefill does not). Loading the first
-``k`` of the ``H`` L3-hit pages and recomputing the rest of the span:
+Pure Python: no clock, no SGLang, nothing of the store; callers pass measured inputs and elapsed times.
+Modelled: SGLang's scheduler (``get_new_batch_prefill``) skips a request while ``check_prefetch_progress``
+says its storage prefetch is in flight, so its prefill starts once the stop policy ends the prefetch. Pages
+move in batches of ``batch_pages`` (SGLang's ``STORAGE_BATCH_SIZE``, one ack each); a cut keeps the completed
+batches and wastes the one in flight. Loading the first ``k`` of ``H`` hit pages of ``P`` tokens:
 
     TTFT(k) ~= wait(k) + prefill(tokens=(H - k) * P + tail, cached=cached + k * P)
+    load    T(n) = ceil(n / batch_pages) * batch_latency + n * page_bytes / bandwidth
+    prefill C(t, c) = a*t + b*t*(c + t/2)/1000 + fixed, t >= 1  (c + t/2: the new tokens' mean attention span)
+    wait(k) = max(0, T(max(k, next)) - e) + max(0, e - T(next))  (``e`` s into the load, ``next`` the end of
+              the batch in flight: a load late by ``d`` needs ``d`` more; a page comes with its whole batch)
 
-Pages move in batches of ``batch_pages`` (SGLang's STORAGE_BATCH_SIZE, 128), one ack per batch from the
-start of the hit; termination is cooperative at that granularity, so a cut keeps the completed batches
-and the batch in flight is wasted.
-
-- load:    T(n) = ceil(n / batch_pages) * batch_latency + n * page_bytes / bandwidth   (from the load's start)
-- prefill: C(t, c) = a*t + b*t*(c + t/2)/1000 + fixed, with t >= 1 (SGLang always computes the last token;
-           c + t/2 is the mean attention span of the t new tokens, so b carries the attention cost)
-- wait(k) from now, ``e`` seconds after the load began, ``next`` the end of the batch in flight:
-           max(0, T(max(k, next)) - e) + max(0, e - T(next)): a load late by ``d`` is predicted to need
-           ``d`` more, and a page of the batch under way comes only with the whole batch.
-
-Invariants:
-- ``plan`` and ``should_terminate`` choose to wait for pages only when the predicted TTFT with them is lower
-  than recomputing now by more than ``margin_s`` (ties and unknowns go to recomputing).
-- A late (stalled) load's predicted finish grows with its lateness, so it is always cut eventually.
-- Estimators are thread-safe (one lock each) and publish immutable model snapshots; a degenerate sample set
-  falls back to fewer coefficients (non-negative least squares), never to a negative speed.
+Invariants: ``plan`` and ``should_terminate`` wait for pages only when that is predicted faster than
+recomputing now by more than ``margin_s`` (ties and unknowns recompute); a stalled load's predicted finish
+grows with its lateness, so it is always cut eventually; estimators are thread-safe, publish immutable
+models, and fall back to fewer coefficients rather than a negative speed.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Eviction policies: which stored page to drop when the store is full. Pure bookkeeping, no IO.
 
-Pages are named by their slot (a small int, unique while the page is stored), so the bookkeeping is a
-few numpy arrays rather than millions of Python objects: a reopened store of 1M pages loads in
-fractions of a second.
-
-``LRUPolicy`` drops the least recently used page.
-
-``ChainPolicy`` knows that SGLang keys form prefix chains (page i+1's hash chains on page i) and that a
-chain is only usable up to its first missing page (``batch_exists`` stops there). So it only ever drops
-*leaves* (pages no stored page chains on), least recently used first; a parent becomes a leaf, with its
-own recency, once its last child is gone. A prefix is thus eaten from its deepest end and a shared head
-outlives the many tails hanging off it. ``coldest_first`` is recency order only (a checkpoint's order); the
-order pages would actually be dropped in is ``victims`` (for the chain policy: never a page before a stored
-descendant of it). Leaves sit in a heap of ``tick << 32 | slot`` with lazy
-deletion: an entry is live only while its tick is the slot's current one and the slot has no children.
-A child's link remembers its parent's birth tick, so a link to a slot that was since reused is ignored.
+Pages are named by slot (a small int, unique while the page is stored), so state is a few numpy arrays,
+not a Python object per page. ``LRUPolicy`` drops the least recently used page. ``ChainPolicy`` knows SGLang
+keys form prefix chains usable only up to their first missing page, so it drops only *leaves* (pages no
+stored page chains on), least recently used first; a parent becomes a leaf, with its own recency, once its
+last child is gone. A prefix is eaten from its deepest end and a shared head outlives its tails.
+``coldest_first`` is recency order (a checkpoint's); ``victims`` is the real drop order (never a page before
+a stored descendant). Leaves sit in a heap of ``tick << 32 | slot`` with lazy deletion (an entry is live
+only while its tick is the slot's current one and the slot has no children); a child's link records its
+parent's birth tick, so a link to a since-reused slot is ignored.
 """
 
 from __future__ import annotations

@@ -1,40 +1,26 @@
 """One pool-wide byte quota shared by many writers, with no coordinator: a cooperative global LRU.
 
-Pure arithmetic over the usages that writers publish in their leases (``bytes_used`` and ``age_hist``);
-no IO, no store imports. Every writer, every heartbeat, reads all leases, calls ``plan`` with itself as
-``me``, and then evicts only *its own* pages: the oldest ``evict_bytes`` of those at least
-``cutoff_age_s`` old, in its eviction policy's order (chain-aware: deepest first). It allocates new space
-only while ``may_grow``.
+Pure arithmetic over the usages writers publish in their leases (``bytes_used``, ``age_hist``). Every writer,
+every heartbeat, calls ``plan`` over all leases with itself as ``me`` and evicts only *its own* pages: the
+oldest ``evict_bytes`` of those at least ``cutoff_age_s`` old. It allocates only while ``may_grow``. Ages
+are bucketed on a log scale (bucket 0: [0, 1) s; bucket ``i``: [sqrt(2)**(i-1), sqrt(2)**i) s; the last:
+older), one table of floors serving ``bucket``, ``buckets`` and ``bucket_floor`` alike.
 
-Ages are bucketed on a log scale: bucket 0 holds ages in [0, 1) s, bucket ``i >= 1`` ages in
-[sqrt(2)**(i-1), sqrt(2)**i) s, the last bucket everything older. ``bucket``, ``buckets`` and
-``bucket_floor`` agree exactly (both read the same table of floors), so "age >= bucket_floor(j)" and
-"bucket(age) >= j" are the same test.
-
-The rule (``U`` = the sum of ``bytes_used`` over every writer, live and dead; ``cap`` = capacity_bytes):
+The rule (``U`` = sum of ``bytes_used`` over every writer, live and dead; ``cap`` = capacity_bytes):
   * ``U <= high * cap``: nobody evicts (hysteresis: eviction, once started, goes down to ``low``).
-  * Otherwise ``U - low * cap`` bytes must go, taken oldest first in this order of classes:
-      1. dead writers' bytes (their histograms are first aged by ``seen_age_s``: nobody touches them);
-      2. live writers' bytes, except each live writer's youngest ``min_share_bytes`` (its floor);
-    within a class by age bucket, oldest first. The bucket where the needed bytes run out (the cutoff
-    bucket; its floor is ``T*``, the largest age such that everything younger fits) is taken partly, each
-    writer giving its pro-rata part of it, rounded up. So after every writer has evicted its share,
-    ``U <= low * cap`` (unless the floors alone exceed it: then everything but the floors goes).
+  * Else ``U - low * cap`` bytes go, oldest bucket first, first from dead writers (histograms aged by
+    ``seen_age_s``), then from live writers beyond each one's youngest ``min_share_bytes``. The cutoff
+    bucket is shared pro rata, rounded up, so once all have evicted ``U <= low * cap`` (unless the floors
+    exceed it).
   * ``may_grow``: ``U + grow_bytes <= cap``, or (a live newcomer) ``my bytes + grow_bytes <= min_share_bytes``.
 
-Invariants:
-  * Deterministic: the plan depends on the set of usages, not their order (usages are sorted by ``wid``,
-    duplicates of a ``wid`` collapse to the freshest, and all sums are integer).
-  * Everyone computing from the same leases gets the same cutoff and the same share for every live
-    writer: live histograms are taken as published (their pages may have been touched since, so aging them
-    would be a guess, and a different one on each observer's clock); only dead writers' histograms are
-    aged, by ``seen_age_s``, which orders dead writers among themselves and never moves the live cutoff.
-    So each writer should plan with exactly the usage it publishes. The shares add up to at least
-    ``U - low * cap`` when eviction is due.
-  * A writer's share never exceeds its evictable bytes: a live writer at or under ``min_share_bytes``
-    evicts nothing, and no live writer is asked for a byte while a dead writer still has one.
-  * A histogram that does not add up to ``bytes_used`` is reconciled: missing bytes count as age 0 (never
-    evicted on a guess), surplus bytes are dropped from the youngest buckets.
+Invariants: the plan depends on the set of usages, not their order (sorted by ``wid``, duplicates collapse
+to the freshest, integer sums). Everyone reading the same leases gets the same cutoff and shares: live
+histograms are taken as published (aging them would differ per observer's clock), so a writer plans with
+exactly the usage it publishes. Shares add up to at least ``U - low * cap`` when eviction is due, never
+exceed a writer's evictable bytes, and no live writer gives a byte while a dead one has any. A histogram
+not adding up to ``bytes_used`` is reconciled: missing bytes count as age 0, surplus is dropped from the
+youngest buckets.
 """
 
 from __future__ import annotations

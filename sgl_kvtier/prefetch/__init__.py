@@ -1,5 +1,6 @@
-"""Getting pages off flash before they are asked for: read-ahead staging (``readahead``); and landing them
-layer by layer while the forward runs: a per-layer gate and a loader thread (``layer_gate``)."""
+"""Getting pages off flash before they are asked for: read-ahead staging (``readahead``). Landing them layer
+by layer during the forward is an experiment (``experiments.layer_loader``).
+"""
 
 from sgl_kvtier.prefetch.readahead import ReadAhead, ReadAheadCounters
 

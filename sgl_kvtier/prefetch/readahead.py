@@ -1,34 +1,24 @@
 """Read-ahead: pages an exists query found start loading at once into a bounded staging area.
 
-Why: SGLang 0.5.23 asks ``batch_exists`` about a request's whole uncached span from its prefetch thread,
-then allocates host slots at the scheduler's next step (after the running forward: seconds on CPU), then
-its IO thread reads 128 pages per ``batch_get_v1`` call, one call at a time. ``stage`` starts every found
-page's read at the exists query; ``read`` (the ``get`` path) copies staged pages into the caller's memory,
-joining reads still in flight, and reads the rest from the store as before.
-
-Staging: page-aligned one-page buffers, made lazily and reused, at most ``budget_bytes // buffer size``
-of them. One entry per staged key: READING, then READY (verified bytes in its buffer) or FAILED. The
-exists call only reserves budget; the staging job takes (or makes and prefaults) the buffers, so SGLang's
-prefetch thread never waits for memory.
+Why: SGLang's prefetch thread asks ``batch_exists`` about a request's span, host slots are allocated only at
+the scheduler's next step, and the IO thread then reads one storage batch per ``batch_get_v1`` call. ``stage``
+starts every found page's read at the exists query (only reserving budget: the staging job makes the
+buffers, so SGLang's thread never waits for memory); ``read`` (the ``get`` path) copies staged pages into
+the caller's memory, joining reads in flight, and reads the rest from the store. Each staged key's entry is
+READING, then READY (verified bytes in a reused page-aligned buffer) or FAILED.
 
 Invariants:
-- What a caller gets from staging is what ``PageStore.get`` verified for that key (staged reads are
-  ordinary store reads, checksums and all). Keys name immutable content, so a staged copy stays right
-  even if the store evicts the page meanwhile.
-- Memory never exceeds the budget: a key is staged only when a buffer is free; the leading keys of a
-  span are staged first (SGLang consumes a span in order), the rest are read on demand.
-- An entry leaves the table when taken, when it goes stale (not taken within ``stale_s``: SGLang
-  revoked, cut or dropped that prefetch), or at close. A buffer is reused only after its read ended:
-  a taker waits for the read before copying; a stale or closed entry whose read is in flight is handed
-  to the reading job, which frees the buffer when the read returns. Nothing leaks, nothing is freed
-  under a read.
-- A failed staged read is not an answer: the taker reads that page from the store itself (a miss
-  there stays a miss; a corrupt page was dropped by the store's check).
+- Staging yields what ``PageStore.get`` verified; keys name immutable content, so a staged copy stays
+  right even if the store evicts the page meanwhile.
+- Memory never exceeds the budget; a span's leading keys are staged first (SGLang consumes it in order).
+- An entry leaves the table when taken, stale (not taken within ``stale_s``) or closed. A buffer is reused
+  only after its read ended: a taker waits for the read; an abandoned entry still reading is freed by its
+  job when the read returns.
+- A failed staged read is no answer: the taker reads that page from the store itself.
 - Staging jobs run on this object's own threads and never raise out of them.
-- A streamed tail (``sgl_kvtier.sglang.stream``) may ``take`` its pages' entries out of the table without
-  waiting; each taken entry is then the taker's to ``deliver`` (after its read ended) or ``give_back``, by
-  the same rules as ``read``'s (a buffer is freed only after its read returned). A taker's ``listener`` is
-  called on the staging thread once a taken entry's read ended (never under this object's lock).
+- A streamed tail (``experiments.streaming.tail_stream``) may ``take`` entries without waiting; each is then
+  the taker's to ``deliver`` (after its read ended) or ``give_back``. Its ``listener`` is called on the staging
+  thread once its entry's read ended, never under our lock.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """``sgl-kvtier demo``: the README's main job, on an embedded default (CPU, tiny model, local directory).
 
-1. A real SGLang server with sgl-kvtier as L3 answers a multi-turn conversation (each turn resends the
-   growing history, so each prompt's prefix is the previous prompt: device-cache hits).
-2. ``/flush_cache`` empties HBM and host DRAM ("flushed"); the conversation is asked again: the prefix now comes from
-   flash (storage hits), with the same greedy answers.
-3. The server is stopped and a new one started on the same store: hits come from flash again ("restarted").
-Columns: cached prompt tokens by where SGLang found them (device = HBM, host = DRAM, flash = sgl-kvtier).
-A table shows, per request, where its cached tokens came from and its TTFT.
+1. A real SGLang server with sgl-kvtier as L3 answers a multi-turn conversation (each prompt's prefix is
+   the previous prompt: device-cache hits).
+2. ``/flush_cache`` empties HBM and host DRAM ("flushed") and the conversation is asked again: the prefix
+   comes from flash (storage hits), with the same greedy answers.
+3. A new server on the same store ("restarted"): hits come from flash again.
+A table shows, per request, its cached prompt tokens by tier (device = HBM, host = DRAM, flash =
+sgl-kvtier) and its TTFT.
 """
 
 from __future__ import annotations

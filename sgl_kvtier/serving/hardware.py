@@ -1,15 +1,12 @@
 """What this machine computes on (a CUDA GPU, the CPU's flags) and the dtype the random models follow from it.
 
-torch runs bfloat16 matmuls natively on a CPU only with AVX512-BF16 or AMX; elsewhere (an AVX2-only AMD EPYC,
-say) it takes slow fallback paths (a 2048 x 2048 matmul measured 100 GFLOP/s in float32, 0.29 in bfloat16), so
-a CPU run of a bfloat16 model would time the fallback kernels rather than load against recompute.
-``choose_dtype`` is the one place the choice is made, for the model factory, ``sgl-kvtier launch`` and the
-demo, the test servers and every CPU benchmark. In order: an explicit dtype; ``KVTIER_MODEL_DTYPE``; bfloat16
-with a CUDA GPU (the models run there); bfloat16 with ``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's
-flags; float32 otherwise. Standard library only: no torch here (the GPU probe is ``nvidia-smi -L``).
-
-SGLang's ``--dtype auto`` serves a float32 checkpoint in float16 (vLLM's convention), so a factory model's
-server gets its dtype spelled out (``dtype_args``).
+torch runs bfloat16 matmuls natively on a CPU only with AVX512-BF16 or AMX; elsewhere it takes far slower
+fallback paths, so a CPU run of a bfloat16 model would time those rather than load against recompute.
+``choose_dtype`` is the one place the choice is made (model factory, ``sgl-kvtier launch``, the demo, test
+servers, CPU benchmarks). In order: an explicit dtype; ``KVTIER_MODEL_DTYPE``; bfloat16 with a CUDA GPU;
+bfloat16 with ``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's flags; float32 otherwise. Standard library
+only (the GPU probe is ``nvidia-smi -L``). SGLang's ``--dtype auto`` serves a float32 checkpoint in float16,
+so a factory model's server gets its dtype spelled out (``dtype_args``).
 """
 
 from __future__ import annotations

@@ -2,20 +2,14 @@
 with sgl-kvtier as its L3 tier.
 
 Config file (TOML), two tables:
-    [sglang]  flags for ``python -m sglang.launch_server``: ``key = value`` becomes ``--key-with-dashes value``,
-              ``key = true`` a bare ``--key``, a list repeats the values after one flag. ``model_path`` may
-              be ``"tiny"`` / ``"bench"`` / ``"kvheavy"`` for a random model made offline (tests, demo, CPU),
-              in the machine's native dtype (``hardware.choose_dtype``: ``dtype = "float32"`` here or
-              ``KVTIER_MODEL_DTYPE`` forces one) and served with that ``--dtype``.
-    [kvtier]  our keys (``devices``, ``capacity_bytes``, ...): validated here, before SGLang starts, and
-              passed on in ``--hicache-storage-backend-extra-config``. One exception, ``prefetch_policy =
-              "cost" | "off"``, is no store key: it becomes ``KVTIER_PREFETCH_POLICY`` in the server's
-              environment (SGLang's plugins read it before any backend config exists); absent, the
-              environment is left as it is (the policy is off unless it was already set there). ``streaming =
-              "on"`` also sets ``KVTIER_STREAM=1`` there (the stream plugin is opt-in, ``serving.server``).
-HiCache flags are always set (``--enable-hierarchical-cache --hicache-storage-backend dynamic``) and the
-extra config always names our backend with ``interface_v1`` (zero copy) and prefix keys passed (chains).
-Without a GPU the CPU flags and ``KVTIER_CPU_SHIMS=1`` are added.
+    [sglang]  flags for ``python -m sglang.launch_server`` (``key = value``: ``--key-with-dashes value``;
+              ``true``: a bare flag; a list: the values after one flag). ``model_path`` may be ``"tiny"`` /
+              ``"bench"`` / ``"kvheavy"``: a factory model in the machine's native dtype, served with it.
+    [kvtier]  store keys, validated before SGLang starts and passed in the extra config; except
+              ``prefetch_policy = "cost" | "off"``, set as ``KVTIER_PREFETCH_POLICY`` in the server's
+              environment (absent: left as it is); ``streaming = "on"`` also sets ``KVTIER_STREAM=1``.
+HiCache flags and our backend (``interface_v1``, prefix keys passed) are always set; without a GPU, the CPU
+flags and ``KVTIER_CPU_SHIMS=1`` too.
 """
 
 from __future__ import annotations

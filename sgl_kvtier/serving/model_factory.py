@@ -1,32 +1,15 @@
 """Random-weight Qwen2 models and a matching tokenizer, made offline for tests, the demo and benchmarks.
 
-There is no model hub here, and tests need a model whose KV geometry we choose: `tiny` for
-end-to-end checks, `bench` (~89M parameters, so a 4k-token prefill costs seconds on CPU and
-recompute is visibly dearer than loading), and `kvheavy` (128 KiB of KV per token from a small
-hidden size, so L3 pages are large while compute stays cheap).
+Sizes with chosen KV geometry: ``tiny`` (end-to-end checks), ``bench`` (recompute clearly dearer than loading
+on CPU) and ``kvheavy`` (128 KiB of KV per token in every dtype from a small hidden size: large pages, cheap
+compute). The dtype defaults to ``auto`` (``hardware.choose_dtype``). The tokenizer is a byte-level BPE
+trained in-process on synthetic words whose ``PROMPT_WORDS`` become single tokens, so
+``make_prompt(n, seed)`` is exactly ``n`` tokens (checked through ``AutoTokenizer`` in a child process each
+time a model is made). Weights are drawn with numpy as transformers initialises Qwen2 and written with
+safetensors; files as transformers 5 writes them; no torch or transformers import; everything seeded. A
+marker file records the spec (dtype included): the same spec reuses the directory, any other rebuilds it.
 
-The dtype defaults to `auto`: what this machine computes natively (`hardware.choose_dtype`: bfloat16 with a
-CUDA GPU or a CPU with AVX512-BF16/AMX, float32 otherwise; `KVTIER_MODEL_DTYPE` or an explicit `dtype`
-wins). Per dtype (`spec_for`): `kvheavy` keeps 128 KiB of KV per token by geometry, 64 layers x 8 KV heads x
-64 x (K, V) x 2 bytes in bfloat16/float16 and 64 layers x 4 KV heads (GQA 8:4) x 64 x 2 x 4 bytes in float32
-(the same bytes per layer too, so L3 pages are the same size); `tiny` and `bench` keep their geometry, so
-their KV per token doubles in float32 (1 -> 2 KiB, 16 -> 32 KiB).
-
-The tokenizer is a byte-level BPE trained in-process (`tokenizers`) on a synthetic corpus of CV-syllable
-words. `PROMPT_WORDS` are frequent enough in that corpus to become single tokens, both bare and after a
-space, so `make_prompt(n, seed)` yields exactly `n` tokens; this is checked through `AutoTokenizer`
-(SGLang's own loading path) every time a model is made, in a child Python process. Training uses the
-pre-tokenizer that transformers' `Qwen2Tokenizer` imposes on load: for `model_type: qwen2`, transformers 5
-swaps in that class and its pre-tokenizer whatever tokenizer.json says.
-
-Weights are drawn with numpy as transformers initialises a Qwen2 model (linear weights and embeddings
-~ N(0, initializer_range), biases 0, RMSNorm weights 1, the padding token's embedding row 0; embeddings
-tied to the LM head) and written with safetensors in `dtype`; config.json, generation_config.json and the
-tokenizer files are written as transformers 5 writes them. This module imports neither torch nor
-transformers. Everything is seeded. A marker file records the spec, so a second `make_model` with the
-same spec (the dtype included) reuses the directory; any other spec rebuilds it.
-
-CLI: `python -m sgl_kvtier.serving.model_factory DIR --size tiny [--dtype auto|bfloat16|float16|float32]`
+CLI: ``python -m sgl_kvtier.serving.model_factory DIR --size tiny [--dtype auto|bfloat16|float16|float32]``
 """
 
 from __future__ import annotations

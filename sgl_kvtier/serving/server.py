@@ -1,17 +1,14 @@
 """Start, query and stop a real SGLang server: the runner shared by tests, the demo and benchmarks.
 
-`SGLangServer` launches `python -m sglang.launch_server` in its own session (process group), so
-that stopping it reaches the scheduler and detokenizer it spawns. On a machine without a CUDA GPU
-it adds the CPU route (`--device cpu --attention-backend torch_native --disable-cuda-graph`) and
-sets `KVTIER_CPU_SHIMS=1`, which turns on `sgl_kvtier.sglang.plugins.cpu` in every SGLang
-process; an extra config with `"streaming": "on"` sets `KVTIER_STREAM=1` (`plugin_env`: the stream plugin is
-opt-in and must be on in the spawned scheduler before the backend reads its config). A model made by `model_factory` is served in the dtype it was made in (`--dtype`, unless
-`extra_args` give one: SGLang's `--dtype auto` would turn a float32 model into float16). HTTP goes through urllib, so this module needs nothing beyond the standard library (no torch,
-no sglang in this process: the GPU probe is `nvidia-smi -L`).
+``SGLangServer`` launches ``python -m sglang.launch_server`` in its own session (process group), so stopping
+it reaches the scheduler and detokenizer it spawns. Without a CUDA GPU it adds the CPU route (``CPU_ARGS``)
+and ``KVTIER_CPU_SHIMS=1`` (``sgl_kvtier.sglang.plugins.cpu`` in every SGLang process); an extra config with
+``"streaming": "on"`` sets ``KVTIER_STREAM=1`` (``plugin_env``: the opt-in stream plugin must be on in the
+spawned scheduler before the backend reads its config). A ``model_factory`` model is served in its own
+dtype unless ``extra_args`` give one. Standard library only (urllib; the GPU probe is ``nvidia-smi -L``).
 
-On CPU, SGLang treats host RAM as device memory: by default the KV pool takes most of it and HiCache
-then refuses to start ("No host memory is left for HiCache after the 10 GiB reserve"). Callers pass
-bounds such as `--max-total-tokens 16384 --hicache-ratio 2` in `extra_args`.
+On CPU, SGLang treats host RAM as device memory: by default the KV pool takes most of it and HiCache then
+refuses to start, so callers bound it in ``extra_args`` (``--max-total-tokens``, ``--hicache-ratio``).
 """
 
 from __future__ import annotations
@@ -63,10 +60,10 @@ class ServerError(RuntimeError):
     """The server did not start, died, or answered a request with an error."""
 
 
-# Ports this runner picks: below the kernel's ephemeral range (where bind(0) and every outbound connection
-# take theirs: a port picked by bind(0) was once taken by a client's connection before the server bound it,
-# "address already in use") and below SGLang's own picks (22000-29999, `get_free_port_below_ephemeral`), with
-# room above for the ports SGLang derives from `--port` under DP attention (port + 233 .. + 240).
+# Ports this runner picks: below the kernel's ephemeral range (where bind(0) and outbound connections take
+# theirs, so a client's connection could take a bind(0) port before the server binds it) and below SGLang's
+# own picks (22000-29999, `get_free_port_below_ephemeral`), with room above for the ports SGLang derives
+# from `--port` under DP attention (port + 233 .. + 240).
 PORT_RANGE = range(10000, 21700)
 ADDRESS_IN_USE = re.compile(r"address already in use|Errno 98", re.IGNORECASE)
 START_ATTEMPTS = 3  # start-ups on a fresh port when the picked one was taken meanwhile
@@ -99,8 +96,8 @@ def _tail(path: Path, max_bytes: int = 6000) -> str:
 
 
 # ``stop`` SIGTERMs the whole group, so SGLang's launcher sees its detokenizer die and takes its crash path,
-# which sleeps 5 s before py-spy / CUDA core dumps (measured: every stop 6 s, 1 s without). A runner's stop
-# is no crash: those dumps are off unless the caller's environment asks for them.
+# which sleeps before py-spy / CUDA core dumps. A runner's stop is no crash: those dumps are off unless the
+# caller's environment asks for them.
 NO_CRASH_DUMPS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "false", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "false"}
 
 
@@ -205,12 +202,10 @@ class SGLangServer:
     def _freeze_gc(self) -> bool:
         """POST ``/freeze_gc`` (every SGLang process moves its start-up objects out of the collector's reach);
         whether it answered 200. SGLang posts it itself after its warm-up request
-        (``http_server._freeze_gc_after_server_warmup``), but with ``--skip-server-warmup`` 0.5.23 posts it
-        before its HTTP server listens, and it mostly fails ("post-warmup freeze_gc failed" in the log): the
-        scheduler then keeps its ~10^6 start-up objects in the collected heap, and each full collection (~0.3 s
-        in a process that imported SGLang, here) holds the GIL in the middle of whatever request runs. Sent
-        again here so that every server this runner starts is in the state SGLang means it to be after
-        start-up, warm-up or not. A refusal is returned, never raised (the server still serves)."""
+        (``http_server._freeze_gc_after_server_warmup``), but with ``--skip-server-warmup`` it may post before its
+        HTTP server listens and fail, leaving the start-up objects in the collected heap, where each full
+        collection holds the GIL in the middle of a request. Sent again so every server this runner starts is in
+        the state SGLang means after start-up. A refusal is returned, never raised (the server still serves)."""
         try:
             status, _ = self.request("POST", "/freeze_gc", None, timeout_s=30.0)
         except (urllib.error.URLError, ConnectionError, TimeoutError):

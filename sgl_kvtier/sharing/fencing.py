@@ -20,7 +20,7 @@
 
 A shared raw pool (``host_index``) has no fences (no writer of another host retires one there): a store's
 lease checks instead that its host slot was not taken over by another machine (``PageStore.host_check``,
-``media.shared_raw.claim``); once it was, the store is fenced the same way, and re-registering is refused (logged,
+``sharing.shared_raw_claim``); once it was, the store is fenced the same way, and re-registering is refused (logged,
 tried again later) while that machine beats.
 
 Closing reads the fence once more: a store retired since its last beat writes no checkpoint either.
@@ -41,6 +41,7 @@ from sgl_kvtier.sharing.liveness import LeaseWatch, OwnFence
 from sgl_kvtier.sharing.peers import PEER_RETRY_S, InUse
 from sgl_kvtier.sharing.quota_loop import QuotaLoop
 from sgl_kvtier.sharing.retire import write_fence
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.sharing.writers import host_id
 from sgl_kvtier.store.lifecycle import Step
 from sgl_kvtier.store.page_store import PageStore
@@ -148,7 +149,7 @@ class OwnWriter:
         new: tuple[PageStore, QuotaLoop] | None = None
         try:
             for _ in range(REREGISTER_TRIES):
-                store = PageStore.open(old.config, old.namespace, shared=self.shared, clock=old.clock)
+                store = open_writer(old.config, old.namespace, shared=self.shared, clock=old.clock)
                 quota = QuotaLoop(store, self.ns_meta, self.peer_bytes, watch=self.watch)
                 self._arm(store)
                 if store.fenced is None:

@@ -55,12 +55,13 @@ from sgl_kvtier.errors import CorruptRecordError, DeviceError
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.io.files import POSIX, FileView
 from sgl_kvtier.keys import Namespace, PageKey
+from sgl_kvtier.sharing import sites
 from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.index import PageIndex
-from sgl_kvtier.store.layout import Layout, meta_dir, open_layout
+from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired
 from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.parts import Checksum
@@ -146,7 +147,8 @@ class PageReader(PageShard):
         view = _view if view is None else view
         with Acquired(f"a reader of {namespace.dirname()}") as held:
             place = own_engine(held, engine)
-            ns_meta = meta_dir(config, namespace)
+            site = sites.site_for(config)
+            ns_meta = site.meta_dir(namespace)
             raw = config.host_index is not None  # a shared raw pool: regions, read through their own view
             if wid is None:
                 present = [w for w, path in writer_dirs(ns_meta) if raw or view.exists(path)]
@@ -155,9 +157,9 @@ class PageReader(PageShard):
                 wid = present[0]
             elif not raw and not view.exists(ns_meta / writer_dirname(wid)):
                 raise DeviceError(f"{ns_meta / writer_dirname(wid)}: not there (yet)")
-            layout = open_layout(config, namespace, ns_meta, wid, create=False)
+            layout = site.open_layout(namespace, ns_meta, wid, create=False)
             held.push("devices", layout.close)
-            view = view if layout.files is None else layout.files
+            view = view if layout.files is None else layout.files.view
             io_engine = open_shard_engine(config, engine, held, place)
             lease, bounds = None, None
             if config.sharing is Sharing.CLUSTER:

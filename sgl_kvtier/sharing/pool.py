@@ -60,10 +60,11 @@ from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.sharing.peers import InUse, Peers
 from sgl_kvtier.sharing.pool_reads import PoolReads, valid_key
 from sgl_kvtier.sharing.quota_loop import QuotaLoop
+from sgl_kvtier.sharing.sites import open_writer, site_for
 from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.health import DeviceHealth
-from sgl_kvtier.store.layout import Layout, meta_dir
+from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import ClosedOnExit, Failure, Step, StoreCloseError, handed_on, run_steps, weak_method
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.read_rates import ReadRates
@@ -118,7 +119,7 @@ class SharedPool(PoolReads, ClosedOnExit):
         its page-age clock) and follow the other writers; the quota runs after each lease beat from here on.
         Raises what ``PageStore.open`` raises; peers that fail to open are retried later."""
         shared = _telemetry(config)
-        own = PageStore.open(config, namespace, engine=engine, shared=shared, clock=clock)
+        own = open_writer(config, namespace, engine=engine, shared=shared, clock=clock)
         pool = cls(config, namespace, own.layout.ns_meta, own, shared)
         if pool._writer is not None:
             pool._writer.writable()  # a directory found fenced at open is replaced now (``sharing.fencing``)
@@ -129,7 +130,7 @@ class SharedPool(PoolReads, ClosedOnExit):
     def open_reader(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None) -> SharedPool:
         """Follow every writer of ``namespace`` read-only. Raises DeviceError while no writer has made its
         directory (or none can be opened yet): retry later."""
-        ns_meta = meta_dir(config, namespace)
+        ns_meta = site_for(config).meta_dir(namespace)
         if not writer_dirs(ns_meta):
             if engine is not None:
                 engine.close()

@@ -55,6 +55,7 @@ from sgl_kvtier.policy import quota
 from sgl_kvtier.sharing import retire as rt
 from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.sharing.writers import host_id, writer_dirs
 from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.meta import LEASE
@@ -220,7 +221,7 @@ class QuotaLoop:
         """Evict the coldest ``evict_bytes`` of dead writer ``wid`` of this host (see the module docstring);
         pages evicted (0: its lock is held, or it could not be opened: logged, tried on a later step)."""
         try:
-            store = PageStore.open(self.own.config, self.own.namespace, wid=wid, clock=self.clock)
+            store = open_writer(self.own.config, self.own.namespace, wid=wid, clock=self.clock)
         except StoreLockedError:
             return 0  # it restarted, or another live writer is reclaiming it
         except (OSError, KVTierError) as exc:

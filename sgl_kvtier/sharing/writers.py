@@ -31,7 +31,7 @@ here (no start waits more than 10 s), so a machine beating that rarely, or whose
 than the window, is not seen here (``sharing.liveness`` still calls such a writer live). ``ClaimWatch`` injects the clock, the
 sleep and the lease reader (tests).
 
-Shared raw pool (``host_index``): ``media.shared_raw.claim`` claims regions instead; ``writer_dirs`` lists every
+Shared raw pool (``host_index``): ``sharing.shared_raw_claim`` claims regions instead; ``writer_dirs`` lists every
 host slot's regions of the namespace and ``writer_alive`` probes a region's OFD lock (``media.shared_raw.superblock``).
 
 Liveness (``writer_alive``, same host only): a ``LOCK`` nobody holds means the writer is dead at once.

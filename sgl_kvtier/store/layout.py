@@ -27,7 +27,6 @@ header checked as a device header, the store id being the pool id); ``load_confi
 
 from __future__ import annotations
 
-import errno
 import os
 import uuid
 from dataclasses import dataclass
@@ -37,12 +36,9 @@ from typing import Any
 import msgpack
 
 from sgl_kvtier.config import DirectIO, Sharing, StoreConfig
-from sgl_kvtier.errors import ConfigError, CorruptRecordError, DeviceError, StoreFormatError
+from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
-from sgl_kvtier.media.shared_raw.region_meta import RegionFiles, open_regions, read_config
-from sgl_kvtier.media.shared_raw.regions import pool_writers, region_read
-from sgl_kvtier.media.shared_raw.superblock import superblock_of
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import (
     DIRECT_CLUSTER,
@@ -52,10 +48,10 @@ from sgl_kvtier.store.devices import (
     check_header,
     create_once,
     is_block_like,
-    write_file_atomic,
 )
 from sgl_kvtier.store.format import writer_dirname
 from sgl_kvtier.store.lifecycle import abandon, release_all
+from sgl_kvtier.store.meta import WriterMeta
 
 CHECKPOINT = "checkpoint.bin"
 
@@ -69,7 +65,7 @@ class Layout:
     slot_bytes: int
     store_id: str
     wid: str = ""
-    files: RegionFiles | None = None  # a shared raw pool's writer: its meta areas (``media.shared_raw.region_meta``)
+    files: WriterMeta | None = None  # a shared raw pool's writer: its meta areas (``media.shared_raw.region_meta``)
 
     @property
     def ns_meta(self) -> Path:
@@ -94,12 +90,6 @@ class Layout:
 
 def meta_dir(config: StoreConfig, namespace: Namespace) -> Path:
     """The namespace's meta directory, ``<meta_dir or first device>/ns-<digest>`` (not created here)."""
-    if config.host_index is not None:  # a shared raw pool: no directory (``media.shared_raw.regions``)
-        return Path(config.devices[0]) / namespace.dirname()
-    for dev in config.devices:
-        if not os.path.isdir(dev) and superblock_of(dev) is not None:
-            raise ConfigError("host_index", f'{dev} is a shared raw pool (sgl-kvtier pool-format): it needs sharing '
-                                            '= "cluster" and this host\'s host_index (0..hosts-1), and no meta_dir')
     root = config.meta_dir or config.devices[0]
     field = "meta_dir" if config.meta_dir else "devices"
     if not os.path.exists(root):
@@ -114,36 +104,18 @@ def slot_bytes_of(namespace: Namespace) -> int:
     return fmt.slot_bytes_for(namespace.page_bytes, parts=len(namespace.part_sizes()))
 
 
-def save_config(meta: Path, config: StoreConfig) -> None:
-    """Record the config a writer used, so offline tools (inspect, fsck) see the same devices and limits."""
-    write_file_atomic(meta / "CONFIG", msgpack.packb(config.to_mapping()))
-
-
 def load_config(meta: Path) -> StoreConfig:
     """The config a writer recorded (``save_config``) in ``meta``: a writer directory, or a namespace
     directory (then its first writer directory holding one)."""
     path = meta / "CONFIG"
-    try:
-        if not path.exists():
-            path = next((p / "CONFIG" for p in sorted(meta.glob("w-*")) if (p / "CONFIG").exists()), path)
-        return StoreConfig.from_mapping(msgpack.unpackb(path.read_bytes()))
-    except NotADirectoryError:  # a shared raw pool's writer (or namespace): its region's CONFIG area
-        wids = pool_writers(meta)
-        writer = meta if wids is None else meta / writer_dirname(wids[0]) if wids else None
-        data = None if writer is None else region_read(writer, fmt.REGION_CONFIG_AT, fmt.REGION_CONFIG_BYTES)
-        if data is None:
-            raise FileNotFoundError(errno.ENOENT, "no region to read a CONFIG from", str(meta)) from None
-        try:
-            return StoreConfig.from_mapping(read_config(data, str(path)))
-        except CorruptRecordError as exc:
-            raise FileNotFoundError(errno.ENOENT, f"no config recorded ({exc})", str(path)) from None
+    if not path.exists():  # (NotADirectoryError: a shared raw pool's name, ``sharing.sites.load_config``)
+        path = next((p / "CONFIG" for p in sorted(meta.glob("w-*")) if (p / "CONFIG").exists()), path)
+    return StoreConfig.from_mapping(msgpack.unpackb(path.read_bytes()))
 
 
 def check_meta_present(config: StoreConfig, namespace: Namespace, meta: Path, wid: str) -> None:
     """Refuse to write into a writer directory whose journal and checkpoint are gone while its segments
     still hold data (see the module docstring)."""
-    if config.host_index is not None:
-        return  # a shared raw pool's region: ``RegionFiles.check_present``, once it is open
     if (meta / CHECKPOINT).exists() or any(meta.glob("journal-*.log")):
         return
     for dev in config.devices:
@@ -251,9 +223,6 @@ def open_layout(config: StoreConfig, namespace: Namespace, ns_meta: Path, wid: s
     StoreFormatError (headers that disagree, format 1, parts other than the namespace's).
     """
     slot_bytes = slot_bytes_of(namespace)
-    if config.host_index is not None:
-        regions, files, pool_id = open_regions(config, namespace, ns_meta / writer_dirname(wid), wid, slot_bytes, create)
-        return Layout(ns_meta / writer_dirname(wid), regions, slot_bytes, pool_id, wid, files)
     ndev = len(config.devices)
     ns_header, _ = _namespace_header(config, namespace, ns_meta, slot_bytes, create)
     store_id = ns_header["store_id"]

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import msgpack
+
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.files import POSIX, FileView
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal_write as jw
-from sgl_kvtier.store.layout import Layout, save_config
+from sgl_kvtier.store.devices import write_file_atomic
 
 LEASE = "LEASE"  # a writer's lease file (``store.format``; beaten by ``sharing.lease``)
 
@@ -80,6 +82,7 @@ class WriterMeta(Protocol):
     def write_checkpoint(self, blob: bytes, generation: int) -> None: ...
     def lease_blocks(self, host_beat: Callable[[], bool] | None = None) -> LeaseBlocks: ...
     def save_config(self, config: StoreConfig) -> None: ...
+    def close(self) -> None: ...
 
 
 class DirMeta:
@@ -107,7 +110,15 @@ class DirMeta:
     def save_config(self, config: StoreConfig) -> None:
         save_config(self.path, config)
 
+    def close(self) -> None:
+        pass  # holds no descriptor
 
-def writer_meta(layout: Layout) -> WriterMeta:
-    """The meta directory of ``layout``'s writer: its region's areas on a shared raw pool, else its directory."""
-    return layout.files if layout.files is not None else DirMeta(layout.meta)
+
+def save_config(meta: Path, config: StoreConfig) -> None:
+    """Record the config a writer used, so offline tools (inspect, fsck) see the same devices and limits."""
+    write_file_atomic(meta / "CONFIG", msgpack.packb(config.to_mapping()))
+
+
+def writer_meta(files: WriterMeta | None, meta: Path) -> WriterMeta:
+    """A writer's meta: ``files`` (a shared raw region's areas, ``Layout.files``) if any, else its directory."""
+    return files if files is not None else DirMeta(meta)

@@ -39,7 +39,7 @@ recover -> a new journal generation -> fold what was replayed -> lease; a failed
 took, the lock last.
 
 Meta (``store.meta``): a writer directory, or on a shared raw pool (``host_index``) its region's areas
-(``media.shared_raw.region_meta``: claimed by ``media.shared_raw.claim``, lease beats also beat the host lease, whose
+(``media.shared_raw.region_meta``: claimed by ``sharing.shared_raw_claim``, lease beats also beat the host lease, whose
 takeover by another machine fences the store). There a journal area is bounded: a batch that would not
 fit is refused (``put_no_space``), a checkpoint is due at half full, and a generation whose area the
 durable checkpoint does not cover yet is preceded by a checkpoint in place (``checkpoint``).
@@ -65,18 +65,16 @@ from sgl_kvtier.config import Durability, Sharing, StoreConfig
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
-from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.policy.admission import AdmissionFilter
-from sgl_kvtier.sharing.lease import Lease
-from sgl_kvtier.sharing.writers import WriterClaim, boot_id, machine_id
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.capacity import CapacitySide
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired, Step
-from sgl_kvtier.store.meta import LEASE, WriterJournal, writer_meta
+from sgl_kvtier.store.meta import WriterJournal, writer_meta
 from sgl_kvtier.store.parts import Checksum
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry
+from sgl_kvtier.store.site import Claim, Closeable, Heartbeat, WriterSite
 from sgl_kvtier.store.transfer import SlotIdentity
 from sgl_kvtier.store.writer_open import acquire_writer
 
@@ -99,7 +97,7 @@ class PageStore(PageShard, CapacitySide):
     # it writes nothing more in its directory (being deleted): puts refused without IO, no checkpoint.
     fenced: str | None = None
 
-    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: WriterClaim,
+    def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: Claim,
                  recovered: jr.Recovered, engine: IOEngine, journal: WriterJournal, *,
                  shared: SharedTelemetry | None = None, clock: Callable[[], float] | None = None):
         self.incarnation = os.urandom(16)  # new per open: slot trailers and the lease name it
@@ -107,7 +105,7 @@ class PageStore(PageShard, CapacitySide):
                          identity=SlotIdentity(namespace.digest(), self.incarnation), shared=shared)
         self.claim = claim
         self.wid = claim.wid
-        self.lease: Lease | None = None  # started by ``open``
+        self.lease: Heartbeat | None = None  # started by ``open`` (``WriterSite.start_lease``)
         self.clock: Callable[[], float] = time.monotonic if clock is None else clock  # page ages, the quota
         if clock is not None:
             self._index.use_clock(clock)
@@ -121,13 +119,13 @@ class PageStore(PageShard, CapacitySide):
         self._inflight: set[PageKey] = set()  # reserved, not yet published: a second put of one is "present"
         self._seq = recovered.seq
         self._journal = journal
-        self._meta = writer_meta(layout)
-        self._host: pool_claim.HostLease | None = None  # a shared raw pool's host lease (``_start_lease``)
+        self._meta = writer_meta(layout.files, layout.meta)
+        self._host: Closeable | None = None  # a shared raw pool's host lease (``WriterSite.start_lease``)
         self.host_check: Callable[[], str | None] | None = None  # why another machine took the host slot
 
     # ------------------------------------------------------------------ open / close
     @classmethod
-    def open(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None,
+    def open(cls, config: StoreConfig, namespace: Namespace, *, site: WriterSite, engine: IOEngine | None = None,
              shared: SharedTelemetry | None = None, wid: str | None = None,
              clock: Callable[[], float] | None = None) -> PageStore:
         """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as one of its writers,
@@ -142,26 +140,13 @@ class PageStore(PageShard, CapacitySide):
         writer lock last (``store.lifecycle``).
         """
         with Acquired(f"a writer of {namespace.dirname()}") as held:
-            store = acquire_writer(config, namespace, held, engine, wid,
+            store = acquire_writer(config, namespace, site, held, engine, wid,
                                    partial(cls, config, namespace, shared=shared, clock=clock))
             held.hand_over(store._release_steps())  # the store's own release steps, from here on
             if store.recovery.replayed_records or store.recovery.problems:
                 store.checkpoint()  # fold what was replayed (and drop torn journals) so the next open is fast
-            store._start_lease()
+            store.lease, store._host, store.host_check = site.start_lease(store)
             return store
-
-    def _start_lease(self) -> None:
-        identity = {"wid": self.wid, "host_id": self.claim.host_id, "machine_id": machine_id(), "boot_id": boot_id(),
-                    "pid": os.getpid(), "incarnation": self.incarnation}
-        files, blocks = self.layout.files, None
-        if files is not None:  # a shared raw pool: each beat also beats the host lease (``media.shared_raw.claim``)
-            identity["host_index"] = self.config.host_index
-            self._host = pool_claim.HostLease(files.dev, files.sb, int(self.config.host_index or 0),
-                                              pool_claim.host_identity(self.config))
-            self.host_check = self._host.taken_over
-            blocks = files.lease_blocks(self._host.beat)
-        self.lease = Lease(self.claim.path / LEASE, identity, self.usage, self.config.heartbeat_s, blocks=blocks)
-        self.lease.start()
 
     def close(self) -> None:
         """Checkpoint, close the journal, the engine and the devices, then release the writer lock: every

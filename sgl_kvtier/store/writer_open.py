@@ -2,7 +2,7 @@
 
 Open order: the storage checks of ``sharing = "cluster"`` (``sharing.cluster_fs.check``, nothing made yet) -> writer
 directory (claim + lock: ``sharing.writers``; on a shared raw pool a region of this host's share,
-``media.shared_raw.claim``) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal
+``sharing.shared_raw_claim``) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal
 generation (never appending to an old one) -> the store, built on them; then ``PageStore.open`` folds what
 was replayed and starts the lease. Each resource is pushed on the open's ``Acquired`` stack
 (``store.lifecycle``) as soon as it is taken, so an open failing at any step releases what it took, newest
@@ -17,40 +17,35 @@ from typing import TypeVar
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace
-from sgl_kvtier.media.shared_raw import claim as pool_claim
-from sgl_kvtier.sharing.cluster_fs.check import check_cluster_open
-from sgl_kvtier.sharing.writers import WriterClaim, claim_writer
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.index import PageIndex
-from sgl_kvtier.store.layout import Layout, check_meta_present, meta_dir, open_layout
+from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired
 from sgl_kvtier.store.meta import WriterJournal, writer_meta
 from sgl_kvtier.store.shard import collector_paused, open_shard_engine, own_engine
+from sgl_kvtier.store.site import Claim, WriterSite
 
 T = TypeVar("T")
-Build = Callable[[Layout, WriterClaim, jr.Recovered, IOEngine, WriterJournal], T]
+Build = Callable[[Layout, Claim, jr.Recovered, IOEngine, WriterJournal], T]
 
 
-def acquire_writer(config: StoreConfig, namespace: Namespace, held: Acquired, engine: IOEngine | None,
-                   wid: str | None, build: Build[T]) -> T:
+def acquire_writer(config: StoreConfig, namespace: Namespace, site: WriterSite, held: Acquired,
+                   engine: IOEngine | None, wid: str | None, build: Build[T]) -> T:
     """Take, in the open order (module docstring), everything a writer of ``namespace`` is made of, each
     pushed on ``held``; ``build(layout, claim, recovered, engine, journal)`` makes the store of them (while
     the collector is paused, as recovery is). ``engine``: the injected base engine (the store's from here
     on); ``wid``: that existing writer directory of this host only. Raises what ``PageStore.open`` raises."""
     place = own_engine(held, engine)
-    check_cluster_open(config)  # what sharing = "cluster" needs of the storage, before any file is made
-    ns_meta = meta_dir(config, namespace)
+    site.check_storage()  # what the sharing mode needs of the storage, before any file is made
+    ns_meta = site.meta_dir(namespace)
     # First file: nothing of the directory (or region) is touched without it.
-    claim = claim_writer(config, ns_meta, wid) if config.host_index is None else \
-        pool_claim.claim(config, namespace, wid)
+    claim = site.claim(namespace, ns_meta, wid)
     held.push("writer lock", claim.release)
-    check_meta_present(config, namespace, claim.path, claim.wid)
-    layout = open_layout(config, namespace, ns_meta, claim.wid, create=True)
+    site.check_meta_present(namespace, claim.path, claim.wid)
+    layout = site.open_layout(namespace, ns_meta, claim.wid, create=True)
     held.push("devices", layout.close)
-    if layout.files is not None:
-        layout.files.check_present(namespace)
-    meta = writer_meta(layout)
+    meta = writer_meta(layout.files, layout.meta)
     meta.save_config(config)
     io_engine = open_shard_engine(config, engine, held, place)
     with collector_paused():

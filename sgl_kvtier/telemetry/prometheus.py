@@ -1,58 +1,25 @@
 """Prometheus gauges of the L3 tier, in SGLang's own ``/metrics`` (``--enable-metrics``).
 
-SGLang runs ``prometheus_client`` in multiprocess mode: the launcher sets ``PROMETHEUS_MULTIPROC_DIR``
-before it spawns the scheduler processes, every process writes its samples to files there, and the
-HTTP server's ``/metrics`` merges them (``MultiProcessCollector``). Our backend lives in a scheduler
-process, so gauges created there (``multiprocess_mode="mostrecent"``, as SGLang's own gauges are) appear
-in that ``/metrics`` without an endpoint of our own.
+SGLang runs ``prometheus_client`` in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), so gauges our backend
+makes in a scheduler process (``multiprocess_mode="mostrecent"``) appear there with no endpoint of ours.
+All are ``kvtier_``, labelled ``pool`` and ranks (``tp_rank``, ``pp_rank``, ``dp_rank``): the cost policy's
+inputs, the store (``kvtier_store_<StoreCounters field>``, per device (``device``, ``path``) its read rate
+and breaker: 0 closed, 0.5 half open, 1 open), read-ahead, the shared pool (plus ``namespace``: its cap,
+writers by state, sharing counters, and per ``wid``/``host`` pages, bytes, lease ages and ``live``), caught
+exceptions by kind, and, only when the backend streams, its ``kvtier_stream_*`` counters (``_s`` fields as
+``_seconds``) and learned bind figures. Per-writer series carry no state label, so a dying writer leaves no
+stale series in the multiprocess files; a writer gone from the pool shows ``retired`` (live 0, no pages)
+for a minute, then keeps those values until the process restarts.
 
-What is exported (all ``kvtier_``; labels ``pool`` and the ranks ``tp_rank``, ``pp_rank``, ``dp_rank``,
-plus ``device`` (index) and ``path`` for per-device series):
-- the cost policy's measured inputs: read bandwidth, batch latency and sample count, all devices together
-  (what a load sees) and per device; the prefill model (``per_token_s``, ``per_token_kctx_s``,
-  ``fixed_s``, samples); whether the policy is on;
-- the store: pages, bytes used, capacity bytes, each ``StoreCounters`` field as a gauge of its running
-  total (``kvtier_store_<field>``), and per device the circuit breaker (0 closed, 0.5 half open: probing,
-  1 open) and how often it tripped; read-ahead counters (``kvtier_readahead_<field>``, buffers in use);
-- the shared pool (labels ``pool``, ranks, ``namespace``: the digest of its ``ns-<digest>`` directory):
-  the bytes its pool-wide cap counts and that cap, writers by ``state`` (live / dead / retired / unknown, as
-  the pool's lease watch judges them: a LOCK on this host, the lease counter for another host's), the
-  sharing counters as gauges of their running totals (``kvtier_pool_peers_dropped``, ``_writers_retired``,
-  ``_fenced_pages``, ``_reregistrations``: ``SharedPool.sharing_stats``), and per writer (plus ``wid``,
-  ``host``) its pages, bytes used, lease age, ``live`` (1 live, 0 dead or retired; no series while unknown)
-  and, for another host's writer, ``lease_unchanged_seconds`` (how long this process has seen its lease
-  counter stand still, on its own clock: dead at ``dead_after_s``). The state is no label of the
-  per-writer series: a writer that dies would leave its ``live``-labelled series behind in SGLang's
-  multiprocess files. A writer that left the pool is listed ``retired`` (live 0, no pages) for a minute,
-  then keeps those last values until the process restarts;
-- the exceptions the adapter caught and served as misses, by kind (``kvtier_boundary_errors``);
-- streamed L3 tails (issue #13; labels the ranks): ``kvtier_streaming_enabled`` (1: the backend streams its
-  hits), and only then, as gauges of running totals, the binder's reads (``kvtier_stream_<field>`` of
-  ``StreamSnapshot``: ``_bound_hits``, ``_read_groups``, ``_head_pages``, ``_streamed_pages``,
-  ``_failed_groups``, ``_withheld_pages``, ...) and, once the stream plugin is active for the backend, its counters of the
-  process (``StreamHookSnapshot``: ``kvtier_stream_tails`` registered, ``_gate_waits``, ``_zero_filled_groups``,
-  ``_retracts``, ``_dropped`` and ``_not_streamed`` by ``reason``, ...; a field in seconds is exported as
-  ``_seconds``: ``kvtier_stream_stall_seconds``, the time forward reads waited on tail layers, and
-  ``kvtier_stream_gate_wait_seconds``); the bind rule's learned figures (``StreamBindSnapshot``, as they
-  are now, no series until learned): ``kvtier_stream_bind_whole_wait_fixed_seconds`` and
-  ``_whole_wait_seconds_per_megabyte`` (W), ``_interference_seconds_per_megabyte`` (k),
-  ``_load_back_fixed_seconds`` and ``_load_back_seconds_per_megabyte`` (X), and their ``_samples``.
+``PrometheusFeed.refresh`` is called from ``KVTierStorage.get_stats`` (every scheduler step with
+``--enable-metrics``, from SGLang's ``check_hicache_events``) and refreshes at most once per
+``KVTIER_METRICS_INTERVAL_S`` (default 1 s).
 
-Fed by ``PrometheusFeed.refresh``: each backend owns a feed and calls it from ``KVTierStorage.get_stats``
-(SGLang calls it on every scheduler step, and only with ``--enable-metrics``:
-``UnifiedRadixCache.check_hicache_events``) with its ``telemetry`` method; the exporter reads only that
-typed ``TelemetrySnapshot``. A feed refreshes the gauges at most once per ``KVTIER_METRICS_INTERVAL_S``
-seconds (default 1): a step in between costs one clock read, and no snapshot is built.
-
-Invariants:
-- Inert unless ``PROMETHEUS_MULTIPROC_DIR`` is set and the backend's storage config has metrics on:
-  then ``prometheus_client`` is not even imported, no gauge exists, no file is written.
-- One ``Exporter`` per process (``PROCESS_GAUGES``: prometheus_client's default registry takes each name
-  once); if it cannot be created, exporting stays off in this process.
-- Never raises into SGLang: a failed refresh is counted and logged at a bounded rate by the backend's
-  ``ErrorBoundary``, and the next interval tries again.
-- A figure not measured yet (an estimator without a fit) has no series: never a made-up 0.
-- Label sets differ between ranks, so merging the processes' files never mixes two ranks' values.
+Invariants: inert (``prometheus_client`` not imported, no file written) unless ``PROMETHEUS_MULTIPROC_DIR``
+is set and the storage config has metrics on; one ``Exporter`` per process (the default registry takes a
+name once), exporting off if it cannot be made; never raises into SGLang (a failed refresh is counted by the
+backend's ``ErrorBoundary`` and retried next interval); a figure not measured yet has no series, never a
+made-up 0; label sets keep ranks apart when merged.
 """
 
 from __future__ import annotations

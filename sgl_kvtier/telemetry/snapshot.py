@@ -1,15 +1,12 @@
 """A typed, immutable picture of one backend's L3 tier at one moment: what exporters and logs read.
 
-``KVTierStorage.telemetry()`` builds one ``TelemetrySnapshot`` per call (per pool: the store's occupancy,
-counters, read rates and circuit breakers, every writer of its shared pool (the own one's usage now, the
-others' from their last leases, each with the pool's verdict on it) and the pool's sharing counters (peers
-dropped, writers retired, pages refused while fenced, re-registrations), and its read-ahead counters; the
-prefill model; the policy switch; the adapter's caught exceptions; the rank labels; and, when the backend
-streams, its streamed tails: the binder's reads and the stream plugin's counters of the process).
-Consumers (the Prometheus exporter, the cost inputs log line, tests) read only this, never the backend's
-attributes.
+``KVTierStorage.telemetry()`` builds one ``TelemetrySnapshot`` per call: per pool, the store's occupancy,
+counters, read rates and breakers, its shared pool's writers and sharing counters, and its read-ahead
+counters; the prefill model; the policy switch; the adapter's caught exceptions; the rank labels; and, when
+the backend streams, its streamed tails. Consumers (the Prometheus exporter, log lines, tests) read only
+this, never the backend's attributes.
 
-Invariants: frozen dataclasses, counters held as read-only mappings copied at build time; a figure not
+Invariants: frozen dataclasses, counters copied into read-only mappings at build time; a figure not
 measured yet is ``None`` (never a made-up 0); imports no SGLang and no torch.
 """
 
@@ -155,8 +152,8 @@ class PrefillSnapshot:
 
 @dataclass(frozen=True)
 class StreamHookSnapshot:
-    """The stream plugin's counters in this process (``plugins.stream_core.hook_snapshot``): running totals
-    since the process started, of every cache it streamed for (one scheduler, one backend per process)."""
+    """The stream plugin's counters in this process (``experiments.streaming.hooks.core.hook_snapshot``):
+    running totals since the process started (one scheduler, one backend per process)."""
 
     # admission (scheduler thread)
     bind_calls: int = 0  # hits handed to the backend to bind (it may decline)
@@ -187,12 +184,11 @@ class StreamHookSnapshot:
 
 @dataclass(frozen=True)
 class StreamBindSnapshot:
-    """The bind rule's learned figures of one backend (``experiments.streaming.rules.bind.StreamCosts``; None: not learned
-    yet): the whole-load wait W = fixed + bytes x per-MB, fitted on hits loaded whole alone, and the
-    interference k (seconds a forward ran over the prefill model per MB of streamed tail) and the load-back
-    copy X a whole load makes before its forward, with the sample counts of each (the rule uses a figure
-    from its second sample on); and each path's measured excess over compute per MB, from hits timed end to
-    end (once both have samples, they decide)."""
+    """The bind rule's learned figures of one backend (``experiments.streaming.rules.bind.StreamCosts``; None: not
+    learned yet): the whole-load wait W = fixed + bytes x per-MB (fitted on hits loaded whole alone), the
+    interference k (seconds a forward ran over the prefill model per MB of streamed tail) and the load-back copy
+    X a whole load makes before its forward, each with its sample count (used from the second sample on); and
+    each path's measured excess over compute per MB, from hits timed end to end (they decide once both exist)."""
 
     whole_wait_fixed_s: float | None = None
     whole_wait_s_per_mb: float | None = None
@@ -210,14 +206,13 @@ class StreamBindSnapshot:
 
 @dataclass(frozen=True)
 class StreamSnapshot:
-    """Streamed L3 tails of one backend (``streaming = "on"`` on a layout that streams): its binder's reads
-    (``binding.StreamCounters``, running totals) and, once the stream plugin is active for it, the
-    plugin's counters (``hooks``; None: the plugin never decided on for this backend), and the bind rule's
-    learned figures (``bind``)."""
+    """Streamed L3 tails of one backend: its binder's reads (``experiments.streaming.binding.StreamCounters``,
+    running totals), the stream plugin's counters once it is active for this backend (``hooks``), and the bind
+    rule's learned figures (``bind``)."""
 
     bound_hits: int = 0  # hits bound to a tail stream
-    read_groups: int = 0  # their read groups, summed (``experiments.streaming.rules.read_groups``; / bound_hits = the mean)
-    head_pages: int = 0  # pages answered True to SGLang's IO thread from a stream (inserted as today)
+    read_groups: int = 0  # their read groups, summed (``experiments.streaming.rules.read_groups``)
+    head_pages: int = 0  # pages answered True to SGLang's IO thread from a stream (inserted as usual)
     streamed_pages: int = 0  # pages streams landed whole and verified
     staged_pages: int = 0  # ... of which copied from read-ahead staging
     failed_pages: int = 0  # pages of streams that did not land (cancelled streams not counted)

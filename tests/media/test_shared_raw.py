@@ -19,10 +19,10 @@ from test_liveness import DEAD_S, RECLAIM_S, Clock
 from test_sharing import Proc
 
 from sgl_kvtier.errors import ConfigError, DeviceError
-from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.media.shared_raw.superblock import format_pool, superblock_of
+from sgl_kvtier.sharing import shared_raw_claim as pool_claim
 from sgl_kvtier.sharing.pool import SharedPool
-from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.sharing.sites import open_writer
 
 PAGE = 8192
 NS = namespace(PAGE)
@@ -116,12 +116,12 @@ def test_a_single_host_region_table_device_is_never_formatted_nor_shared(tmp_pat
     dev = pool_file_bytes(tmp_path, 8 << 20)
     meta = tmp_path / "meta"
     meta.mkdir()
-    with PageStore.open(store_config(dev, 8, PAGE, meta_dir=str(meta)), NS):
+    with open_writer(store_config(dev, 8, PAGE, meta_dir=str(meta)), NS):
         pass  # a region table claimed under sharing = "host"
     with pytest.raises(DeviceError, match="holds a single-host sgl-kvtier region table"):
         format_pool([dev], 2)
     with pytest.raises(ConfigError, match=r"devices\[0\]: .* holds a single-host region table"):
-        PageStore.open(raw_config(dev, 0, "ha"), NS)
+        open_writer(raw_config(dev, 0, "ha"), NS)
 
 
 # ------------------------------------------------------------------------------------------ refusals
@@ -129,22 +129,22 @@ def test_unsafe_configurations_are_refused_naming_the_field(tmp_path):
     dev = pool_file(tmp_path)
     blank = pool_file_bytes(tmp_path, 8 << 20)
     with pytest.raises(ConfigError, match=r"devices\[0\]: .*blank.* is not a shared raw pool: run `sgl-kvtier pool-format"):
-        PageStore.open(raw_config(blank, 0, "ha"), NS)
+        open_writer(raw_config(blank, 0, "ha"), NS)
     with pytest.raises(ConfigError, match=r"host_index: .* is a shared raw pool of 2 hosts: set host_index .* 0\.\.1"):
-        PageStore.open(raw_config(dev, 2, "ha"), NS)
+        open_writer(raw_config(dev, 2, "ha"), NS)
     with pytest.raises(ConfigError, match=r"host_index: .*is a shared raw pool of 2 hosts.*\(got None\)"):
-        PageStore.open(store_config(dev, 8, PAGE, sharing="cluster", heartbeat_s=600.0, dead_after_s=DEAD_S,
+        open_writer(store_config(dev, 8, PAGE, sharing="cluster", heartbeat_s=600.0, dead_after_s=DEAD_S,
                                     reclaim_after_s=RECLAIM_S), NS)
     with pytest.raises(ConfigError, match=r"host_index: .*is a shared raw pool .*needs sharing = \"cluster\""):
-        PageStore.open(store_config(dev, 8, PAGE), NS)  # sharing = "host", no meta_dir
+        open_writer(store_config(dev, 8, PAGE), NS)  # sharing = "host", no meta_dir
     meta = tmp_path / "meta"
     meta.mkdir()
     with pytest.raises(ConfigError, match=r"host_index: .*is a shared raw pool .*needs sharing = \"cluster\""):
-        PageStore.open(store_config(dev, 8, PAGE, meta_dir=str(meta)), NS)
+        open_writer(store_config(dev, 8, PAGE, meta_dir=str(meta)), NS)
     with pytest.raises(ConfigError, match=r"meta_dir: not needed with a shared raw pool"):
-        PageStore.open(raw_config(dev, 0, "ha", meta_dir=str(meta)), NS)
+        open_writer(raw_config(dev, 0, "ha", meta_dir=str(meta)), NS)
     with pytest.raises(ConfigError, match=r"host_index: .*only for a shared raw pool"):
-        PageStore.open(raw_config(str(meta), 0, "ha", allow_local_fs=True), NS)
+        open_writer(raw_config(str(meta), 0, "ha", allow_local_fs=True), NS)
     with pytest.raises(ConfigError, match=r"host_index: .*with sharing = \"cluster\" only"):
         store_config(dev, 8, PAGE, host_index=0)
     with pytest.raises(ConfigError, match=r"direct_io: must be \"on\" or \"auto\""):
@@ -280,6 +280,6 @@ def test_a_pool_striped_over_two_devices_is_one_pool_in_that_order(tmp_path, mon
                 for arena, sb in zip(store.layout.arenas, sbs):
                     assert sb.share(h)[0] <= arena.offset < sb.share(h)[1]
     with pytest.raises(ConfigError, match=r"devices: .*ns2.img is device 1 of 2 of pool .*, not device 0 of 2"):
-        PageStore.open(raw_config(devs[1], 0, "ha", devices=devs[::-1]), NS)
+        open_writer(raw_config(devs[1], 0, "ha", devices=devs[::-1]), NS)
     with pytest.raises(ConfigError, match=r"devices: .*is device 0 of 2 of pool .*not device 0 of 1"):
-        PageStore.open(raw_config(devs[0], 0, "ha", devices=devs[:1]), NS)
+        open_writer(raw_config(devs[0], 0, "ha", devices=devs[:1]), NS)

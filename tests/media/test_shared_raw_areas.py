@@ -21,15 +21,15 @@ from test_liveness import DEAD_S, Clock
 from test_shared_raw import BOOT, NS, PAGE, pool_file, put, raw_config, read
 
 from sgl_kvtier.cli import main
-from sgl_kvtier.media.shared_raw import claim as pool_claim
 from sgl_kvtier.media.shared_raw.region_meta import RegionFiles
 from sgl_kvtier.media.shared_raw.regions import region_of
 from sgl_kvtier.media.shared_raw.superblock import open_direct, read_host_lease, superblock_of
+from sgl_kvtier.sharing import shared_raw_claim as pool_claim
 from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.pool import SharedPool
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
-from sgl_kvtier.store.page_store import PageStore
 
 
 def damage(dev: str, at: int, data: bytes = b"\xa5" * 64) -> None:
@@ -164,7 +164,7 @@ def test_a_torn_journal_record_stops_replay_there_never_garbage(tmp_path):
 
 def test_records_of_an_older_generation_left_in_a_reused_area_never_replay(tmp_path):
     dev = pool_file(tmp_path)
-    with PageStore.open(raw_config(dev, 0, "ha"), NS) as store:
+    with open_writer(raw_config(dev, 0, "ha"), NS) as store:
         files = store.layout.files
         first = store._journal.generation
         assert put_many(store, list(range(40))) == list(range(40))  # a long generation ``first``
@@ -188,7 +188,7 @@ def test_records_of_an_older_generation_left_in_a_reused_area_never_replay(tmp_p
 def test_journal_areas_rotate_and_an_area_the_checkpoint_does_not_cover_is_never_taken(tmp_path, monkeypatch):
     dev = pool_file(tmp_path)
     cfg = raw_config(dev, 0, "ha", capacity_pages=512, checkpoint_interval=1000)
-    with PageStore.open(cfg, NS) as store:
+    with open_writer(cfg, NS) as store:
         files = store.layout.files
 
         def failing(blob: bytes, generation: int) -> None:
@@ -213,7 +213,7 @@ def test_journal_areas_rotate_and_an_area_the_checkpoint_does_not_cover_is_never
         assert store._journal.generation == gen + 1 and put_many(store, [6000]) == [6000]
         kept = sorted(int.from_bytes(k[:4], "little") for k in store.keys())
     assert 6000 in kept and len(kept) > 100
-    with PageStore.open(cfg, NS) as store:
+    with open_writer(cfg, NS) as store:
         assert read(store, kept) == (kept, [], [])
 
 

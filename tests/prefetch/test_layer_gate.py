@@ -11,7 +11,7 @@ import threading
 import pytest
 from thread_kit import BOUND_S, HeldCopy, Parked, finished, start
 
-from sgl_kvtier.experiments.layer_loader.layer_gate import THREAD_NAME, LayerGate, LayerLoad
+from sgl_kvtier.experiments.layer_loader.layer_gate import LayerGate, LayerLoad
 
 
 # ------------------------------------------------------------------------------------------ (a) the gate
@@ -111,19 +111,3 @@ def test_join_finishes_a_failed_load_nobody_waited_for() -> None:
     job.start()
     job.join()
     assert job.complete and copy.copied == [0, 1, 2] and job.sync_layers == 3
-
-
-def test_inline_waiters_copy_up_to_their_layer_in_their_own_thread() -> None:
-    where: list[tuple[int, int]] = []
-    done: list[int] = []
-    job = LayerLoad(5, lambda layer: where.append((layer, threading.get_ident())), done.append, inline=True)
-    job.start()  # no thread
-    assert where == [] and not any(t.name == THREAD_NAME for t in threading.enumerate())
-    job.wait(2)
-    assert where == [(0, threading.get_ident()), (1, threading.get_ident()), (2, threading.get_ident())]
-    job.wait(1)  # already copied: nothing
-    t, out = start(job.wait, 3)  # another reader copies layer 3 in its thread
-    assert finished(t) and out == [None] and where[3][0] == 3 and where[3][1] != threading.get_ident()
-    job.join()  # the layer nobody read
-    assert job.complete and [w[0] for w in where] == done == list(range(5))
-    assert job.inline_layers == 5 and job.sync_layers == 0 and job.blocked_waits == 0

@@ -9,7 +9,7 @@ from support import PAGE_BYTES, HostMemory, key, namespace, store_config
 
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, ThreadPoolEngine
 from sgl_kvtier.prefetch import ReadAhead
-from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.sharing.sites import open_writer
 
 
 class GatedEngine:
@@ -39,7 +39,7 @@ class GatedEngine:
 def stored(tmp_path):
     """A store holding 32 pages with known bytes, on a gated engine."""
     engine = GatedEngine()
-    store = PageStore.open(store_config(tmp_path, capacity_pages=64), namespace(), engine=engine)
+    store = open_writer(store_config(tmp_path, capacity_pages=64), namespace(), engine=engine)
     src = HostMemory(32)
     expected = [src.fill(i, seed=i) for i in range(32)]
     assert all(store.put([key(i) for i in range(32)], [src.runs(i) for i in range(32)]))

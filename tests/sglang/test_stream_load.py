@@ -24,7 +24,6 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 from thread_kit import BOUND_S, Parked, finished, start  # noqa: E402
 
-from sgl_kvtier.experiments.layer_loader import layer_gate  # noqa: E402
 from sgl_kvtier.experiments.layer_loader import plugin as layer_loader  # noqa: E402
 from sgl_kvtier.experiments.streaming import plugin as stream  # noqa: E402
 from sgl_kvtier.experiments.streaming.contract import GroupVerdict, StreamedTail, TailState  # noqa: E402
@@ -52,7 +51,6 @@ class FakeStream:
         self.released = [threading.Event() for _ in groups]
         self.verdicts = [GroupVerdict.LANDED for _ in groups]
         self.waits: list[tuple[int, int, float | None]] = []
-        self.blocking = threading.Event()  # set once a wait found its group not released and blocks
         self.cancelled = False
 
     pages = PAGES
@@ -74,8 +72,6 @@ class FakeStream:
 
     def wait_group(self, group: int, first_page: int, timeout: float | None) -> GroupVerdict:
         self.waits.append((group, first_page, timeout))
-        if (timeout is None or timeout > 0) and not self.released[group].is_set():
-            self.blocking.set()
         if self.released[group].wait(BOUND_S if timeout is None else timeout):
             return self.verdicts[group]
         return GroupVerdict.TIMEOUT
@@ -244,32 +240,6 @@ def test_a_held_group_blocks_exactly_the_readers_of_its_layers(env) -> None:
     assert [w[2] == 0.0 for w in fake.waits] == [True, False] * 3
     s = stream_copy.stats()
     assert s["layers_copied"] == LAYERS and s["layers_zeroed"] == 0 and s["failed_groups"] == 0
-
-
-def test_inline_copies_run_in_the_reading_thread_layer_by_layer(env, monkeypatch) -> None:
-    """``KVTIER_STREAM_COPY=inline``: no loader thread; each read copies the layers up to its own, in the
-    reading thread, after waiting there for their group; a wait for a group not landed is the batch's stall."""
-    monkeypatch.setattr(stream_load, "INLINE_COPIES", True)
-    tail, fake = env.new_tail("r1")
-    begin(env)
-    (load,) = stream_load.IN_FLIGHT.loads()
-    assert load.job.inline and not any(t.name == layer_gate.THREAD_NAME for t in threading.enumerate())
-    device = env.k.device
-    fake.release(1)
-    fake.release(2)
-    t_key, out_key = start(device.get_key_buffer, 0)  # the forward reads layer 0: group 0 has not landed
-    assert fake.blocking.wait(BOUND_S) and t_key.is_alive() and not layer_is(env, tail, 0, "host")
-    fake.release(0)
-    assert finished(t_key) and isinstance(out_key[0], torch.Tensor)
-    assert layer_is(env, tail, 0, "host") and not layer_is(env, tail, 1, "host")  # only what was read: layer 0
-    device.get_value_buffer(3)  # layers 1..3, copied here; groups 1 and 2 had landed: no wait
-    assert all(layer_is(env, tail, layer, "host") for layer in range(4)) and not layer_is(env, tail, 4, "host")
-    assert load.blocked()[0] == 1 and load.blocked()[1] > 0  # the one stall: group 0
-    assert [w[0] for w in fake.waits if w[2]] == [0]
-    assert run_verdict(env, monkeypatch, ["r1"]) == []  # the join copies layers 4 and 5 (never read)
-    assert all(layer_is(env, tail, layer, "host") for layer in range(LAYERS)) and tail.state is TailState.DONE
-    assert load.job.inline_layers == LAYERS and stream_copy.stats()["blocked_waits"] == 1
-    env.registry().reap()
 
 
 def test_sglangs_own_load_back_keeps_its_producer(env, monkeypatch) -> None:

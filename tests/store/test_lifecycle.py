@@ -28,11 +28,11 @@ from support import (
 from sgl_kvtier.errors import StoreClosedError
 from sgl_kvtier.sharing import writers
 from sgl_kvtier.sharing.follower import PageReader
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import devices
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.lifecycle import Acquired, StoreCloseError, close_all, release_all, run_steps
-from sgl_kvtier.store.page_store import PageStore
 
 BIG_PAGE = 256 * 1024 - 4096  # format 2: a 256 KiB slot with its trailer, four to a 1 MiB segment: 16 pages fill four segment files
 
@@ -108,7 +108,7 @@ def threads_before():
 def populate(path, pages: int = 16, engine=None, page_bytes: int = PAGE_BYTES, **config):
     """A writer holding ``pages`` acknowledged pages and one acknowledged delete, read back in one batch
     (so the engine's threads run); returns (store, {key: bytes} of what it holds)."""
-    store = PageStore.open(store_config(path, page_bytes=page_bytes, **config), namespace(page_bytes), engine=engine)
+    store = open_writer(store_config(path, page_bytes=page_bytes, **config), namespace(page_bytes), engine=engine)
     mem = HostMemory(pages, page_bytes)
     expected = {key(i): mem.fill(i, 1000 + i) for i in range(pages)}
     assert store.put(list(expected), [mem.runs(i) for i in range(pages)]) == [True] * pages

@@ -26,6 +26,7 @@ from support import (
 )
 
 from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.sharing import sites
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.store import devices, page_store
 from sgl_kvtier.store import journal as jr
@@ -81,7 +82,7 @@ def assert_serves(path, expected: dict, page_bytes: int = BIG_PAGE):
 
 
 def open_writer(path, engine=None, page_bytes: int = BIG_PAGE, **config) -> PageStore:
-    return PageStore.open(store_config(path, page_bytes=page_bytes, **config), namespace(page_bytes), engine=engine)
+    return sites.open_writer(store_config(path, page_bytes=page_bytes, **config), namespace(page_bytes), engine=engine)
 
 
 def test_writer_lock_taken_closes_the_injected_engine(tmp_path, threads_before):

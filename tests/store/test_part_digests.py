@@ -15,6 +15,7 @@ from support import EngineWrapper, HostMemory, flip, key, namespace, slot_file, 
 
 from sgl_kvtier.io import probe as probes
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.parts import PartMap, pack_sums, sums_list
@@ -98,7 +99,7 @@ def test_put_and_get_round_trip_with_the_engines_part_digests(tmp_path, engine_n
     expected = [mem.fill(i, 40 + i) for i in range(N)]
     keys = [key(i) for i in range(N)]
     cfg = config(tmp_path, parts, direct_io=direct, io_engine=engine_name)
-    with PageStore.open(cfg, ns(parts)) as store:
+    with open_writer(cfg, ns(parts)) as store:
         assert store.layout.direct == (direct == "auto")
         assert store.put(keys, [mem.runs(i) for i in range(N)]) == [True] * N
         for i, k in enumerate(keys):
@@ -113,7 +114,7 @@ def test_put_and_get_round_trip_with_the_engines_part_digests(tmp_path, engine_n
         mem.clear()
         assert store.get_parts(keys, [mem.runs(i) for i in range(N)], lambda g, ok: None) == [True] * N
         assert [mem.page(i).tobytes() for i in range(N)] == expected
-    with PageStore.open(cfg, ns(parts)) as store:  # recovered from the journal: the same checksums
+    with open_writer(cfg, ns(parts)) as store:  # recovered from the journal: the same checksums
         mem.clear()
         assert store.get(keys, [mem.runs(i) for i in range(N)]) == [True] * N
         assert [mem.page(i).tobytes() for i in range(N)] == expected
@@ -125,7 +126,7 @@ def test_a_bad_byte_in_part_k_fails_exactly_that_part(tmp_path, engine_name, par
     mem = HostMemory(2, PAGE, runs_per_page=4, offset=mem_offset)
     page = mem.fill(0, 3)
     cfg = config(tmp_path, parts, io_engine=engine_name)
-    with PageStore.open(cfg, ns(parts)) as store:
+    with open_writer(cfg, ns(parts)) as store:
         assert store.put([key(0)], [mem.runs(0)]) == [True]
         entry = store._index.lookup(key(0))
         assert entry is not None
@@ -155,7 +156,7 @@ def test_one_part_reads_keep_the_whole_op_digest_and_writes_seal_in_the_io(tmp_p
     expected = [mem.fill(i, i) for i in range(N)]
     keys = [key(i) for i in range(N)]
     engine = Recording()
-    with PageStore.open(config(tmp_path, (PAGE,)), namespace(PAGE), engine=engine) as store:
+    with open_writer(config(tmp_path, (PAGE,)), namespace(PAGE), engine=engine) as store:
         assert store.put(keys, [mem.runs(i) for i in range(N)]) == [True] * N
         writes = [op for op, _ in engine.seen]
         assert all(op.digest_ranges == ((0, PAGE),) and op.before_write is not None for op in writes)
@@ -180,7 +181,7 @@ def test_an_engine_ignoring_the_ranges_keeps_no_page_and_reads_still_verify(tmp_
     expected = [mem.fill(i, 9 + i) for i in range(N)]
     keys = [key(i) for i in range(N)]
     engine = Recording(strip=OpKind.WRITE)
-    with PageStore.open(config(tmp_path, ODD), ns(ODD), engine=engine) as store:
+    with open_writer(config(tmp_path, ODD), ns(ODD), engine=engine) as store:
         assert store.put(keys, [mem.runs(i) for i in range(N)]) == [False] * N  # no digests: no trailer
         assert len(store) == 0 and store.counters.io_errors == N
         engine.strip = OpKind.READ  # reads without ranges: the store hashes the parts after the batch
@@ -198,7 +199,7 @@ def test_torn_writes_with_parts_are_misses(tmp_path):
         mem.fill(i, i)
     keys = [key(i) for i in range(N)]
     cfg = config(tmp_path, ALIGNED, fault_injection={"seed": 1, "torn_write_rate": 1.0}, breaker_failures=100)
-    with PageStore.open(cfg, ns(ALIGNED)) as store:
+    with open_writer(cfg, ns(ALIGNED)) as store:
         assert store.put(keys, [mem.runs(i) for i in range(N)]) == [True] * N  # the device said "done"
         mem.clear()
         assert store.get(keys, [mem.runs(i) for i in range(N)]) == [False] * N  # half of each page is not there

@@ -17,6 +17,7 @@ from support import EngineWrapper, HostMemory, flip, key, namespace, store_confi
 from thread_kit import BOUND_S, finished, start
 
 from sgl_kvtier.io.engine import IOOp, IOResult
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.part_reads import PartRead
@@ -59,7 +60,7 @@ def held(tmp_path) -> Iterator[tuple[PageStore, HostMemory, list[bytes], Held]]:
     set to hold the next read's first group; closed after the test."""
     engine = Held()
     cfg = store_config(tmp_path, page_bytes=PAGE, capacity_bytes=4 * N * fmt.slot_bytes_for(PAGE, 4))
-    with PageStore.open(cfg, namespace(PAGE, parts=(PART,) * 4), engine=engine) as store:
+    with open_writer(cfg, namespace(PAGE, parts=(PART,) * 4), engine=engine) as store:
         mem = HostMemory(N, PAGE)
         expected = [mem.fill(i, 40 + i) for i in range(N)]
         assert store.put([key(i) for i in range(N)], [mem.runs(i) for i in range(N)]) == [True] * N

@@ -16,10 +16,10 @@ from sgl_kvtier.errors import StoreFormatError
 from sgl_kvtier.io.engine import IOOp, IOResult
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.pool import SharedPool
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store import journal_write as jw
-from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.parts import PartMap, pack_sums, sums_list
 
 PAGE = 16384
@@ -90,7 +90,7 @@ def test_part_map_cuts_runs_at_part_boundaries_and_checks_groups():
 def test_multi_part_pages_round_trip_get_and_get_parts(tmp_path, parts, mem_offset, direct):
     mem = HostMemory(N, PAGE, runs_per_page=4 if mem_offset else 2, offset=mem_offset)
     expected = [mem.fill(i, 7 + i) for i in range(N)]
-    with PageStore.open(config(tmp_path, parts, direct_io=direct), ns(parts)) as store:
+    with open_writer(config(tmp_path, parts, direct_io=direct), ns(parts)) as store:
         assert store.layout.direct == (direct == "auto")
         assert store.put(keys(), runs(mem)) == [True] * N
         entry = store._index.lookup(key(0))
@@ -113,7 +113,7 @@ def test_a_raw_device_keeps_parts_and_rebuilds_from_them(tmp_path):
     (tmp_path / "meta").mkdir()
     cfg = config(tmp_path, devices=[str(dev)], meta_dir=str(tmp_path / "meta"), capacity_bytes=None)
     mem, expected = fill()
-    with PageStore.open(cfg, ns()) as store:
+    with open_writer(cfg, ns()) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         mem.clear()
         assert store.get(keys(), runs(mem)) == [True] * N
@@ -126,14 +126,14 @@ def test_a_raw_device_keeps_parts_and_rebuilds_from_them(tmp_path):
     (outcome,) = rebuild_shard(shard)
     assert outcome.error is None and outcome.report is not None and outcome.report.pages == N
     mem.clear()
-    with PageStore.open(cfg, ns()) as store:
+    with open_writer(cfg, ns()) as store:
         assert store.get_parts(keys(), runs(mem), lambda g, ok: None) == [True] * N
         assert [mem.page(i).tobytes() for i in range(N)] == expected
 
 
 def test_recovery_from_journal_and_checkpoint_keeps_every_parts_checksum(tmp_path):
     cfg, mem = config(tmp_path), fill()[0]
-    with PageStore.open(cfg, ns()) as store:
+    with open_writer(cfg, ns()) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         written = {k: store._index.lookup(k) for k in keys()}
         meta = store.layout.meta
@@ -167,7 +167,7 @@ def test_a_put_record_with_another_number_of_checksums_indexes_nothing(tmp_path)
 
 def test_rebuild_takes_the_headers_parts(tmp_path):
     mem, expected = fill()
-    with PageStore.open(config(tmp_path), ns()) as store:
+    with open_writer(config(tmp_path), ns()) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         meta = store.layout.meta
     for p in [meta / "checkpoint.bin", *meta.glob("journal-*.log")]:
@@ -176,7 +176,7 @@ def test_rebuild_takes_the_headers_parts(tmp_path):
     (outcome,) = rebuild_shard(shard)
     assert outcome.report is not None and (outcome.report.pages, outcome.report.torn) == (N, 0)
     mem.clear()
-    with PageStore.open(config(tmp_path), ns()) as store:
+    with open_writer(config(tmp_path), ns()) as store:
         assert store.get(keys(), runs(mem)) == [True] * N
         assert [mem.page(i).tobytes() for i in range(N)] == expected
     assert fsck(shard).clean
@@ -187,7 +187,7 @@ def test_rebuild_takes_the_headers_parts(tmp_path):
 def test_a_bad_byte_in_part_1_fails_that_page_from_part_1_on(tmp_path, parts):
     mem = fill()[0]
     engine = Recording()
-    with PageStore.open(config(tmp_path, parts), ns(parts), engine=engine) as store:
+    with open_writer(config(tmp_path, parts), ns(parts), engine=engine) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         flip(store, key(3), PartMap.of(parts).offsets[1] + 17)
         seen: list[tuple[int, list[bool]]] = []
@@ -205,7 +205,7 @@ def test_a_bad_byte_in_part_1_fails_that_page_from_part_1_on(tmp_path, parts):
 
 def test_get_verifies_every_part(tmp_path):
     mem = fill()[0]
-    with PageStore.open(config(tmp_path), ns()) as store:
+    with open_writer(config(tmp_path), ns()) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         flip(store, key(5), 3 * 4096 + 1)  # the last part only
         assert store.get(keys(), runs(mem)) == [i != 5 for i in range(N)]
@@ -216,7 +216,7 @@ def test_get_verifies_every_part(tmp_path):
 def test_groups_are_read_group_major_with_the_next_in_flight_during_on_part(tmp_path):
     mem, expected = fill()
     engine = Recording()
-    with PageStore.open(config(tmp_path), ns(), engine=engine) as store:
+    with open_writer(config(tmp_path), ns(), engine=engine) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         slot_offset = {store._io.locate(store.slot_of(k))[1]: k for k in keys()}
         mem.clear()
@@ -248,7 +248,7 @@ def test_consecutive_parts_of_a_group_are_one_io_each_part_verified(tmp_path):
     group 1, sent beside group 0 before its verdicts, still reads the page: its parts verify, it stays failed)."""
     mem, expected = fill()
     engine = Recording()
-    with PageStore.open(config(tmp_path), ns(), engine=engine) as store:
+    with open_writer(config(tmp_path), ns(), engine=engine) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         base = {k: store._io.locate(store.slot_of(k))[1] for k in keys()}
         mem.clear()
@@ -273,7 +273,7 @@ def test_a_part_needing_a_bounce_buffer_is_an_io_of_its_own(tmp_path):
     """ODD_PARTS under O_DIRECT: parts 0 and 1 are unaligned (bounced, one op each), 2 and 3 aligned (one op)."""
     mem, expected = fill()
     engine = Recording()
-    with PageStore.open(config(tmp_path, ODD_PARTS), ns(ODD_PARTS), engine=engine) as store:
+    with open_writer(config(tmp_path, ODD_PARTS), ns(ODD_PARTS), engine=engine) as store:
         assert store.layout.direct
         assert store.put(keys(), runs(mem)) == [True] * N
         mem.clear()
@@ -290,7 +290,7 @@ def test_a_part_needing_a_bounce_buffer_is_an_io_of_its_own(tmp_path):
 def test_an_on_part_error_leaks_no_pin_nor_buffer(tmp_path):
     mem = HostMemory(N, PAGE, offset=512)  # unaligned: every part through a bounce buffer
     expected = [mem.fill(i, i) for i in range(N)]
-    with PageStore.open(config(tmp_path), ns()) as store:
+    with open_writer(config(tmp_path), ns()) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
 
         def boom(g: int, ok: list[bool]) -> None:
@@ -314,7 +314,7 @@ def test_a_slot_being_read_group_major_is_never_reused(tmp_path):
     for i in range(N):
         other.fill(i, 900 + i)
     cfg = config(tmp_path, capacity_bytes=N * fmt.slot_bytes_for(PAGE, len(PARTS)))  # room for N pages only
-    with PageStore.open(cfg, ns()) as store:
+    with open_writer(cfg, ns()) as store:
         assert store.put(keys(), runs(mem)) == [True] * N
         mem.clear()
         stored: list[list[bool]] = []
@@ -332,7 +332,7 @@ def test_a_slot_being_read_group_major_is_never_reused(tmp_path):
 def test_a_one_part_store_reads_group_major_as_one_group(tmp_path):
     mem = HostMemory(4)
     expected = [mem.fill(i, i) for i in range(4)]
-    with PageStore.open(store_config(tmp_path), namespace()) as store:
+    with open_writer(store_config(tmp_path), namespace()) as store:
         assert store.put(keys(4), runs(mem, 4)) == [True] * 4
         entry = store._index.lookup(key(0))
         assert entry is not None and isinstance(entry[1], int)
@@ -365,7 +365,7 @@ def test_pool_get_parts_routes_across_two_writers(tmp_path):
 def test_parts_name_another_shard_and_a_mismatched_header_is_refused(tmp_path):
     assert ns().digest() != ns(ODD_PARTS).digest() != namespace(PAGE).digest()
     assert namespace(PAGE, parts=(PAGE,)) == namespace(PAGE)  # one part: the whole page
-    with PageStore.open(config(tmp_path), ns()) as store:
+    with open_writer(config(tmp_path), ns()) as store:
         assert store.slot_bytes == fmt.slot_bytes_for(PAGE, len(PARTS))
     header_path = tmp_path / ns().dirname() / "HEADER"
     header = fmt.unpack_header(fmt.HEADER_MAGIC, header_path.read_bytes(), "h")
@@ -373,4 +373,4 @@ def test_parts_name_another_shard_and_a_mismatched_header_is_refused(tmp_path):
     header["parts"] = [PAGE // 2, PAGE // 2]
     header_path.write_bytes(fmt.pack_header(fmt.HEADER_MAGIC, header))
     with pytest.raises(StoreFormatError, match="parts is"):
-        PageStore.open(config(tmp_path), ns())
+        open_writer(config(tmp_path), ns())

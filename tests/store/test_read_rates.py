@@ -14,7 +14,7 @@ import pytest
 from support import PAGE_BYTES, EngineWrapper, HostMemory, key, namespace, store_config
 
 from sgl_kvtier.io.engine import IOOp, IOResult
-from sgl_kvtier.store.page_store import PageStore
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store.read_rates import ReadRates, TransferEstimator
 from sgl_kvtier.store.transfer import busy_seconds
 
@@ -46,7 +46,7 @@ def test_a_slow_device_reads_slower_than_a_fast_one_in_the_same_batch(tmp_path):
     mem = HostMemory(pages)
     cfg = store_config(tmp_path, capacity_pages=pages, devices=devs, io_depth=8)
     engine = SlowDevice(8, device=1, extra_s=SLOW_OP_S)
-    with PageStore.open(cfg, namespace(), engine=engine) as store:
+    with open_writer(cfg, namespace(), engine=engine) as store:
         keys = [key(i) for i in range(pages)]
         for i in range(pages):
             mem.fill(i, i)

@@ -10,8 +10,8 @@ import xxhash
 from support import EngineWrapper, HostMemory, key, namespace, store_config
 
 from sgl_kvtier.io.engine import IOOp, IOResult
+from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.store import format as fmt
-from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.transfer import ReadVerdict
 
 
@@ -33,7 +33,7 @@ def test_each_page_gets_its_own_verdict(tmp_path):
     mem = HostMemory(4)
     expected = [mem.fill(i, i) for i in range(4)]
     engine = FailingSlot()
-    with PageStore.open(store_config(tmp_path, devices=devs), namespace(), engine=engine) as store:
+    with open_writer(store_config(tmp_path, devices=devs), namespace(), engine=engine) as store:
         keys = [key(i) for i in range(4)]
         assert store.put(keys, [mem.runs(i) for i in range(4)]) == [True] * 4
         entries = [store._index.lookup(k) for k in keys]
@@ -58,7 +58,7 @@ def test_concurrent_batches_of_bounced_pages_never_wait_for_each_other(tmp_path)
     import threading
 
     page = 3072
-    store = PageStore.open(store_config(tmp_path, 64, page, io_depth=8), namespace(page))
+    store = open_writer(store_config(tmp_path, 64, page, io_depth=8), namespace(page))
     with store:
         mem = HostMemory(16, page_bytes=page)
         keys = [key(i) for i in range(16)]
@@ -112,7 +112,7 @@ def test_every_page_write_carries_its_trailer(tmp_path, page, mem_offset, direct
     want = [mem.fill(i, 40 + i) for i in range(6)]
     keys = [key(i) for i in range(6)]
     ns = namespace(page)
-    with PageStore.open(store_config(tmp_path, 64, page, devices=devs, direct_io=direct), ns) as store:
+    with open_writer(store_config(tmp_path, 64, page, devices=devs, direct_io=direct), ns) as store:
         assert store.slot_bytes == fmt.slot_bytes_for(page)
         if direct == "auto":
             assert store.layout.direct
@@ -146,7 +146,7 @@ def test_a_reader_cannot_write_and_a_slot_without_room_for_a_trailer_is_refused(
     mem = HostMemory(1)
     mem.fill(0, 1)
     cfg = store_config(tmp_path)
-    with PageStore.open(cfg, namespace()) as store:
+    with open_writer(cfg, namespace()) as store:
         store.put([key(0)], [mem.runs(0)])
         with PageReader.open(cfg, namespace()) as reader:
             with pytest.raises(KVTierError, match="no writer identity"):

@@ -1,34 +1,15 @@
 """SGLang general plugin: the L3 prefetch stop decision by the load-or-recompute cost model.
 
-Declared in pyproject.toml as the ``sglang.srt.plugins`` entry point ``kvtier_prefetch``. SGLang 0.5.23's
-``load_plugins()`` runs ``load()`` early in each of its processes and then ``HookRegistry.apply_hooks()``.
+Switched on by ``KVTIER_PREFETCH_POLICY=cost`` through the ``kvtier`` entry point; off, ``load()`` returns before it
+imports anything from SGLang. The hooks hold no policy state: each uses the ``CostPolicy`` of our backend behind
+the object it hooks (``backend_of``). AROUND ``UnifiedRadixCache._can_terminate_prefetch``: the stop decision
+(``can_terminate_prefetch``); AFTER ``Scheduler.process_batch_result``: prefill samples for the backend's
+``cost.prefill`` (``record_prefill_timing``).
 
-Enabled only by ``KVTIER_PREFETCH_POLICY=cost`` (see ``sgl_kvtier.policy.cost_inputs``). Off, ``load()``
-returns before it imports anything from SGLang: no hook is registered, no SGLang class is touched.
-
-The hooks hold no policy state: each finds our backend behind the object it hooks (the cache's
-``cache_controller.storage_backend``; the scheduler's ``tree_cache``; SGLang's failure injector unwrapped)
-and uses that backend's ``CostPolicy`` (read path, prefill sampler, log gate).
-
-On, two hooks through SGLang's ``HookRegistry``:
-- AROUND ``UnifiedRadixCache._can_terminate_prefetch`` (``unified_radix_cache.py:2294-2313``), called by
-  ``check_prefetch_progress`` for every unfinished prefetch at each admission poll. Under SGLang's
-  ``timeout`` stop policy (its default) the static budget (1 s + 0.25 s per 1k tokens) is replaced by
-  ``cost_model.should_terminate``: stop as soon as waiting is predicted to end later than recomputing the
-  unloaded rest now. The collective is the one SGLang's own ``timeout`` branch does (the verdict is
-  taken on PP0, MAX-reduced over TP, then broadcast along PP), so every rank runs the same collectives
-  and gets the same answer; the rest of ``check_prefetch_progress`` (marking the cut as a policy
-  deadline, no retries, salvaging the landed batches) is SGLang's. Under ``best_effort`` and
-  ``wait_complete`` (explicit operator choices) SGLang's method runs unchanged.
-- AFTER ``Scheduler.process_batch_result``: each EXTEND / MIXED batch's ``launch_ts`` to the end of its
-  result processing is a prefill sample (new and cached tokens per request) for the backend's
-  ``cost.prefill``.
-
-Invariants: a loaded prefix (every hit page acknowledged) is never cut; until both the read path and
-the prefill speed are measured, the local verdict is SGLang's own ``_prefetch_deadline_expired``; an
-exception in our code falls back to that verdict too (counted by the backend's ``ErrorBoundary`` and
-logged with its traceback) and the collective always runs (ranks never diverge); nothing raises into
-the scheduler from the timing hook.
+Invariants: a loaded prefix is never cut; until the read path and the prefill speed are measured, or after an
+exception in our code (counted on the backend's ``ErrorBoundary``), the local verdict is SGLang's own
+``_prefetch_deadline_expired``; the collective always runs, so ranks never diverge; nothing raises into the
+scheduler from the timing hook.
 """
 
 from __future__ import annotations
@@ -60,11 +41,12 @@ _orphans = ErrorBoundary(logger)  # hook failures with no backend of ours to cou
 
 
 def load() -> None:
-    """Entry point for ``sglang.srt.plugins``; idempotent within a process; both hooks or none."""
+    """Register both hooks (``KVTIER_PREFETCH_POLICY=cost``); idempotent within a process; both hooks or none."""
     global _loaded
     if _loaded or PolicyMode.from_environ() is not PolicyMode.COST:
         return
-    hooks: list[HookSpec] = [(TERMINATE_TARGET, can_terminate_prefetch, "AROUND"), (BATCH_RESULT_TARGET, record_prefill_timing, "AFTER")]
+    hooks: list[HookSpec] = [(TERMINATE_TARGET, can_terminate_prefetch, "AROUND"),
+                             (BATCH_RESULT_TARGET, record_prefill_timing, "AFTER")]
     if not register_all("cost_policy", hooks):
         return
     _loaded = True
@@ -78,14 +60,15 @@ def loaded() -> bool:
 
 
 def backend_of(cache: Any) -> KVTierStorage | None:
-    """Our backend behind a HiCache tree (None: no HiCache, no L3 attached, or another backend)."""
+    """Our backend behind a HiCache tree: the cache's ``cache_controller.storage_backend``, SGLang's failure
+    injector unwrapped (None: no HiCache, no L3 attached, or another backend)."""
     from sglang.srt.mem_cache import hicache_storage
 
     from sgl_kvtier.sglang.storage import KVTierStorage
 
     controller = getattr(cache, "cache_controller", None)  # absent or None: not a HiCache tree
     backend = getattr(controller, "storage_backend", None)  # None: no L3 attached (or detached)
-    injector = getattr(hicache_storage, "HiCacheStorageFailureInjector", None)  # new in SGLang 0.5.23
+    injector = getattr(hicache_storage, "HiCacheStorageFailureInjector", None)  # absent from older SGLang releases
     if injector is not None and isinstance(backend, injector):  # SGLANG_TEST_HICACHE_BACKEND_RANDOM_*
         backend = backend._backend
     return backend if isinstance(backend, KVTierStorage) else None
@@ -97,7 +80,10 @@ def _boundary(backend: KVTierStorage | None) -> ErrorBoundary:
 
 # ---------------------------------------------------------------------------------------------- stop decision
 def can_terminate_prefetch(original: Any, cache: Any, operation: Any) -> bool:
-    """AROUND hook: SGLang's ``timeout`` branch with the cost model as the local verdict."""
+    """AROUND hook: SGLang's ``timeout`` branch (its default stop policy) with ``cost_model.should_terminate`` as the
+    local verdict instead of the static budget: stop as soon as waiting is predicted to end later than recomputing
+    the unloaded rest now. The collective is the branch's own (PP0 decides, MAX over TP, broadcast along PP), so
+    every rank gets the same answer. ``best_effort`` and ``wait_complete`` run SGLang's method unchanged."""
     if cache.prefetch_stop_policy != "timeout":
         return bool(original(cache, operation))
     import torch
@@ -155,7 +141,8 @@ def request_state(operation: Any, page_tokens: int, page_bytes: int, now: float)
 # ---------------------------------------------------------------------------------------------- prefill timing
 def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on ``Scheduler.process_batch_result``: one prefill sample per extend batch, into the
-    prefill sampler of the backend behind ``scheduler.tree_cache``."""
+    prefill sampler of the backend behind ``scheduler.tree_cache``. A batch that ran with streamed tails
+    (``stall_marks``) is no prefill sample: stalled, none at all; else the bind rule's interference sample."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     if not isinstance(batch, ScheduleBatch) or batch.forward_mode is None or batch.launch_ts is None:

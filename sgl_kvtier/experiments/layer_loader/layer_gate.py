@@ -1,20 +1,17 @@
 """A per-layer gate and a layer-by-layer load on a loader thread: the machinery of layer-pipelined loads.
 
-``LayerGate`` counts the layers of one load that are complete: ``advance(i)`` after layer ``i`` landed,
-``wait_until(i)`` blocks until it has (True) or the load failed first (False), ``fail(exc)`` releases every
-waiter. Layers complete in order, so "layer ``i`` done" means "layers ``0..i`` done".
+``LayerGate`` counts the complete layers of one load: ``advance(i)`` after layer ``i`` landed, ``wait_until(i)``
+blocks until it has (True) or the load failed first (False), ``fail(exc)`` releases every waiter. Layers
+complete in order, so "layer ``i`` done" means "layers ``0..i`` done".
 
-``LayerLoad`` runs ``copy_layer(0) .. copy_layer(n - 1)`` on a thread of its own, advancing its gate after
-each layer; or, ``inline``, on no thread: ``wait(i)`` copies the layers up to ``i`` not yet copied in the
-waiting thread itself, just before it reads them (on a CPU engine the forward's OpenMP team then never
-shares the cores with a loader's copies). ``wait(i)`` is the consumer's side: it returns once layer ``i``
-is complete. If the loader failed, the waiting thread copies the remaining layers itself, synchronously (``finish``), so a waiter
-never returns before its layer is there, whatever happened to the loader. ``join()`` (the end of a step)
-waits for the loader and finishes a failed load the same way. A failure of that synchronous copy is raised
-to the caller: it is the same copy, in the same thread, that would have run without the loader.
+``LayerLoad`` runs ``copy_layer(0) .. copy_layer(n - 1)`` on a thread of its own, advancing its gate after each
+layer; ``wait(i)``, the consumer's side, returns once layer ``i`` is complete. If the loader failed, the waiting
+thread copies the remaining layers itself (``finish``), so a waiter never returns before its layer is there;
+``join()`` (the end of a step) waits for the loader and finishes a failed load the same way. A failure of that
+synchronous copy is raised to the caller: the same copy, in the same thread, as without the loader.
 
-Pure threading, no torch, no SGLang: the copy and the per-layer completion callback are injected, so tests
-drive it with controllable copies and the rest of issue #13 (streamed L3 tails) can reuse it.
+Pure threading, no torch, no SGLang: the copy and the per-layer completion callback are injected (the layer
+loader plugin and the streamed tail's loader both use it).
 """
 
 from __future__ import annotations
@@ -109,15 +106,14 @@ class LayerLoad:
 
     ``copy_layer(i)`` copies layer ``i``; ``on_layer_done(i)`` (optional) is called after it, before the
     gate releases the layer. Both run on the loader thread, or on a waiting thread that finishes a failed
-    load (``inline``: always on the waiting thread, module docstring). ``label`` names the load in logs,
-    ``tokens`` is its size for reports; ``on_block`` is passed to the gate.
+    load. ``label`` names the load in logs, ``tokens`` is its size for reports; ``on_block`` is passed to
+    the gate.
     """
 
     def __init__(self, num_layers: int, copy_layer: Callable[[int], None],
                  on_layer_done: Callable[[int], None] | None = None, *, label: str = "load", tokens: int = 0,
-                 on_block: Callable[[int], None] | None = None, inline: bool = False) -> None:
+                 on_block: Callable[[int], None] | None = None) -> None:
         self.gate = LayerGate(num_layers, on_block=on_block)
-        self.inline = inline
         self.label = label
         self.tokens = tokens
         self._copy = copy_layer
@@ -126,7 +122,6 @@ class LayerLoad:
         self._thread: threading.Thread | None = None
         self.loader_error: BaseException | None = None
         self.sync_layers = 0  # layers copied by a waiting thread after a loader failure
-        self.inline_layers = 0  # layers copied by the waiting thread, inline (no loader thread)
         self.blocked_waits = 0  # waits that found their layer not yet complete
         self.blocked_s = 0.0  # time those waits spent blocked
 
@@ -139,10 +134,7 @@ class LayerLoad:
         return self.gate.complete
 
     def start(self) -> None:
-        """Start the loader thread (if no thread can be started, copy everything here and now); inline: nothing
-        (the waiters copy)."""
-        if self.inline:
-            return
+        """Start the loader thread (if no thread can be started, copy everything here and now)."""
         thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         try:
             thread.start()
@@ -178,10 +170,6 @@ class LayerLoad:
         """Return once ``layer`` is complete: wait for the loader, or finish its work if it failed."""
         if layer >= self.num_layers or self.gate.is_done(layer):
             return
-        if self.inline:
-            with self._lock:
-                self._copy_through(layer + 1)
-            return
         t0 = time.monotonic()
         self.blocked_waits += 1
         warned = False
@@ -197,22 +185,14 @@ class LayerLoad:
         self.blocked_s += time.monotonic() - t0
 
     def finish(self) -> None:
-        """Copy every layer not yet complete in this thread (after a loader failure, without a thread, or
-        the layers no inline waiter asked for).
+        """Copy every layer not yet complete in this thread (after a loader failure, or without a thread).
 
         Only call it once the loader has failed or never started: it takes the loader's lock, so it would
         otherwise wait for the loader to end. Raises what the copy raises.
         """
         with self._lock:
-            self._copy_through(self.num_layers)
-
-    def _copy_through(self, end: int) -> None:
-        """Copy layers ``[done, end)`` in this thread (the lock held), counted as inline or synchronous."""
-        for layer in range(self.gate.done, end):
-            self._copy_one(layer)
-            if self.inline:
-                self.inline_layers += 1
-            else:
+            for layer in range(self.gate.done, self.num_layers):
+                self._copy_one(layer)
                 self.sync_layers += 1
 
     def join(self) -> None:

@@ -1,45 +1,17 @@
-"""SGLang general plugin: layer-pipelined host -> device load-backs on CPU (issue #13, step F1).
+"""SGLang general plugin: layer-pipelined host -> device load-backs on CPU engines.
 
-Declared in pyproject.toml as the ``sglang.srt.plugins`` entry point ``kvtier_layer_loader``. Inert unless
-``KVTIER_LAYER_LOADER=1`` (read first) and no CUDA GPU is present: on GPUs SGLang already pipelines the
-load-back on its H2D stream. Off, ``load()`` returns before it imports anything from SGLang.
+Switched on by ``KVTIER_LAYER_LOADER=1`` through the ``kvtier`` entry point and inert with a CUDA GPU, where SGLang
+pipelines load-backs on its H2D stream; off, ``load()`` returns before it imports anything from SGLang. On CPU,
+SGLang's streams and events are no-ops, so the layer loop of ``HiCacheController.start_loading``
+(``L2TransferEngine.submit_host_to_device``) copies synchronously before the forward. The hooks run that loop on a
+loader thread (``layer_gate.LayerLoad``): the submission (``submit_host_to_device``), the forward's per-layer wait
+(``wait_until``), a join at the end of each step and before the next producer (``join_after``, ``join_before``) and
+``UnifiedRadixCache.is_load_back_event_done`` (``load_back_event_done``).
 
-Why: a HiCache load-back (L2 -> L1) is started by ``HiCacheController.start_loading``
-(``managers/cache_controller.py:1028-1069``) inside ``_get_new_batch_prefill_raw``, before ``run_batch``.
-It calls ``L2TransferEngine.submit_host_to_device`` (``mem_cache/l2_transfer.py:145-183``), a loop over
-layers that copies each layer and records that layer's event (``on_layer_done``, i.e.
-``LayerLoadingEvent.complete``). The forward waits per layer: every attention read of the device pool
-(``get_key_buffer`` / ``get_value_buffer``, ``mem_cache/memory_pool.py:2852-2878``) first calls
-``LayerDoneCounter.wait_until(layer)`` (``cache_controller.py:102-105``). On a GPU both are stream ops, so
-layer ``i`` computes while later layers copy. On CPU ``device_module`` is ``torch.cpu``, whose streams
-and events are no-ops: the whole copy ran synchronously before the forward and every wait returned.
-
-The hooks (all through SGLang's ``HookRegistry``):
-- AROUND ``L2TransferEngine.submit_host_to_device``: for the calls of ``start_loading`` only (the one
-  passing a ``LayerLoadingEvent``'s ``complete``), with no CUDA, no shared (compacting) host layout, MHA
-  or MLA device pools, SGLang's own submission (``_submission``: start event, index preparation) runs here
-  and the layer loop (SGLang's body, per layer) runs on a loader thread (``layer_gate.LayerLoad``). The
-  returned completion's ``finish_event`` is honest: ``query()`` is False until every layer has landed,
-  ``synchronize()`` joins. Every other call runs SGLang's original: GPUs, and the retraction restore
-  (``unified_radix_cache.py:1632-1638``), which relies on ``finish_event.synchronize()`` right after.
-- AROUND ``LayerDoneCounter.wait_until``: before SGLang's wait, block until that layer of every load in
-  flight has landed. Keyed on the layer alone, not on the counter's consumer index: whatever batch reads
-  the device pool during a load, no layer is read before its copy completed.
-- AFTER ``Scheduler.run_batch`` and BEFORE ``LayerDoneCounter.update_producer``: join every load in
-  flight. No copy outlives its step, at most one load is in flight, and a producer event is never reused
-  while its loader runs. Load acks (``ack_load_queue``) are reaped at the next step, after the join.
-- AROUND ``UnifiedRadixCache.is_load_back_event_done``: False while a load is in flight.
-
-Failures: a loader-thread exception is logged with its traceback (the host bytes were verified before,
-so a failed copy is a bug) and the waiting forward (or the join) copies the remaining layers itself,
-synchronously: the same SGLang copy, in the thread that ran it before this plugin. Only if that copy
-fails too does its exception reach SGLang, exactly as it would without the plugin. Our own code (the
-eligibility check, the submission) never raises into SGLang: it counts, logs and copies synchronously.
-
-Measured (kvheavy, 1,520 cached tokens = 200 MB over 64 layers, a 2-core machine shared with other jobs):
-the copy is ~60 ms; with the loader it leaves the scheduler thread (submission 0.6 ms) but competes with
-the forward for the same two cores, so the step did not get shorter (within noise). The gain needs a core
-the forward leaves idle; the machinery is the point of this step (streamed L3 tails reuse the gate).
+Failures: a loader-thread exception is logged with its traceback and the waiting forward (or the join) copies the
+remaining layers itself, the same SGLang copy in the thread that would run it without this plugin; only if that copy
+fails too does its exception reach SGLang. Our own code (eligibility, submission) never raises into SGLang: it
+counts, logs and copies synchronously.
 """
 
 from __future__ import annotations
@@ -126,13 +98,13 @@ def loader_wanted() -> bool:
 
 
 def load() -> None:
-    """Entry point for ``sglang.srt.plugins``; idempotent within a process; all hooks or none."""
+    """Register every hook (``KVTIER_LAYER_LOADER=1``, no CUDA); idempotent within a process; all hooks or none."""
     global _loaded
     if _loaded or not loader_wanted():
         return
     hooks: list[HookSpec] = [(SUBMIT_TARGET, submit_host_to_device, "AROUND"), (WAIT_TARGET, wait_until, "AROUND"),
-             (PRODUCER_TARGET, join_before, "BEFORE"), (RUN_BATCH_TARGET, join_after, "AFTER"),
-             (EVENT_DONE_TARGET, load_back_event_done, "AROUND")]
+                             (PRODUCER_TARGET, join_before, "BEFORE"), (RUN_BATCH_TARGET, join_after, "AFTER"),
+                             (EVENT_DONE_TARGET, load_back_event_done, "AROUND")]
     if not register_all(PLUGIN.name, hooks):
         return
     _loaded = True
@@ -163,7 +135,10 @@ class LoadFinishedEvent:
 
 def submit_host_to_device(original: Callable[..., Any], engine: Any, transfers: Any, *args: Any,
                           **kwargs: Any) -> Any:
-    """AROUND hook: SGLang's submission here, its layer loop on the loader thread (eligible calls only)."""
+    """AROUND hook: for eligible calls (``start_loading``'s), SGLang's submission here and its layer loop on the
+    loader thread; the completion's ``finish_event`` is honest (``query()`` False until every layer landed,
+    ``synchronize()`` joins). Every other call runs SGLang's original, e.g. ``UnifiedRadixCache.restore_kv_cache``,
+    which relies on ``finish_event.synchronize()`` right after."""
     if args or not eligible(engine, transfers, kwargs):
         return original(engine, transfers, *args, **kwargs)
     join_all()  # normally nothing: the previous step joined its load (raises only what SGLang's copy raised)
@@ -176,7 +151,9 @@ def submit_host_to_device(original: Callable[..., Any], engine: Any, transfers: 
 
 
 def eligible(engine: Any, transfers: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether this call may run on the loader thread (any doubt, or an error deciding: no)."""
+    """Whether this call may run on the loader thread: a CPU device module, ``on_layer_done`` a
+    ``LayerLoadingEvent``'s (``start_loading``'s calls), MHA or MLA device pools, no shared (compacting) host
+    layout. Any doubt, or an error deciding: no."""
     try:
         import torch
         from sglang.srt.environ import envs
@@ -228,7 +205,8 @@ def submit_async(engine: Any, transfers: list[Any], *, transfer_layer_id_max: in
 
 
 def layer_copier(transfers: Sequence[Any], io_backend: str) -> Callable[[int], None]:
-    """One iteration of SGLang's layer loop (``l2_transfer.py:161-180``), for prepared ``transfers``."""
+    """One iteration of the layer loop of SGLang's ``L2TransferEngine.submit_host_to_device``, for prepared
+    ``transfers``."""
     primary = transfers[0]
 
     def copy_layer(layer_id: int) -> None:
@@ -246,7 +224,9 @@ def layer_copier(transfers: Sequence[Any], io_backend: str) -> Callable[[int], N
 
 # ---------------------------------------------------------------------------------------------- gate and join
 def wait_until(original: Callable[..., Any], counter: Any, threshold: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook: layer ``threshold`` of every load in flight lands before SGLang's own wait."""
+    """AROUND hook: layer ``threshold`` of every load in flight lands before SGLang's own wait. Keyed on the layer
+    alone, not on the counter's consumer index: whatever batch reads the device pool, no layer is read before its
+    copy completed."""
     if IN_FLIGHT:
         if isinstance(threshold, int) and not isinstance(threshold, bool):
             for job in IN_FLIGHT.jobs():
@@ -257,12 +237,14 @@ def wait_until(original: Callable[..., Any], counter: Any, threshold: Any, *args
 
 
 def join_before(*args: Any, **kwargs: Any) -> None:
-    """BEFORE hook (``update_producer``): no new load while one is in flight."""
+    """BEFORE hook (``update_producer``): no new load while one is in flight (at most one load is, and a producer
+    event is never reused while its loader runs)."""
     join_all()
 
 
 def join_after(result: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook (``run_batch``): the step's loads end with its forward."""
+    """AFTER hook (``run_batch``): the step's loads end with its forward (no copy outlives its step; SGLang reaps
+    their acks, ``ack_load_queue``, at the next step, after this join)."""
     join_all()
 
 

@@ -1,9 +1,9 @@
 """A backend's streamed-hit state (``StreamingSide``): the binder of hits to host slots, the bind rule's
-learned costs and the plugin's counters, attached to each ``KVTierStorage`` as an adapter extension.
+learned costs and the plugin's counters, attached to each ``KVTierStorage`` as an ``Extension``.
 
 ``install()`` (the stream plugin's ``load``, once its hooks registered) adds ``StreamingSide`` to
-``sglang.storage.EXTENSIONS``, so every backend made afterwards in this process carries one; a process without
-the plugin makes none and its reads never pass through a binder. ``side_of(backend)`` finds it (None: none).
+``sgl_kvtier.sglang.storage.EXTENSIONS``, so every backend made afterwards in this process carries one; a process
+without the plugin makes none and its reads never pass through a binder. ``side_of(backend)`` finds it.
 
 Invariants: the side holds its backend weakly (no reference cycle; ``store.lifecycle``); it streams only
 with ``streaming = "on"`` on a KV pool whose pages stream in layer groups (``enabled``); ``bind_hit`` never
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class StreamingSide:
-    """One backend's streamed hits (an ``sglang.storage.Extension``)."""
+    """One backend's streamed hits (an ``sgl_kvtier.sglang.storage.Extension``)."""
 
     def __init__(self, backend: KVTierStorage) -> None:
         me = weakref.ref(backend)
@@ -70,14 +70,14 @@ class StreamingSide:
             log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)
 
     def attach_hooks(self, counts: Callable[[], StreamHookSnapshot]) -> None:
-        """The stream plugin decided on for this backend: ``counts()`` reads its counters (``telemetry().stream``)."""
+        """Streaming is on for this backend: ``counts()`` reads the plugin's counters (``telemetry().stream``)."""
         self._hooks = counts
 
     def bind_hit(self, hashes: list[str], host_indices: torch.Tensor, cuts: Cuts | None = None) -> None:
         """SGLang allocated ``host_indices`` for the hit of ``hashes`` (its leading ``len(host_indices) //
         page_tokens`` pages; the allocation may be shorter than the hit): stream them in now, in the read
         groups ``cuts`` (``rules.read_groups``; None: the pool's layer groups). Never raises (a failure is
-        counted at the boundary and the hit loads as today)."""
+        counted at the boundary and the hit loads whole)."""
         backend = self._backend()
         if backend is None:
             return

@@ -1,31 +1,28 @@
-"""The backend's table of bound hits (issue #13): which host slots a ``TailStream`` is writing, and
-``batch_get_v1``'s non-blocking head/tail answer for them.
+"""The backend's table of bound hits: which host slots a ``TailStream`` is writing, and ``batch_get_v1``'s
+non-blocking head/tail answer for them.
 
-One ``StreamBinder`` per ``KVTierStorage``. ``bind(keys, host_indices)`` (the scheduler thread, right after
-SGLang allocated the hit's host slots) starts a stream and indexes its pages by host page (``slot // page
-tokens``: SGLang's host pages are runs of ``page_tokens`` slots from a page-aligned slot, as
-``get_page_buffer_meta`` assumes). Each indexed page is ``(bound stream, page offset in it)``.
+One ``StreamBinder`` per backend (``StreamingSide.binder``). ``bind(keys, host_indices)`` (scheduler thread, right
+after SGLang allocated the hit's host slots) starts a stream and indexes its pages by host page (``slot //
+page_tokens``: SGLang's host pages are runs of ``page_tokens`` slots from a page-aligned slot, as
+``get_page_buffer_meta`` assumes). Each entry is ``(bound stream, page offset in it)``.
 
 Who removes what (the index only shrinks, except at ``bind``):
-- ``answer`` (SGLang's IO thread): for a slice that is a run of a bound stream's pages, True for its
-  leading pages that landed, False from the first that has not; never waits. A stream whose every page
-  was answered True leaves the index. A slice that overlaps bound pages without being such a run, or
-  whose keys differ from the stream's, is a bug: those streams are cancelled, leave the index, and the
-  answer is None (today's path reads) once they ended, or all False if one does not end in time (no read
-  may land under theirs).
+- ``answer`` (SGLang's IO thread): for a slice that is a run of one bound stream's pages, True for its leading
+  pages that landed, False from the first that has not; never waits. A stream whose every page was answered
+  True leaves the index. A slice that overlaps bound pages without being such a run, or whose keys differ from
+  the stream's, is a bug: those streams are cancelled and leave the index; the answer is None (the backend reads
+  the pages itself) once they ended, or all False if one does not end in time (no read may land under theirs).
 - ``take`` (the plugin, registering a tail): the stream leaves the index; the plugin owns it.
-- ``claim_released`` (the plugin, before SGLang releases host slots): released pages leave the index; a
-  released page the stream may still write (not settled) is withheld, and its stream cancelled.
-- ``bind`` on pages still indexed: entries of settled pages or ended streams are stale (dropped
-  silently); an unsettled one means SGLang reused slots under a stream (a bug): that stream is cancelled
-  and waited for (bounded) before the new one is bound, or the new hit is not bound.
+- ``claim_released`` (the plugin, before SGLang releases host slots): released pages leave the index; a released
+  page the stream may still write (not settled) is withheld, and its stream cancelled.
+- ``bind`` on pages still indexed: entries of settled pages or ended streams are stale and dropped; an unsettled
+  one means SGLang reused slots under a stream (a bug): that stream is cancelled and waited for (bounded)
+  before the new one is bound, or the new hit is not bound.
 - ``close``: every stream this binder started (taken ones too) is cancelled, then waited for (bounded).
 
-The binder's lock guards the index and the counters; it is never held while waiting for a stream.
-
-Ranks: what is local here (landed pages, settled pages) differs between TP ranks; ``claim_released``'s
-split is exact for this rank only. The plugin makes every decision SGLang sees rank-consistent
-(``contract``: MIN-reduced at lockstep points).
+The binder's lock guards the index and the counters and is never held while waiting for a stream. What is
+local here (landed and settled pages) differs between TP ranks; the plugin makes every decision SGLang sees
+rank-consistent (``contract``).
 """
 
 from __future__ import annotations
@@ -57,7 +54,7 @@ WAIT_S = 10.0  # bound on waiting for a cancelled stream to end (bug paths and c
 def why_not_streaming(kv: PoolTier | None, tiers: Mapping[str, PoolTier]) -> str | None:
     """Why a backend with ``streaming = "on"`` cannot stream its KV pool's hits (None: it can): the pool's
     pages must stream in layer groups (``HostPages.plan``), move zero-copy, be stored as those groups'
-    checksummed parts, and be the only pool served (v1 scope: no side pools)."""
+    checksummed parts, and be the only pool served (no side pools)."""
     if kv is None:
         return "no KV host pool is registered"
     plan = kv.pages.plan
@@ -118,8 +115,8 @@ class StreamBinder:
     # ------------------------------------------------------------------ bind (scheduler thread)
     def bind(self, keys: Sequence[PageKey], host_indices: torch.Tensor,
              cuts: Cuts | None = None) -> TailStream | None:
-        """Start streaming ``keys`` into ``host_indices`` in the read groups ``cuts`` (``experiments.streaming.rules.read_groups``;
-        None: the pool's layer groups; ``TailStream``); None when streaming is off or the hit empty."""
+        """Start a ``TailStream`` of ``keys`` into ``host_indices`` in the read groups ``cuts``
+        (``rules.read_groups``; None: the pool's layer groups); None when streaming is off or the hit empty."""
         if not keys or not self._enabled():
             return None
         tier = self._tier()
@@ -183,7 +180,7 @@ class StreamBinder:
             return None
         tier = self._tier()
         if tier is None or check_indices(host_indices, len(keys), tier.pages.page_tokens) is not None:
-            return None  # not slots of ours to judge: today's path answers (and reports) it
+            return None  # not slots of ours to judge: the backend's own read answers (and reports) it
         ps = tier.pages.page_tokens
         hpages = (host_indices[::ps] // ps).tolist()
         with self._lock:

@@ -1,38 +1,35 @@
-"""The records the parts of a streamed L3 tail share (issue #13): who owns what, when, and the crash rules.
+"""The records the parts of a streamed L3 tail share: who owns what, when, and the crash rules.
 
-Life of one hit, all SGLang calls on the scheduler thread unless named otherwise:
+Life of one hit (SGLang calls on the scheduler thread unless named otherwise):
 
 1. **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``, before SGLang queues the op for its IO
-   thread): ``KVTierStorage.bind_hit(hashes, host_indices)`` starts a ``TailStream``: every page of the hit
-   read group-major (layer group 0 of every page, verified, then group 1, ...) straight into those host
-   slots. Pages read-ahead already staged are copied in whole.
-2. **Head / tail** (SGLang's IO thread, ``batch_get_v1``): for bound slots the backend answers at once,
-   never blocking: True for the leading pages whose every group landed and verified (they are finished:
-   the stream never writes their slots again), False from the first page that has not. SGLang inserts
-   that head into the tree as today.
-3. **Register** (AROUND ``UnifiedRadixCache._handle_prefetch_result``): the rest of the hit becomes a
-   ``StreamedTail`` (state REGISTERED) in the cache's ``StreamRegistry``: its stream, its first page, its
-   token span and its host slots, which SGLang then tries to release: they are **withheld** (removed from
-   the release) and freed by us only once the stream's IO has ended (``defer_free``/``reap``).
-4. **Admit** (the T_hide gate, AROUND ``check_prefetch_progress``): READY once the remaining read is
-   predicted to hide under the suffix's compute; the match then reports the tail as a virtual host hit;
-   ``init_load_back`` allocates device slots private to the request (state ADMITTED) and queues it.
-5. **Load** (``ready_to_load_host_cache`` .. the forward): a loader copies each group's layers from the
-   tail's host slots to its device slots once ``stream.wait_group`` said LANDED, else writes zeros there
-   and marks the tail POISONED; the forward's per-layer wait blocks until that layer's group is done
-   (state LOADING).
-6. **Verdict** (AFTER ``Scheduler.run_batch``): rank-MIN of "landed"; a landed tail is DONE (its KV is
-   the request's own, inserted like computed KV); a POISONED one is retracted: the forward's output is
-   discarded and the request recomputes. Either way the host slots are freed once the stream ended.
+   thread): ``StreamingSide.bind_hit`` starts a ``TailStream`` reading every page of the hit group-major
+   (read group 0 of every page, verified, then group 1, ...) straight into the allocated host slots; pages
+   that read-ahead staged are copied in whole.
+2. **Head / tail** (SGLang's IO thread, ``batch_get_v1``): for bound slots the backend answers at once, never
+   blocking: True for the leading pages whose every group landed verified (the stream never writes their
+   slots again), False from the first that has not. SGLang inserts that head into the tree.
+3. **Register** (AROUND ``UnifiedRadixCache._handle_prefetch_result``): the rest becomes a ``StreamedTail``
+   (REGISTERED) in the cache's ``StreamRegistry``. Its host slots are **withheld** from SGLang's release and
+   freed by us only once the stream's IO has ended (``defer_free`` / ``reap``).
+4. **Admit** (the T_hide gate, AROUND ``UnifiedRadixCache.check_prefetch_progress``): READY once the rest of
+   the read is predicted to hide under the suffix's compute; the match then reports the tail as a host hit and
+   ``init_load_back`` allocates device slots private to the request (ADMITTED, queued).
+5. **Load** (``ready_to_load_host_cache`` .. the forward, LOADING): a loader copies each group's layers from
+   the host slots to the device slots once ``stream.wait_group`` says LANDED, else writes zeros there; the
+   forward's per-layer wait blocks until that layer's group is done.
+6. **Verdict** (AFTER ``Scheduler.run_batch``): rank-MIN of "landed". Landed: DONE, the KV is the request's
+   own and is inserted like computed KV. Else POISONED: the forward's output is discarded and the request
+   recomputes. Either way the host slots are freed once the stream ended.
 
 Invariants:
-- A host slot of a tail is written only by its stream and freed only after ``stream.ended`` (no free
-  under an IO in flight; a slot is never reused while a read may still land in it).
-- Device slots of a tail are written only by the loader, after the group verified (or with zeros), and
-  are request-owned KV (``cache_protected_len`` excludes the tail): the tree sees them only through the
-  request's own insert after a good forward.
-- Every decision that changes what SGLang sees (register, admit, verdict, frees of withheld slots) is
-  taken at a lockstep scheduler-thread point and MIN-reduced over the ranks (``cache._all_reduce``).
+- A tail's host slot is written only by its stream and freed only after ``stream.ended`` (never freed, nor
+  reused, while a read may still land in it).
+- A tail's device slots are written only by the loader, after their group verified (or with zeros); they are
+  request-owned KV (``cache_protected_len`` excludes the tail) and reach the tree only through the request's
+  own insert after a good forward.
+- Every decision that changes what SGLang sees (register, admit, verdict, frees of withheld slots) is taken
+  at a lockstep scheduler-thread point and MIN-reduced over the ranks (``cache._all_reduce``).
 """
 
 from __future__ import annotations
@@ -56,9 +53,9 @@ class GroupVerdict(enum.Enum):
 
 
 class TailStream(Protocol):
-    """One bound hit's pages, streaming group-major into its host slots (``tail_stream.py``).
+    """One bound hit's pages, streaming group-major into its host slots (``tail_stream.TailStream``).
 
-    Thread-safe; ``wait_group`` and ``landed_pages`` may be called from any thread while reads run."""
+    Thread-safe: ``wait_group`` and ``landed_pages`` may be called from any thread while reads run."""
 
     @property
     def pages(self) -> int: ...  # pages of the bound hit
@@ -90,6 +87,8 @@ class TailStream(Protocol):
 
 
 class TailState(enum.Enum):
+    """Where a ``StreamedTail`` is in its life (module docstring); changed on the scheduler thread only."""
+
     REGISTERED = "registered"  # head inserted, tail streaming, request waiting at the T_hide gate
     READY = "ready"  # the gate opened: the next match reports the tail as a host hit
     ADMITTED = "admitted"  # private device slots allocated, load queued for the next batch

@@ -1,16 +1,15 @@
-"""SGLang general plugin: streamed L3 tails (issue #13; the design: ``sgl_kvtier.sglang.stream``).
+"""SGLang general plugin: streamed L3 tails (the design: ``sgl_kvtier.experiments.streaming``).
 
-Declared in pyproject.toml as the ``sglang.srt.plugins`` entry point ``kvtier_stream``. ``load()`` registers
-the hooks of ``stream_admit`` (bind, register, gate, virtual hit, load-back, ownership, row indices, abort),
-``stream_slots`` (withhold, reap, reset / detach), ``stream_load`` (loader, per-layer gate, verdict,
-retract, requeue) and ``stream_sample`` (prefill samples for the gate's model) when ``KVTIER_STREAM=1``
-(opt-in; ``sgl-kvtier launch`` sets it for ``streaming = "on"``), all of them or none (``register_all``: on a
-release it is not tested on, or one missing a target, none). Every hook is a pass-through unless the cache
-it runs on has our backend with ``streaming = "on"`` and the engine is inside this version's scope
-(``active``).
+Switched on by ``KVTIER_STREAM=1`` through the ``kvtier`` entry point (``sgl-kvtier launch`` sets it for
+``streaming = "on"``). ``load()`` registers the hooks of ``hooks.admit`` (bind, register, gate, virtual hit,
+load-back, ownership, row indices, abort), ``hooks.slots`` (withhold, reap, reset / detach), ``hooks.load``
+(loader, per-layer gate, verdict, retract, requeue), ``hooks.sample`` (prefill samples for the gate's model)
+and ``hooks.accounting`` (SGLang's prefetch counters), all of them or none (``register_all``), then attaches a
+``StreamingSide`` to every backend made afterwards (``backend_side.install``). Every hook is a pass-through
+unless the cache it runs on has our backend with ``streaming = "on"`` inside the supported scope (``active``).
 
-The shared state and rules (``active``, the registry, ``drop``, ``STATS``, ...) live in ``stream_core`` and
-are re-exported here, read-only: a test that replaces one replaces it in ``stream_core``.
+The shared state and rules (``active``, the registry, ``drop``, ``STATS``, ...) live in ``hooks.core`` and are
+re-exported here, read-only: a test that replaces one replaces it in ``hooks.core``.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def hook_specs() -> list[HookSpec]:
 
 
 def load() -> None:
-    """Entry point for ``sglang.srt.plugins``; idempotent within a process; all hooks or none."""
+    """Register every hook and install the streaming side (``KVTIER_STREAM=1``); idempotent; all hooks or none."""
     global _loaded
     if _loaded or not PLUGIN.wanted():
         return

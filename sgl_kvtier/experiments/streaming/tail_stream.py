@@ -1,38 +1,34 @@
-"""The backend side of a streamed L3 hit (issue #13): every page of a bound hit read group-major, verified
-group by group, straight into the host slots SGLang allocated for it (``contract.TailStream``).
+"""One bound hit read group-major, verified group by group, straight into the host slots SGLang allocated for
+it (implements ``contract.TailStream``).
 
-One ``TailStream`` per bound hit (``binding.StreamBinder.bind``), run on one thread of the binder's small
-executor (a stream queued behind others is still correct, just later). Its groups are *read groups* (the
-stored layer groups merged in ``cuts``, ``experiments.streaming.rules.read_groups``); everything below counts in read groups. Its thread:
+One ``TailStream`` per bound hit (``binding.StreamBinder.bind``), run on a thread of the binder's small executor
+(a stream queued behind others is still correct, just later). Its groups are *read groups* (the stored layer
+groups merged in ``cuts``, ``rules.read_groups``); everything below counts in read groups. Its thread:
 
-1. takes the hit's pages that read-ahead staged at ``batch_exists`` (``ReadAhead.take``) and copies those
-   whose staged read already ended into their slots, whole: every layer group of such a page lands at once;
-2. reads every other page group-major (``group_reads.read_layer_groups``: group 0 of every page, verified,
-   then group 1, ...), recording after each group which pages verified it; between groups it copies the
-   staged pages whose read ended meanwhile (so staged reads still READING land in parallel with the
-   group-major reads of the rest);
+1. takes the hit's pages that read-ahead staged (``ReadAhead.take``) and copies those whose staged read ended
+   into their slots, whole;
+2. reads every other page group-major (``group_reads.read_layer_groups``), recording after each group which
+   pages verified it, and between groups copies the staged pages whose read ended meanwhile;
 3. waits for the staged reads still in flight (woken by read-ahead's listener or by ``cancel``) and copies
-   them; a staged read that failed is no answer: those pages are read group-major from the store after.
+   them; a failed staged read is no answer: those pages are read group-major from the store after.
 
-Per page, under the stream's condition: ``done`` (leading groups verified in its slots), ``failed`` (the
-first group that will not land: set when the store reports a part of it bad, at ``cancel``, or when the
-thread ends early) and ``settled`` (the page's slots get no more writes from this stream). Rules:
+Per page, under the stream's condition: ``done`` (leading groups verified in its slots), ``failed`` (the first
+group that will not land) and ``settled`` (its slots get no more writes from this stream). Rules:
 
-- A page's group g is LANDED only once its verified bytes are in its slots (``done > g``); a page that
-  failed never lands again (``failed`` is final), and ``done`` only grows: ``landed_pages`` (leading pages
-  with every group verified) is monotonic and such a page is settled. A page that failed in read group g
-  settles once group g + 1 landed (the store sends g + 1 before g's verdicts, ``part_reads``), or at the end.
-- ``wait_group(g, first_page)``: LANDED when every page from ``first_page`` has g verified, FAILED as soon
-  as one of them failed at g or earlier, else it waits (TIMEOUT when ``timeout`` passes). Once the
-  stream ended every page is landed or failed, so every wait is decided.
-- ``cancel``: every group not landed is FAILED at once; no new IO: a copy or a group not started is not
-  started (a private exception out of ``on_group`` stops ``get_parts`` once the IO in flight landed). A
-  cancel that arrives while ``get_parts`` waits for group g's IO can no longer stop group g + 1 being
-  issued (``part_reads.drive`` starts it before it hands g over): that IO lands, then the read stops.
-- ``ended``: the thread is done (or never ran: cancelled before it began, or its executor refused it): no
-  IO into the slots is in flight and none will be issued. Set last, after every page is settled.
-- Exceptions of the store or our own code are caught on the thread: the stream is FAILED for every group
-  not landed, ends, and the error is counted on the backend's ``ErrorBoundary`` (logged once, rate-limited).
+- Group g of a page is LANDED only once its verified bytes are in its slots (``done > g``); ``failed`` is final
+  and ``done`` only grows, so ``landed_pages`` is monotonic and a landed page is settled. A page that failed in
+  read group g settles once group g + 1 landed (the store issues g + 1 before g's verdicts, ``part_reads``), or
+  at the end.
+- ``wait_group(g, first_page)``: LANDED when every page from ``first_page`` has g verified, FAILED as soon as one
+  of them failed at g or earlier, else it waits (TIMEOUT). Once the stream ended every wait is decided.
+- ``cancel``: every group not landed is FAILED at once and no new IO starts (a private exception out of
+  ``on_group`` stops ``get_parts`` once the IO in flight landed). A cancel that arrives while ``get_parts`` waits
+  for group g can no longer stop g + 1 being issued (``part_reads.drive`` starts it first): that IO lands, then
+  the read stops.
+- ``ended``: set last, after every page settled: no IO into the slots is in flight and none will be issued
+  (also when the thread never ran: cancelled while queued, or refused by the executor).
+- Exceptions of the store or our code are caught on the thread: every group not landed is FAILED, the stream
+  ends and the error is counted on the backend's ``ErrorBoundary``.
 """
 
 from __future__ import annotations
@@ -168,11 +164,10 @@ class TailStream:
                        if self._failed[p] is None)
 
     def read_rate(self) -> float | None:
-        """Verified bytes landed per second (None before the first landed): since the first landing once more
-        landed after it, else since the thread began. The first landing's time also holds the thread's start
-        and the read's set-up, which the rest of the read does not repeat (measured on a 2-core CPU, 201 MB
-        at 235 MB/s: 160-185 MB/s at group 0 from the start, 220-230 MB/s between landings); either way
-        counted to now, so a stalled read's rate falls while it lands nothing."""
+        """Verified bytes landed per second (None before the first landing): since the first landing once more
+        landed after it, else since the thread began (that span also holds the thread's start and the read's
+        set-up, which the rest of the read does not repeat). Counted to now, so a stalled read's rate falls
+        while it lands nothing."""
         with self._cond:
             if self._first_at is None or self._began is None:
                 return None

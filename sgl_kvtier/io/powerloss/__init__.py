@@ -1,19 +1,9 @@
 """Power-loss fault mode (testing only): record every file operation under a directory, then build the
-states a power cut could leave, ALICE / LazyFS / FaultInjectionTestFS style. Never used in production.
+states a power cut could leave (ALICE / LazyFS style).
 
-``Recorder(root)`` (``recorder.py``) replaces the ``os`` functions the store writes through (``open`` with any flags,
-O_CREAT / O_TRUNC / O_DIRECT included, ``write``, ``writev``, ``pwrite``, ``pwritev``, ``ftruncate``,
-``truncate``, ``posix_fallocate``, ``fsync``, ``fdatasync``, ``sync``, ``rename``, ``replace``, ``link``,
-``unlink``, ``remove``, ``mkdir``, ``rmdir``, ``close``) while installed. Every call goes to the real
-filesystem, and each one on a path or descriptor under ``root`` is also logged in one global order (the
-calls run under one lock, so the log is a serial history the threads really produced; a sync covers
-exactly the log entries before it). Files are tracked as nodes (inodes): a descriptor names a node, a
-rename moves a directory entry, never data. ``mark(label, payload)`` logs what the workload knows at
-that point (e.g. "these pages were acknowledged"). Files under ``root`` written around the wrappers
-(``open()`` builtin, mmap) are adopted as they are on disk when first opened through ``os.open``
-(counted in ``Recording.adopted``): a recording is only as complete as the wrapped calls.
-
-Use (the store's suites: ``tests/store/test_powerloss.py``, ``benchmarks/powerloss.py``)::
+``Recorder(root)`` (``recorder.py``) logs the ``os`` file calls under ``root`` in one global order while
+installed; ``mark(label, payload)`` logs what the workload knows (e.g. "these pages were acknowledged").
+``state.py`` builds the cut states::
 
     with Recorder(root) as rec:          # root: the store's directory (empty, or its state so far)
         ... run the workload; rec.mark("ack", ...) after each acknowledged call ...
@@ -21,30 +11,19 @@ Use (the store's suites: ``tests/store/test_powerloss.py``, ``benchmarks/powerlo
         tree = build(rec.recording, cut, random_policy(rng), rng)
         materialize(tree, scratch / str(cut))   # then open the store there and check it
 
-The model of a cut at log position ``cut`` (entries ``[0, cut)`` happened, nothing after), ``build``
-(``state.py``):
-  * Data (writes, truncates, fallocate size changes) of a file is durable once a later completed
-    ``fsync`` or ``fdatasync`` of that file (any descriptor of its node), or ``os.sync()``, precedes the
-    cut. ``fdatasync`` is taken as ``fsync`` for data and size: Linux flushes the size a later read
-    needs (fallocate'd size included); timestamps are not modelled.
-  * A directory entry (create, mkdir, link, unlink, rmdir, rename/replace within one directory) is
-    durable once a later completed ``fsync`` of that directory precedes the cut. A file's own fsync
-    never makes its entry durable. A rename across directories is two operations, an add in the target
-    directory and a removal in the source, each durable with its own directory.
-  * Everything not durable at the cut is resolved by the ``CutPolicy``: data ``drop`` (all lost),
-    ``keep`` (all landed: a process crash), ``torn`` (each write lands as a random subset of its
-    ``granularity``-aligned chunks, 512 B or 4 KiB, sizes kept or lost at random) or ``reorder`` (a
-    random subset of whole writes lands, in order: later writes without earlier ones); namespace
-    ``drop``, ``keep`` or ``prefix`` (a random prefix of the unsynced entry operations, in log order,
-    as a journaling filesystem commits metadata). Choices come from the seeded RNG only.
-  * A path survives only if every directory above it survives: a new file or directory whose entry is
-    lost is lost with all its data, whatever was synced inside it. ``root`` itself always survives.
-  * O_DIRECT writes are volatile like buffered ones (they sit in the device's write cache until a
-    flush, which fsync/fdatasync issue), unless ``Recorder(direct_durable=True)``: a device with
-    power-loss protection, where an O_DIRECT write is durable when it returns (its entry still is not).
-Invariants: the state a ``keep``/``keep`` policy builds equals the directory as it is after the last
-logged entry (when nothing outside the wrappers wrote under ``root``); ``build`` never reads the real
-directory, only the initial snapshot and the log, so any number of cuts can be built from one run.
+The model of a cut at log position ``cut`` (entries ``[0, cut)`` happened):
+  * A file's data (writes, truncates, fallocate sizes) is durable once a later ``fsync``/``fdatasync`` of its
+    node, or ``os.sync()``, completed before the cut. A directory entry (create, link, unlink, rename,
+    mkdir, rmdir) is durable once a later ``fsync`` of its directory did; a file's own fsync never makes
+    its entry durable, and a cross-directory rename is an add and a removal, each durable on its own.
+  * The rest is resolved by the seeded ``CutPolicy``: data ``drop``, ``keep`` (a process crash), ``torn``
+    (a random subset of each write's 512 B or 4 KiB chunks) or ``reorder`` (a random subset of whole
+    writes); namespace ``drop``, ``keep`` or ``prefix`` (a prefix of the unsynced entry operations).
+  * A path survives only with every directory above it; ``root`` always survives.
+  * O_DIRECT writes are volatile until a flush, unless ``Recorder(direct_durable=True)`` (power-loss
+    protection: durable on return; the entry still needs its directory's fsync).
+Invariants: ``keep``/``keep`` rebuilds the directory as after the last entry (when nothing wrote around the
+wrappers); ``build`` reads only the initial snapshot and the log, so one run yields any number of cuts.
 """
 
 from __future__ import annotations

@@ -2,31 +2,29 @@
 ``store.format``, "Shared raw pool"), and the region's slots as an arena.
 
 ``RegionFiles`` is both sides of one writer's region on the pool's first device:
-  * a ``FileView`` (``io.files``) mapping the names of a writer directory onto the areas, so recovery and
-    following (``journal.recover`` / ``follow_announced``, ``reader.read_lease``) work unchanged: ``LEASE``,
-    ``CONFIG``, ``HEADER``, ``checkpoint.bin`` (the newest valid checkpoint area's bytes), ``journal-<g>.log``
-    (area ``g % journals`` if it holds generation ``g``, presented as a journal file: the JOURNAL_MAGIC
-    header and its valid records resealed unseeded, offsets unchanged, ending at its last valid record);
-    ``listdir`` names those present. Every read is fresh from the device (O_DIRECT): nothing is cached.
-  * opened writable, the writer's ``meta.WriterMeta``: ``open_journal`` (an ``AreaJournal``),
-    ``may_rotate``, ``write_checkpoint`` (A/B), ``lease_blocks``, ``save_config``, ``check_present``. What
-    its areas hold is loaded once at open and kept in step by its own writes (one writer per region).
+  * a ``FileView`` (``io.files``) mapping a writer directory's names onto the areas, so recovery and
+    following (``store.journal.recover`` / ``follow_announced``, ``sharing.follower.read_lease``) work
+    unchanged: ``LEASE``, ``CONFIG``, ``HEADER``, ``checkpoint.bin`` (the newest valid checkpoint area),
+    ``journal-<g>.log`` (area ``g % journals`` if it holds generation ``g``, presented as a journal file: the
+    JOURNAL_MAGIC header and its valid records resealed unseeded, offsets unchanged); ``listdir`` names those
+    present. Every read is fresh from the device (O_DIRECT): nothing is cached.
+  * opened writable, the writer's ``store.meta.WriterMeta`` (``open_journal``, ``may_rotate``, A/B
+    ``write_checkpoint``, ``lease_blocks``, ``save_config``, ``check_present``); what its areas hold is loaded
+    at open and kept in step by its own writes (one writer per region).
 
 Rotation rule: generation ``g`` may take area ``g % journals`` only when the generation that area holds is
-covered by the durable checkpoint (``may_rotate``); ``open_journal`` refuses otherwise (``OSError``
-``EBUSY``), and the writer checkpoints in place first (``PageStore.checkpoint``). Overwriting an area of a
-covered generation loses nothing: the checkpoint holds it.
+covered by the durable checkpoint (``may_rotate``); else ``open_journal`` refuses (``EBUSY``) and the writer
+checkpoints in place first. Overwriting a covered generation loses nothing.
 
-``AreaJournal``: appends are kept in memory until ``sync``, which rewrites the area's blocks from the last
-partly synced one to the end (O_DIRECT, then fdatasync; syncs one at a time, appends never wait for one's
-IO); the bytes already synced are rewritten unchanged, so a torn rewrite never damages a synced record. An
-append that does not fit the area is ``OSError`` ``ENOSPC`` before anything changes (``room``: bytes left;
-``nearly_full`` past half: a checkpoint is due). Its records carry an xxh32 seeded by the generation, so the
-records of the area's older generation beyond the tail never replay.
+``AreaJournal``: appends stay in memory until ``sync``, which rewrites the area's blocks from the last partly
+synced one to the end (O_DIRECT, then fdatasync; one sync at a time, appends never wait for its IO); synced
+bytes are rewritten unchanged, so a torn rewrite never damages a synced record. An append that does not fit
+is ``ENOSPC`` before anything changes (``nearly_full`` past half: a checkpoint is due). Records carry an xxh32
+seeded by the generation, so an older generation's records beyond the tail never replay.
 
-Checkpoints (A/B): the new one goes to the area that does not hold the newest valid one: its bytes, sync,
-then its header (serial = the newest + 1), sync. A torn header or torn bytes leave the other one the newest
-valid: the valid one with the higher serial wins (both checksums checked).
+Checkpoints (A/B): the new one goes to the area not holding the newest valid one: its bytes, sync, then its
+header (serial = newest + 1), sync. A torn header or body leaves the other one newest; the valid one with
+the higher serial wins (both checksums checked).
 """
 
 from __future__ import annotations
@@ -196,8 +194,8 @@ class RegionFiles:
         write_at(self.fd, self.region.at(fmt.REGION_CONFIG_AT), data)
 
     def check_present(self, namespace: Namespace) -> None:
-        """Refuse a region whose checkpoint and journals are all gone while its first slot holds a page
-        of ``namespace`` (``layout.check_meta_present``'s rule for a region)."""
+        """Refuse a region whose checkpoint and journals are all gone while its first slot holds a page of
+        ``namespace`` (``store.layout.check_meta_present``'s rule for a region)."""
         if any(c is not None for c in self._checkpoints) or any(a is not None for a in self._areas):
             return
         slot = read_at(self.fd, self.region.data_at, fmt.slot_bytes_for(namespace.page_bytes,
@@ -217,8 +215,8 @@ def read_config(data: bytes, what: str) -> dict[str, Any]:
 
 
 class AreaBlocks:
-    """A region's LEASE blocks, for ``lease.Lease``: each write is synced, then ``host_beat`` runs (the host
-    lease advances with every writer's beat, ``pool_claim.HostLease.beat``)."""
+    """A region's LEASE blocks, for ``sharing.lease.Lease``: each write is synced, then ``host_beat`` runs (the
+    host lease advances with every writer's beat, ``sharing.shared_raw_claim.HostLease.beat``)."""
 
     def __init__(self, files: RegionFiles, host_beat: Callable[[], bool] | None):
         self.files, self.host_beat = files, host_beat

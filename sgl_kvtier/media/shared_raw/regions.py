@@ -4,13 +4,13 @@ A region (``store.format``, "Shared raw pool") is one writer's (a process x a na
 host's share on one device: on the pool's first device its meta areas (header, LEASE, CONFIG, checkpoint
 A/B, journal areas) then its slots; on the others its slots only. Sizes (``plan_region``): a checkpoint area
 holds a checkpoint of every slot (``checkpoint_bytes_for``), a journal area twice the records between
-checkpoints (``journal_bytes_for``). Regions are made by ``media.shared_raw.claim`` and never move or go, so a
-region found is remembered per (device, pool id, namespace, wid).
+checkpoints (``journal_bytes_for``). Regions are made by ``sharing.shared_raw_claim`` and never move or go,
+so a region found is remembered per (device, pool id, namespace, wid).
 
 Paths: a writer of a shared raw pool is named as a writer directory would be, ``<dev>/ns-<digest>/w-<wid>``
-(``<dev>``: the pool's first device). That is no directory, so any plain file operation on it fails with
-ENOTDIR: ``writers.writer_dirs`` / ``writer_alive``, ``lease.read_lease``, ``layout.load_config`` and
-``peers`` turn to ``region_of`` and friends here on that error.
+(``<dev>``: the pool's first device). That is no directory, so a plain file operation on it fails with
+ENOTDIR, and on that error ``sharing.writers`` (``writer_dirs``, ``writer_alive``), ``sharing.lease.read_lease``,
+``store.layout.load_config`` and ``sharing.peers`` turn to ``region_of`` and friends here.
 """
 
 from __future__ import annotations

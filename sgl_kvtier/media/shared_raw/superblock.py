@@ -1,26 +1,24 @@
 """A shared raw pool's devices: superblock, host slots (host lease, region table), locks and the IO rules.
 
 A shared raw pool (``sharing = "cluster"`` with ``host_index``; bytes in ``store.format``, "Shared raw pool")
-is one raw block device, or several striped, attached to several hosts, formatted once by ``sgl-kvtier
-pool-format`` (``format_pool``) for ``hosts`` hosts. Host ``h`` writes only host slot ``h`` and share ``h`` of
-the data area, so no claim protocol exists across hosts; within a host, processes claim regions in the
-host's own table (``media.shared_raw.claim``).
+is one raw block device, or several striped, attached to several hosts and formatted once by
+``sgl-kvtier pool-format`` (``format_pool``) for ``hosts`` hosts. Host ``h`` writes only host slot ``h`` and
+share ``h`` of the data area, so no claim protocol spans hosts; within a host, processes claim regions in
+the host's own table (``sharing.shared_raw_claim``).
 
-IO: every descriptor of a pool device is opened with O_DIRECT (``open_direct``; a device refusing it is a
+IO: every descriptor of a pool device is O_DIRECT (``open_direct``; a device refusing it is a
 ``DeviceError``: Linux caches buffered block-device reads per host, so another host's writes would be
-missed), and every read and write moves whole ``POOL_BLOCK`` blocks through page-aligned ``mmap`` memory
+missed); every read and write moves whole ``POOL_BLOCK`` blocks through page-aligned ``mmap`` memory
 (``read_at`` / ``write_at``), a write followed by ``fdatasync`` before anything relies on it.
 
-Locks: OFD byte-range locks (``fcntl`` ``F_OFD_SETLK``) on the device node. Host-local, so they only ever
-order the processes of one host (all another host could contend for is its own slot), and held by an open
-file description: closing another descriptor of the device, as every reader does, never drops them (classic
-POSIX record locks would be). A table changes under a write lock on its range; a writer holds a write lock
-on its region's first byte while it is open (``region_alive`` asks ``F_OFD_GETLK``); a host lease is beaten
-under a write lock on the lease range.
+Locks: OFD byte-range locks (``F_OFD_SETLK``) on the device node. They are host-local, so they order only
+one host's processes (another host could contend only for its own slot), and belong to an open file
+description, so closing another descriptor of the device never drops them (POSIX record locks would).
+A table changes under a write lock on its range; an open writer holds a write lock on its region's first
+byte (``region_alive`` asks ``F_OFD_GETLK``); a host lease is beaten under a lock on the lease range.
 
-Formatting never writes over anything: a device whose first or last MiB is not all zeros (a filesystem, a
-partition table, another store, an earlier pool) is refused naming the ``dd`` command that zeroes it; the
-host slots are zeroed, then the superblock is written last.
+Formatting never overwrites anything: a device whose first or last MiB is not all zeros is refused, naming
+the ``dd`` command that zeroes it; the host slots are zeroed first, the superblock written last.
 """
 
 from __future__ import annotations
@@ -243,9 +241,9 @@ def open_pool(config: StoreConfig) -> list[Superblock]:
 
 
 def check_pool_open(config: StoreConfig) -> None:
-    """The start-up refusals of a cluster config on raw devices (``fs_check.check_cluster_open``): a device
-    not pool-formatted ("run sgl-kvtier pool-format"), a single-host region-table device, directories mixed
-    in, a meta_dir (not needed), host_index missing or out of range. ConfigError naming the field."""
+    """The start-up refusals of a cluster config on raw devices (``sharing.cluster_fs.check.check_cluster_open``):
+    a device not pool-formatted ("run sgl-kvtier pool-format"), a single-host region-table device, directories
+    mixed in, a meta_dir (not needed), host_index missing or out of range. ConfigError naming the field."""
     for i, path in enumerate(config.devices):
         if not block_like(path):
             raise ConfigError(f"devices[{i}]", f"{path} is a directory, but devices[0] is a raw device: a shared "

@@ -1,21 +1,15 @@
-"""SGLang's storage-prefetch counters for streamed tails (issue #13): a tail is not "unfulfilled" while it streams.
+"""SGLang's storage-prefetch counters for streamed tails: a tail is not "unfulfilled" while it streams.
 
-SGLang's ``_handle_prefetch_result`` (``unified_radix_cache.py:2452``) resolves the part of a hit its op did
-not complete, ``allocated - completed`` tokens, as unfulfilled (``_resolve_storage_prefetch_tokens`` with
-reason ``storage_transfer`` or ``deadline``: ``sglang:storage_prefetch_unfulfilled_tokens_total``) before
-``stream_admit``'s register step decides whether that part streams, and a Prometheus counter cannot be taken
-back. So while the register step runs SGLang's body (``holding``), that resolution of the op's request is
-made without its log: the same call with no reason (SGLang's per-request accounting settles exactly as
-before: the tokens leave its remaining count) and the tokens and reason held. After the decision:
+``UnifiedRadixCache._handle_prefetch_result`` resolves the part of a hit its op did not complete as unfulfilled
+(``_resolve_storage_prefetch_tokens``, logged to ``sglang:storage_prefetch_unfulfilled_tokens_total``) before the
+register step (``hooks.admit``) decides whether that part streams, and a Prometheus counter cannot be taken back.
+So while the register step runs SGLang's body (``holding``), that resolution is made without its log (SGLang's
+per-request accounting settles as before) and the tokens and reason are held. Not registered: the held log is
+made at once (``release``). Registered: held on the tail (``hold``) until its outcome (``settle``): kept, the
+tokens count as prefetched; dropped, poisoned or forgotten, as unfulfilled with the held reason.
 
-- not registered (any reason, on any rank): the held log is made at once, as SGLang would have (``release``);
-- registered: held on the tail (``hold``) until its outcome (``settle``): landed and kept (DONE) counts the
-  tail as prefetched tokens (``log_prefetched_tokens``, as SGLang counted the head); dropped, poisoned or
-  forgotten logs the held tokens as unfulfilled, with the held reason.
-
-Each tail settles at most once (its hold is popped). Storage metrics off (no ``--enable-metrics``): nothing
-is held. Rank-local, as SGLang's own counters. A SGLang without the per-request table this reads
-(``_storage_prefetch_hit_remaining_by_reqid``) keeps its own log: nothing is held.
+Each tail settles at most once. Nothing is held with storage metrics off, or on a SGLang without the per-request
+table this reads (``_storage_prefetch_hit_remaining_by_reqid``). Rank-local, as SGLang's own counters.
 """
 
 from __future__ import annotations

@@ -1,50 +1,12 @@
-"""Admission side of a streamed L3 tail (issue #13; design §2.2 steps 1b, 5-9): hooks on the scheduler
-thread, every one SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23).
-Steps 3 (withhold), 4 (reap) and the reset / detach clean-up are ``stream_slots``' (the host slots).
+"""Admission side of a streamed L3 tail: the hooks from a bound hit's result to its forward's device slots.
 
-1. **Bind** and the prompt's end: ``stream_bind`` (which hits stream; its hooks come first in ``HOOKS``).
-2. **Register** (AROUND ``UnifiedRadixCache._handle_prefetch_result``, ``:2422``), only when called from
-   the ack drain (``:3229``): the op's ``completed_req`` ack means its IO thread issued its last get. Called
-   from ``check_prefetch_progress`` (``:2419``, a terminated op whose IO may still run) it streams nothing.
-   After SGLang's original (head insert): a local "can stream" (the head went in: no host release during
-   the original, which is how ``host_insert_dropped`` shows, ``:2483-2490``; a tail; the binder gives up
-   the op's stream; the withheld total under ``MAX_WITHHELD``) is MIN-reduced (a collective on every rank
-   at every ack-drained result). Agreed: a ``StreamedTail`` of pages ``[completed // ps, n)``, token span
-   from ``storage_start + completed``. Whenever we took the stream we own ``host_indices[completed:]``:
-   ``operation.ack_releases_incomplete_host_indices = False`` stops SGLang's release of them (read right
-   after the original returns, ``:3230``); a tail not agreed is dropped at once. SGLang's unfulfilled count
-   of the part not landed is held while the original runs and made only for a part that does not stream
-   (a streamed tail's is made by its outcome: ``stream_accounting``).
-5. **Gate** (AROUND ``check_prefetch_progress``, ``:2391``): a REGISTERED tail answers False (skipped, not
-   blocking) until ``stream_gate.decide`` says READY (its forward: the prefill model's suffix time plus the
-   bind rule's interference ``k`` x the tail's bytes; with another request running or waiting on the engine,
-   ``stream_core.others_in_engine``, only once the tail landed whole); DROP (a failed group, a deadline, or
-   recomputing predicted faster: only with the cost policy on, ``prefetch.loaded()``) drops it and the
-   request is admitted with its head only. Flags MIN-reduced (ready AND keep). Each
-   "not yet" is counted (``STATS.gate_waits``), and each READY's wait since registration (``gate_wait_s``).
-   Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` leaves the prefill model out (the safe minimum decides).
-6. **Virtual host hit** (AFTER ``_finalize_match_result``, ``:628``): a READY tail whose start is the
-   match's end (device + host) and whose end fits the key (``_compute_max_prefix_len``) adds its tokens to
-   ``host_hit_length`` (as ``unified_cache_linker.py:340-347``). A key reaching the tail's end whose match
-   ends elsewhere (head evicted, tail computed meanwhile) drops a REGISTERED or READY tail.
-7. **Load-back** (AROUND ``init_load_back``, ``:3586``): private device slots first (evicting as the FULL
-   component's linker LOAD does, ``unified_cache/components/full.py:501-507``), then SGLang's original for
-   the tree part; all or nothing (``schedule_policy.py:1526-1531``): any shortfall frees the slots and
-   answers ``(0, req.last_node)`` (or SGLang's answer for the tree part); else ``queue_load`` (ADMITTED) and
-   ``(tree + tail, node)``.
-8. **Ownership** (AROUND ``PrefillAdder.add_one_req``, ``schedule_policy.py:1395``): admitted with its tail
-   (``req is can_run_list[-1]``, SGLang's own test, ``scheduler.py:4289``):
-   ``cache_protected_len = prefix_len - tail.tokens`` (set by SGLang to ``prefix_len`` at ``:1570-1571``):
-   the tail is request-owned KV, freed by ``release_kv_cache`` and inserted by its own checkpoint. Not
-   admitted after the load-back: slots freed, back to READY. Admitted without it: the tail is dropped.
-9. **Row indices** (AROUND ``prefix_device_indices``, ``:3955``; used by ``allocation.py:371`` for a request
-   without a row): tree path + private slots (the linker's precedent, ``:3958-3961``).
-10. **Abort**: AFTER ``release_aborted_request`` (``:2769``) a tail not yet loading is dropped and the
-    request forgotten (unblocked).
-
-A drop frees a tail's private device slots (only while ADMITTED: later they are in the request's row),
-cancels its stream and defers its host slots. Nothing raises into SGLang: our failures are counted on the
-backend's ``ErrorBoundary`` and fall back to SGLang's behaviour (for a tail: dropped, as if never streamed).
+Each hook runs on the scheduler thread and leaves SGLang's original untouched unless ``core.active(cache)``:
+register (``UnifiedRadixCache._handle_prefetch_result``), gate (``check_prefetch_progress``), virtual host hit
+(``_finalize_match_result``), load-back (``init_load_back``), ownership (``PrefillAdder.add_one_req``), row indices
+(``prefix_device_indices``) and abort (``release_aborted_request``). Which hits stream is ``hooks.bind``'s (its hooks
+come first in ``HOOKS``); the withheld host slots are ``hooks.slots``'. Every decision SGLang sees is MIN-reduced
+over the ranks. Nothing raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and falls back
+to SGLang's behaviour (for a tail: dropped, as if it never streamed).
 """
 
 from __future__ import annotations
@@ -86,6 +48,8 @@ _clock = time.monotonic  # replaceable in tests
 
 @dataclasses.dataclass
 class TailInfo:
+    """What the gate keeps of one registered tail besides its ``StreamedTail``."""
+
     registered_at: float
     deadline_s: float
     suffix_tokens: int  # the prompt's prefix end (``note_prompt``) + 1 - the tail's end
@@ -108,9 +72,19 @@ def _tail(cache: Any, rid: Any) -> tuple[StreamRegistry | None, StreamedTail | N
     return registry, (None if registry is None or rid is None else registry.get(rid))
 
 
-# ---------------------------------------------------------------------------------------------- 2. register
+# ---------------------------------------------------------------------------------------------- register
 def register_tail(original: Callable[..., Any], cache: Any, operation: Any) -> Any:
-    """AROUND ``_handle_prefetch_result``: the part of the hit not landed becomes a streamed tail."""
+    """AROUND ``_handle_prefetch_result``: the part of the hit not landed becomes a streamed tail.
+
+    Only from the ack drain (``_drain_storage_control_queues_impl``: the op's IO thread issued its last get); from
+    ``check_prefetch_progress`` (a terminated op whose IO may still run) nothing streams. After SGLang's original
+    (the head insert), this rank's "can stream" (``_why_not``, and the binder gives up the op's stream) is
+    MIN-reduced: a collective on every rank at every ack-drained result. Once we took the stream we own
+    ``host_indices[completed:]``: ``ack_releases_incomplete_host_indices = False`` stops SGLang's release of them
+    (it reads the flag right after the original returns) and a tail not agreed is dropped at once. SGLang's
+    unfulfilled count of the part not landed is held while the original runs and made only for a part that does
+    not stream (``hooks.accounting``).
+    """
     registry = active(cache)
     if registry is None or _ctx.in_progress:  # early cut: the op's IO may still run, nothing streams
         return original(cache, operation)
@@ -172,7 +146,7 @@ def _why_not(cache: Any, registry: StreamRegistry, operation: Any, host_indices:
 
 def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: Any, completed: int,
             stream: Any, keep: bool) -> StreamedTail | None:
-    """The tail registered (None: not kept: its stream cancelled, its slots deferred)."""
+    """The tail registered (None: not kept; its stream is cancelled and its slots deferred)."""
     ps = cache.page_size
     first = completed // ps
     tail = StreamedTail(rid=operation.handle.rid, stream=stream, first_page=first,
@@ -194,9 +168,11 @@ def _settle(cache: Any, registry: StreamRegistry, operation: Any, host_indices: 
     return tail
 
 
-# ---------------------------------------------------------------------------------------------- 5. gate
+# ---------------------------------------------------------------------------------------------- gate
 def gate(original: Callable[..., Any], cache: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``check_prefetch_progress``: a REGISTERED tail holds its request until the T_hide rule opens."""
+    """AROUND ``check_prefetch_progress``: a REGISTERED tail holds its request (False: skipped this round, not
+    blocking the queue) until ``rules.gate`` says READY; DROP drops the tail and the request is admitted with its
+    head only. Both flags (ready, keep) are MIN-reduced."""
     registry, tail = _tail(cache, getattr(request, "rid", None))
     if registry is not None and tail is not None and tail.state is TailState.REGISTERED:
         verdict = guard(cache, "gate", "tail dropped", lambda: local_verdict(cache, tail), stream_gate.Verdict.DROP)
@@ -221,7 +197,7 @@ def gate(original: Callable[..., Any], cache: Any, request: Any, *args: Any, **k
 
 
 def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
-    """This rank's T_hide verdict for ``tail`` (``stream_gate``), from the stream and the backend's prefill model."""
+    """This rank's T_hide verdict for ``tail`` (``rules.gate``), from the stream and the backend's prefill model."""
     stream = tail.stream
     info = _info.get(tail) or TailInfo(_clock(), 0.0, 1)
     failed = stream.wait_group(stream.groups - 1, tail.first_page, 0) is GroupVerdict.FAILED
@@ -252,13 +228,13 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
 
 
 def _shares(stream: Any) -> tuple[float, ...]:
-    """Each of ``stream``'s read groups' share of its layers (``stream_read.shares`` over its layer bounds)."""
+    """Each of ``stream``'s read groups' share of its layers (``rules.read_groups.shares`` over its layer bounds)."""
     bounds = [stream.layers(0).start, *(stream.layers(g).stop for g in range(stream.groups))]
     return stream_read.shares(bounds, range(stream.groups + 1))
 
 
 def _device_rate(backend: Any) -> float | None:
-    """The store's measured read bandwidth (``store.read_rates``, through the cost policy's read path)."""
+    """The store's measured read bandwidth (through the cost policy's read path; None: not measured)."""
     path = backend.cost.read_path()
     return None if path is None else path.device.bandwidth_Bps
 
@@ -272,9 +248,12 @@ def _interference_s(cache: Any, backend: Any, model: Any, tail: StreamedTail, in
     return info.interference_s
 
 
-# ---------------------------------------------------------------------------------------------- 6. virtual hit
+# ---------------------------------------------------------------------------------------------- virtual hit
 def virtual_hit(result: Any, cache: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER ``_finalize_match_result``: a READY tail right after the match is reported as host hit."""
+    """AFTER ``_finalize_match_result``: a READY tail starting at the match's end (device + host) and ending within
+    the key is reported as host hit (``host_hit_length``, as ``UnifiedCacheLinkerWrapper.match`` extends it). A key
+    reaching the tail's end whose match ends elsewhere (head evicted, tail computed meanwhile) drops a REGISTERED or
+    READY tail."""
     req = getattr(params, "req", None)
     registry, tail = _tail(cache, getattr(req, "rid", None))
     if registry is None or tail is None or tail.state not in (TailState.REGISTERED, TailState.READY):
@@ -291,9 +270,12 @@ def virtual_hit(result: Any, cache: Any, params: Any, *args: Any, **kwargs: Any)
                            full_kv_hit_length=max(int(result.full_kv_hit_length), tail.token_end))
 
 
-# ---------------------------------------------------------------------------------------------- 7. load-back
+# ---------------------------------------------------------------------------------------------- load-back
 def load_back(original: Callable[..., Any], cache: Any, params: Any) -> Any:
-    """AROUND ``init_load_back``: the tail's private device slots, then SGLang's load of the tree part."""
+    """AROUND ``init_load_back``: the tail's private device slots (evicting the tree for them), then SGLang's load
+    of the tree part. All or nothing, as ``PrefillAdder.add_one_req`` expects: a shortfall frees the slots and
+    answers ``(0, req.last_node)`` (or SGLang's answer for the tree part); else the tail is queued (ADMITTED) and
+    the answer is ``(tree + tail, node)``."""
     req = params.req
     registry, tail = _tail(cache, getattr(req, "rid", None))
     if (registry is None or tail is None or tail.state is not TailState.READY or params.host_hit_length < tail.tokens
@@ -327,9 +309,12 @@ def _count_as_storage(req: Any, tail: StreamedTail, sign: int) -> None:
     req.storage_hit_length = max(0, length + sign * tail.tokens)
 
 
-# ---------------------------------------------------------------------------------------------- 8. ownership
+# ---------------------------------------------------------------------------------------------- ownership
 def add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``PrefillAdder.add_one_req``: an admitted tail is the request's own KV; else undo its load-back."""
+    """AROUND ``PrefillAdder.add_one_req``: admitted with its tail (``req is can_run_list[-1]``, SGLang's own test),
+    the tail is request-owned KV (``cache_protected_len = prefix_len - tail.tokens``: freed by ``release_kv_cache``,
+    inserted by the request's own checkpoint). Not admitted after the load-back: slots freed, READY again.
+    Admitted without it (the request computes it): the tail is dropped."""
     cache = adder.tree_cache
     registry, tail = _tail(cache, getattr(req, "rid", None))
     if registry is None or tail is None or tail.state not in (TailState.REGISTERED, TailState.READY):
@@ -363,9 +348,10 @@ def _unadmit(cache: Any, registry: StreamRegistry, tail: StreamedTail) -> None:
     registry.register(tail)
 
 
-# ---------------------------------------------------------------------------------------------- 9. row indices
+# ---------------------------------------------------------------------------------------------- row indices
 def prefix_device_indices(original: Callable[..., Any], cache: Any, req: Any) -> Any:
-    """AROUND ``prefix_device_indices``: the request's tree path, then its private tail slots."""
+    """AROUND ``prefix_device_indices`` (read for a request without a row, ``allocation._prefix_kv_indices``): the
+    request's tree path, then its private tail slots, as SGLang does for a linker's load."""
     _, tail = _tail(cache, getattr(req, "rid", None))
     if tail is None or tail.device_indices is None or tail.state not in (TailState.ADMITTED, TailState.LOADING):
         return original(cache, req)
@@ -377,7 +363,7 @@ def prefix_device_indices(original: Callable[..., Any], cache: Any, req: Any) ->
     return path[: req.prefix_len]
 
 
-# ---------------------------------------------------------------------------------------------- 10. abort
+# ---------------------------------------------------------------------------------------------- abort
 def after_abort(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``release_aborted_request``: a tail not yet loading is dropped; the request is forgotten."""
     registry, tail = _tail(cache, getattr(request, "rid", None))

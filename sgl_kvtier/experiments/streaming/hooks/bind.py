@@ -1,31 +1,22 @@
-"""Bind side of a streamed L3 tail (issue #13; design §2.2 step 1b): which hits stream, hooks on the scheduler
-thread, every one SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23).
-The steps after it (register, gate, virtual hit, load-back, ...) are ``stream_admit``'s.
+"""Bind side of a streamed L3 tail: which hits stream, decided on the scheduler thread before SGLang's IO thread
+sees the op. Each hook leaves SGLang's original untouched unless ``core.active(cache)``; the steps after the bind
+(register, gate, ...) are ``hooks.admit``'s.
 
-1. **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``, ``hybrid_cache_controller.py:796``): its
-   caller ``_try_alloc_storage_hit`` queues the op for the IO thread only after it returns
-   (``unified_radix_cache.py:3109`` .. ``:3150``), so the backend binds the slots before any
-   ``batch_get_v1`` (which, once it answers False, gets no more calls, ``cache_controller.py:1163-1196``).
-   Not for a request blocked after a failed tail (it loads whole), an op with side pools, a hit another
-   request's L3 work overlaps or whose engine runs or queues another request (busy), one over the withheld
-   cap, nor one the bind rule loads whole: ``experiments.streaming.rules.bind`` weighs the hit's predicted read (the store's read model) and its suffix's compute
-   (the backend's prefill model) against the figures it learns here: a hit it loads whole, alone, is
-   timed from its op's start to SGLang's handling of its result (``sample_whole``, called by
-   ``stream_admit.register_tail``), SGLang's own load-backs are timed (``sample_load_back``, called by
-   ``stream_load``'s start hook around ``start_loading``), and a forward that ran with tails is timed by
-   the prefill samplers (``stall_marks``). The rule's verdict is logged when it changes; every hit it
-   loads whole is counted by its reason (``STATS.not_registered``). A hit that streams is read in the
-   read groups ``experiments.streaming.rules.read_groups`` cuts from its predicted read and its suffix's compute (fewer, larger
-   IOs where it reads fast; a small group 0 where the compute outlasts the read), and the rule weighs it in
-   those.
-   ``allocate_storage_hit`` runs in a drain after the op's storage query: ``note_prompt`` has run.
-2. **Prompt end** (AFTER ``prefetch_from_storage``, ``:2081``): the op is told where the request's prompt
-   ends: SGLang spans an op only over a hit whose end it knows (``storage_hit_end``, ``:2113-2124``); the
-   rule and the gate need the suffix.
+- **Bind** (AFTER ``HybridCacheController.allocate_storage_hit``): its caller, ``_try_alloc_storage_hit``, queues
+  the op for the IO thread only after it returns, so the slots are bound before any ``batch_get_v1`` (which,
+  once it answered False, gets no more calls for the op: ``HiCacheController._page_transfer``). Not bound (the
+  hit loads whole): a request blocked after a failed tail, an op with side pools, a hit another request's L3
+  work overlaps or whose engine runs or queues another request (busy), one over the withheld cap, one the bind
+  rule (``rules.bind``) loads whole. A hit that streams is read in the groups ``rules.read_groups`` cuts for it.
+- **Prompt end** (AFTER ``UnifiedRadixCache.prefetch_from_storage``): the op learns where the request's prompt
+  ends (SGLang spans an op only over a hit whose end it knows); the bind rule and the gate need the suffix.
+  ``allocate_storage_hit`` runs in a drain after the op's storage query, so this has run by then.
 
-Testing only: ``KVTIER_TEST_STREAM_GATE=group0`` (read once at import) leaves the prefill model out: every
-hit the other conditions allow streams, and the gate's safe minimum admits it (``stream_admit``).
-Nothing raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and the hit loads whole.
+The bind rule's figures are learned here: a hit loaded whole, alone (``sample_whole``), SGLang's own load-backs
+(``sample_load_back``), and the forwards that ran with tails (the prefill samplers, ``stall_marks``). Testing only:
+``KVTIER_TEST_STREAM_GATE=group0`` (read once at import) leaves the prefill model out: every hit the other
+conditions allow streams, and the gate's safe minimum admits it. Nothing raises into SGLang: a failure is counted
+on the backend's ``ErrorBoundary`` and the hit loads whole.
 """
 
 from __future__ import annotations
@@ -64,7 +55,8 @@ _clock = time.monotonic  # replaceable in tests (SGLang's op start_time is on th
 
 
 def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``allocate_storage_hit``: the backend binds the hit's keys to its fresh host slots."""
+    """AFTER ``allocate_storage_hit``: unless the hit loads whole (module docstring), the backend's streaming side
+    binds its keys to its fresh host slots (``StreamingSide.bind_hit``)."""
     cache = controller_cache(controller)
     host_indices = result[0] if isinstance(result, tuple) else None
     if cache is None or host_indices is None or host_indices.numel() == 0:
@@ -79,17 +71,15 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         if backend is None or not pages or len(operation.hash_value) < pages:
             return
         # Alone: only a hit no other request's L3 work overlaps streams (no other prefetch in flight, no tail
-        # registered, no hit bound). Measured (benchmarks/RESULTS.md, "bench_streaming"): on a 2-core CPU a
-        # lone request gains, while at C = 2-4, where loads already hide behind the other requests'
-        # forwards, streaming every hit cost 13-24% (its stalls hold the whole batch).
-        # Nor one whose request another one's forward or admission would share the engine with (a tail
-        # bound alone that others join later is admitted only once landed whole: ``stream_gate``, busy).
+        # registered, no hit bound): where loads already hide behind other requests' forwards, a tail's stalls
+        # would hold their whole batch. Nor one whose engine runs or queues another request (a tail bound alone
+        # that others join later is admitted only once landed whole: ``rules.gate``, busy).
         if (len(registry) or require_side(backend).binder.bound_pages() or len(cache.ongoing_prefetch) > 1
                 or others_in_engine(cache, operation.handle.rid)):
             STATS.not_registered["busy: loaded whole"] += 1
             return
         # The withheld cap is checked here, before the IO thread sees the op: a hit not bound loads whole
-        # before admission (today's path); one bound and then refused at registration would be recomputed.
+        # before admission; one bound and then refused at registration would be recomputed.
         held = sum(t.tokens for t in registry) + require_side(backend).binder.bound_pages() * cache.page_size
         if held + host_indices.numel() > MAX_WITHHELD * cache.cache_controller.mem_pool_host.size:
             STATS.not_registered["withheld cap: loaded whole"] += 1
@@ -105,8 +95,8 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         STATS.bind_calls += 1
         kv = backend.kv
         if decision is not None and kv is not None:  # the rule's choice: timed to its first token (stall_marks)
-            require_side(backend).stream_costs.begin_hit(operation.handle.rid, BindVerdict.STREAM, float(operation.start_time),
-                                           pages * kv.pages.page_bytes)
+            require_side(backend).stream_costs.begin_hit(operation.handle.rid, BindVerdict.STREAM,
+                                                         float(operation.start_time), pages * kv.pages.page_bytes)
 
     guard(cache, "bind", "the hit loads whole, as today", bind)
     return None
@@ -115,7 +105,7 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
 @dataclasses.dataclass(frozen=True)
 class _HitCosts:
     """One hit's predicted read (the store's read model) and its suffix's compute (the backend's prefill
-    model, over the prompt's end ``note_prompt`` put on the op); None: not measured / no model."""
+    model, up to the prompt's end ``note_prompt`` put on the op); None: not measured / no model."""
 
     read_s: float | None
     compute_s: float | None
@@ -135,11 +125,9 @@ def _hit_costs(cache: Any, backend: Any, operation: Any, pages: int) -> _HitCost
 
 
 def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
-    """The read groups of this hit's stream (``experiments.streaming.rules.read_groups``: fewer, larger IOs where the hit reads
-    fast, a small group 0 where the compute outlasts the read; logged when it changed, at most every
-    ``CUTS_LOG_EVERY_S``); None (the pool's layer groups) under the testing knob or without a layer plan.
-    Streaming runs on CPU engines only in this version (``stream_core``): the landing's IOs take the
-    forward's cores."""
+    """The read groups of this hit's stream (``rules.read_groups.read_cuts``: fewer, larger IOs where the hit
+    reads fast, a small group 0 where the compute outlasts the read), logged when it changed, at most every
+    ``CUTS_LOG_EVERY_S``; None (the pool's layer groups) under the testing knob or without a layer plan."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
@@ -154,16 +142,16 @@ def _read_cuts(backend: Any, pages: int, costs: _HitCosts) -> Cuts | None:
 
 
 def _bind_rule(cache: Any, backend: Any, pages: int, costs: _HitCosts, cuts: Cuts | None) -> BindDecision | None:
-    """Stream this hit or load it whole (``experiments.streaming.rules.bind``), read in the read groups ``cuts`` (None: the
-    pool's layer groups). None: the testing knob (every hit streams)."""
+    """Stream this hit or load it whole (``rules.bind``), read in the read groups ``cuts`` (None: the pool's
+    layer groups); the verdict is logged when it changes. None: the testing knob (every hit streams)."""
     kv = backend.kv
     if TEST_GATE_GROUP0 or kv is None or kv.pages.plan is None:
         return None
     plan = kv.pages.plan
     groups = plan.group_count if cuts is None else len(cuts) - 1
     shares: tuple[float, ...] = () if cuts is None else stream_read.shares(plan.bounds, cuts)
-    decision: BindDecision = require_side(backend).stream_costs.decide(pages * kv.pages.page_bytes, groups, costs.read_s,
-                                                         costs.compute_s, costs.predict, shares)
+    decision: BindDecision = require_side(backend).stream_costs.decide(
+        pages * kv.pages.page_bytes, groups, costs.read_s, costs.compute_s, costs.predict, shares)
     if decision.verdict is not _last_verdict.get(backend):
         _last_verdict[backend] = decision.verdict
         logger.info("kvtier stream: hits of %d pages %s (predicted gain %s; learned %s)", pages, decision.reason,
@@ -178,8 +166,8 @@ _last_cuts: weakref.WeakKeyDictionary[Any, tuple[Cuts, float]] = weakref.WeakKey
 
 def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, new_input_tokens: Any, *args: Any,
                 **kwargs: Any) -> None:
-    """AFTER ``prefetch_from_storage``: where the request's prompt ends, on its op. SGLang shortens the op's span
-    to a hit it knows the end of (``storage_hit_end``); the gate needs the suffix computed after the tail."""
+    """AFTER ``prefetch_from_storage``: where the request's prompt ends, on its op (``PROMPT_END``). SGLang shortens
+    the op's span to a hit it knows the end of; the bind rule and the gate need the suffix computed after it."""
     def note() -> None:
         info = cache.ongoing_prefetch.get(request) if active(cache) is not None else None
         if info is not None:
@@ -191,8 +179,8 @@ def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, n
 
 
 def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
-    """A hit the bind rule loaded whole, alone, landed: its op's start to now is a sample of W, and its request
-    is timed on to its first token (``stall_marks.first_tokens``)."""
+    """A hit the bind rule loaded whole, alone, landed (called by ``hooks.admit.register_tail``): its op's start to
+    now is a sample of W, and its request is timed on to its first token (``stall_marks.first_tokens``)."""
     start = float(operation.start_time)
     _record(cache, "record_whole", tokens, _clock() - start)
     found = _costs_of(cache)
@@ -202,14 +190,14 @@ def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
 
 
 def sample_load_back(cache: Any, tokens: int, seconds: float) -> None:
-    """SGLang's own load-back of ``tokens`` (``start_loading``, timed by ``stream_load``) took ``seconds``: a
+    """SGLang's own load-back of ``tokens`` (``start_loading``, timed by ``hooks.load``) took ``seconds``: a
     sample of X, the host -> device copy a hit loaded whole makes before its forward."""
     if tokens > 0:
         _record(cache, "record_load_back", tokens, seconds)
 
 
 def _record(cache: Any, method: str, tokens: int, seconds: float) -> None:
-    """``require_side(backend).stream_costs.<method>(bytes of tokens, seconds)`` for the backend behind ``cache``, if any."""
+    """``StreamCosts.<method>(bytes of tokens, seconds)`` of the backend behind ``cache``, if any."""
     found = _costs_of(cache)
     if found is not None:
         costs, pages = found

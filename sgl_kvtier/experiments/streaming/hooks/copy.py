@@ -1,34 +1,16 @@
-"""The copies of one batch's streamed tails, layer by layer, gated on their layer groups (issue #13).
+"""The copies of one batch's streamed tails, layer by layer, gated on their read groups.
 
-``StreamLoad`` is one batch's tails (``TailCopy`` each) behind one ``layer_gate.LayerLoad``: its layer
-``l`` is done once every tail's layer ``l`` holds either verified bytes or zeros. ``stream_load`` starts
-it (on a loader thread on CPU) and the forward's per-layer gate waits on it.
+``StreamLoad`` is one batch's tails (a ``TailCopy`` each) behind one ``layer_gate.LayerLoad``: its layer ``l`` is done
+once every tail's layer ``l`` holds verified bytes or zeros. At the first layer of read group g the loader asks
+``stream.wait_group``: LANDED, the group's layers are copied with SGLang's own per-layer copy
+(``layer_loader.plugin.layer_copier``); anything else (or a failed copy), they get zeros, never unverified bytes,
+and the copy is marked ``failed``. The tail's ``state`` stays LOADING: states change on the scheduler thread only
+(the verdict makes it POISONED). Waits are bounded by one deadline per tail (``deadline_s``), so a stalled device
+costs one deadline, then zeros and a retract. Nothing here raises: failures are counted on the cache's boundary
+(``boundary_of``) and end as zeros.
 
-One tail (``TailCopy``): its transfers are prepared on the scheduler thread exactly as
-``HiCacheController.start_loading`` prepares its own (``cache_controller.py:1028-1069``:
-``_move_op_indices`` of a ``CacheOperation``, ``_l2_load_transfers``; then the engine's
-``_prepare_transfers``, ``l2_transfer.py:87-100``); its layer -> group map comes from ``stream.layers(g)``
-and must cover the counter's layers exactly once. At the first layer of group g the loader asks
-``stream.wait_group(g, first_page, timeout)``:
-- LANDED: every layer of g is copied with SGLang's own per-layer copy (``layer_loader.layer_copier``: the
-  body of ``L2TransferEngine.submit_host_to_device``, ``l2_transfer.py:158-182``, i.e.
-  ``host_pool.load_to_device_per_layer_physical``);
-- FAILED or TIMEOUT (or a failed copy): the layers of g get zeros in the tail's device slots, never the
-  unverified bytes; g is recorded in ``tail.failed_groups`` and the copy marked ``failed``. The tail's
-  ``state`` stays LOADING: states change on the scheduler thread only (the verdict makes it POISONED),
-  so scheduler-side hooks running while the loader works (``prefix_device_indices`` in
-  ``prepare_for_extend``, right after the start) still see a tail in flight.
-The timeout is one deadline per tail from the load's start, ``max(slow_io_s, DEADLINE_FACTOR x predicted
-remaining read time)`` capped at ``DEADLINE_MAX_S``; its later groups are only
-looked at (timeout 0) once one of its groups failed. So a stalled device costs one deadline, then zeros and a retract. A tail that
-cannot be prepared is poisoned at once and zero-filled. Nothing here raises: failures are counted by
-the cache's boundary (``boundary_of``) and end as zeros (the output of a poisoned forward is discarded; the zeros only keep the
-batch's numerics sane).
-
-Testing only: ``KVTIER_STREAM_FAULT`` = ``N[:G]`` (or ``all[:G]``) makes the loader treat layer group G
-(default 0) of the N-th streamed tail started in this process (or of every one) as FAILED, so tests can
-force the zero-fill + retract path on a real server (like the ``fault_injection`` config table, never for
-production).
+Testing only: ``KVTIER_STREAM_FAULT`` = ``N[:G]`` (or ``all[:G]``) makes the loader treat read group G (default 0) of
+the N-th streamed tail started in this process (or of every one) as FAILED (never for production).
 """
 
 from __future__ import annotations
@@ -66,7 +48,7 @@ class StreamLoadStats:
     tails: int = 0
     layers_copied: int = 0  # (tail, layer) copies of verified bytes
     layers_zeroed: int = 0  # (tail, layer) zero-fills
-    failed_groups: int = 0  # groups that failed (FAILED, TIMEOUT, a failed copy, an injected fault; a tail not prepared)
+    failed_groups: int = 0  # groups that failed (FAILED, TIMEOUT, failed copy, injected fault; a tail not prepared)
     timeouts: int = 0  # of those, deadlines passed (a tail's first failure only)
     injected: int = 0  # of those, KVTIER_STREAM_FAULT
     landed: int = 0  # tails whose verdict (over all ranks) was landed
@@ -80,6 +62,7 @@ _stats_lock = threading.Lock()
 
 
 def stats() -> dict[str, Any]:
+    """A copy of this process's tail-loader counters."""
     with _stats_lock:
         return dataclasses.asdict(STATS)
 
@@ -121,7 +104,9 @@ def fault_group(ordinal: int, spec: str | None = None) -> int | None:
 
 # ---------------------------------------------------------------------------------------------- one tail
 class TailCopy:
-    """One tail of a load: its prepared transfers, its layer -> group map, its group verdicts."""
+    """One tail of a load: its transfers (prepared on the scheduler thread as ``HiCacheController.start_loading``
+    prepares its own), its layer -> group map (covering the counter's layers exactly once), its group verdicts.
+    A tail that cannot be prepared is poisoned at once and zero-filled."""
 
     def __init__(self, tail: StreamedTail, cc: Any, num_layers: int, deadline: float,
                  fault: int | None, boundary: ErrorBoundary = BOUNDARY) -> None:
@@ -134,8 +119,6 @@ class TailCopy:
         self._cc = cc
         self.transfers: list[Any] = []
         self.failed = False  # a group of this tail was zero-filled: its forward's output must be discarded
-        self.blocked_waits = 0  # group waits that found the group not landed yet (the copier blocked)
-        self.blocked_s = 0.0  # time those waits blocked
         self._copy: Callable[[int], None] | None = None
         try:
             self._prepare(num_layers)
@@ -208,12 +191,7 @@ class TailCopy:
             verdict = self.tail.stream.wait_group(g, self.tail.first_page, 0.0)  # a look: landed already?
             if verdict is not GroupVerdict.TIMEOUT or timeout <= 0.0:
                 return verdict
-            t0 = time.monotonic()
-            try:
-                return self.tail.stream.wait_group(g, self.tail.first_page, timeout)
-            finally:
-                self.blocked_waits += 1
-                self.blocked_s += time.monotonic() - t0
+            return self.tail.stream.wait_group(g, self.tail.first_page, timeout)
         except Exception as exc:
             self.boundary.fail(f"streamed tail {self.tail.rid}: wait for group {g}", exc, outcome="zeros")
             return GroupVerdict.FAILED
@@ -249,8 +227,7 @@ class StreamLoad:
     """The streamed tails of one batch, loaded layer by layer (``job``: the gate the forward waits on)."""
 
     def __init__(self, cache: Any, registry: StreamRegistry, tails: list[TailCopy], num_layers: int,
-                 on_layer_done: Callable[[int], None] | None, boundary: ErrorBoundary = BOUNDARY,
-                 inline: bool = False) -> None:
+                 on_layer_done: Callable[[int], None] | None, boundary: ErrorBoundary = BOUNDARY) -> None:
         self.cache = cache
         self.boundary = boundary
         self.registry = registry
@@ -258,7 +235,7 @@ class StreamLoad:
         self._on_layer_done = on_layer_done
         tokens = sum(len(tc.tail.host_indices) for tc in tails)
         self.job = LayerLoad(num_layers, self._load_layer, self._layer_done, label=f"{len(tails)} streamed "
-                             f"tail(s), {tokens} tokens", tokens=tokens, on_block=ON_BLOCK, inline=inline)
+                             f"tail(s), {tokens} tokens", tokens=tokens, on_block=ON_BLOCK)
 
     def _load_layer(self, layer: int) -> None:
         for tc in self.tails:
@@ -272,10 +249,7 @@ class StreamLoad:
                 self.boundary.fail(f"layer event {layer}", exc, outcome="ignored")
 
     def blocked(self) -> tuple[int, float]:
-        """(waits, seconds) the forward waited for tail bytes: on the loader (thread), or, inline, the copies'
-        own waits for groups not landed yet."""
-        if self.job.inline:
-            return sum(tc.blocked_waits for tc in self.tails), sum(tc.blocked_s for tc in self.tails)
+        """(waits, seconds) the forward waited on the loader for tail bytes."""
         return self.job.blocked_waits, self.job.blocked_s
 
     def join(self) -> None:
@@ -285,6 +259,7 @@ class StreamLoad:
 
 
 def slow_io_of(cache: Any) -> float:
+    """The ``slow_io_s`` of the backend behind ``cache`` (``SLOW_IO_S`` without one)."""
     from sgl_kvtier.experiments.cost_policy.plugin import backend_of
 
     backend = backend_of(cache)
@@ -292,7 +267,8 @@ def slow_io_of(cache: Any) -> float:
 
 
 def deadline_s(tail: StreamedTail, slow_io_s: float, boundary: ErrorBoundary = BOUNDARY) -> float:
-    """How long the loader may wait for ``tail``'s groups in all."""
+    """How long the loader may wait for ``tail``'s groups in all: ``DEADLINE_FACTOR`` x its predicted remaining
+    read time, at least ``slow_io_s``, at most ``DEADLINE_MAX_S``."""
     try:
         rate = tail.stream.read_rate()
         predicted = tail.stream.remaining_bytes(tail.first_page) / rate if rate else 0.0

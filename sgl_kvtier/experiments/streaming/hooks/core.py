@@ -1,27 +1,18 @@
-"""The shared state and rules of the streamed-tail hooks (issue #13; the plugin: ``plugins.stream``): on or
-off per cache, the registry, the rank-MIN, the error boundary, ``drop``, and this process's admission counters.
+"""Shared state and helpers of the streamed-tail hooks: on or off per cache, the registry, the rank-MIN, the
+error boundary, ``drop`` and this process's admission counters (``STATS``).
 
-``active(cache)`` decides once per (cache, backend object) and logs one line, on or off and why; a backend
-attached or detached at run time is a new decision. Scope of v1 (anything else: off, never an error):
-cache mode (no buffer pipeline), no disaggregation, PP = 1, no DP attention, no speculative decoding (no
-draft/EAGLE pools), no SWA or Mamba component, only the KV host pool (no side pools), no external cache
-linker, and SGLang's device module is ``torch.cpu`` (CUDA is off in this version). Every decision depends on
-the server's configuration only, so all ranks of one engine decide alike (the hooks' collectives rely on it).
+``active(cache)`` decides once per (cache, backend object) and logs the decision; a backend attached or detached
+at run time is a new decision. Supported scope (anything else is off, never an error): cache mode (no buffer
+pipeline), no disaggregation, PP = 1, no DP attention, no speculative decoding, no SWA or Mamba component, the KV
+host pool only, no external cache linker, and SGLang's device module ``torch.cpu``. The decision depends on the
+server's configuration only, so every rank of an engine decides alike (the hooks' collectives rely on it). On,
+it hands ``hook_snapshot`` to the backend (``StreamingSide.attach_hooks``), whose ``telemetry()`` then reports
+these counters.
 
-Shared helpers for the hook modules (``stream_admit``, ``stream_slots``, ``stream_load``): ``controller_cache``
-(the cache behind a HiCache controller, for hooks on controller methods), ``others_in_engine`` (another
-request runs or waits: the scheduler noted by ``note_scheduler`` after each batch), ``min_reduce`` (rank-MIN of a few
-ints at a lockstep point), ``boundary`` / ``guard`` (the backend's ``ErrorBoundary``, where our hooks count
-what they caught, and the fallback they answer), ``drop`` (a tail given up before its forward: out of the
-registry, its private device slots freed only while ADMITTED (from the batch's ``prepare_for_extend`` on
-they are in the request's row, which ``release_kv_cache`` frees), its stream cancelled, its host slots
-deferred (``registry.defer_free``); the rest of the host-slot rules are ``stream_slots``'), and ``STATS``,
-the admission counters of this process. ``hook_snapshot`` types them with the loader's and the retract
-path's; ``active`` hands it to a backend it decides on for (``StreamingSide.attach_hooks``), whose ``telemetry()``
-then reports them (the scheduler process is the backend's process, and the backend imports no plugin).
-
-The hook modules import this one, never the reverse (``plugins.stream`` imports them all); ``hook_snapshot``
-reads ``stream_copy`` and ``stream_retract``, which import nothing of this module.
+``drop`` gives a tail up before its forward: out of the registry, its private device slots freed only while
+ADMITTED (from ``prepare_for_extend`` on they are in the request's row, which ``release_kv_cache`` frees), its
+stream cancelled, its host slots deferred. The hook modules import this one; of them it imports only ``accounting``
+(and, inside ``hook_snapshot``, ``copy`` and ``retract``), none of which imports it.
 """
 
 from __future__ import annotations
@@ -66,7 +57,7 @@ def registry_of(cache: Any) -> StreamRegistry:
 
 # ---------------------------------------------------------------------------------------------- on or off
 def backend_of(cache: Any) -> KVTierStorage | None:
-    """Our backend behind a HiCache tree (``prefetch.backend_of``)."""
+    """Our backend behind a HiCache tree (``experiments.cost_policy.plugin.backend_of``)."""
     from sgl_kvtier.experiments.cost_policy.plugin import backend_of as _backend_of
 
     return _backend_of(cache)
@@ -95,7 +86,7 @@ def streaming_enabled(backend: Any) -> bool:
 
 
 def scope_problems(cache: Any) -> list[str]:
-    """Why this engine is outside streaming's v1 scope (empty: inside). Reads configuration only."""
+    """Why this engine is outside streaming's supported scope (empty: inside). Reads configuration only."""
     import torch
     from sglang.srt.managers import cache_controller
     from sglang.srt.mem_cache import l2_transfer
@@ -226,9 +217,9 @@ def min_reduce(cache: Any, values: list[int]) -> list[int]:
 # ---------------------------------------------------------------------------------------------- tails
 @dataclasses.dataclass
 class AdmitStats:
-    """What the admission side did in this process (``stream_admit``)."""
+    """What the admission side did in this process (``hooks.admit``)."""
 
-    bind_calls: int = 0  # hits handed to the backend's bind_hit (it may decline)
+    bind_calls: int = 0  # hits handed to StreamingSide.bind_hit (it may decline)
     registered: int = 0
     ready: int = 0  # tails the gate let through (READY)
     admitted: int = 0
@@ -258,7 +249,7 @@ def drop(cache: Any, registry: StreamRegistry, tail: StreamedTail, why: str) -> 
 
 
 def device_allocator(cache: Any) -> Any:
-    """The full-attention device pool's allocator (the FULL component's ``_full_allocator``, ``full.py:473``)."""
+    """The full-attention device pool's allocator (as SGLang's ``FullComponent._full_allocator`` picks it)."""
     allocator = cache.token_to_kv_pool_allocator
     return allocator.full_attn_allocator if getattr(cache, "is_swa_enabled", False) else allocator
 
@@ -287,7 +278,7 @@ def guard(cache: Any, what: str, outcome: str, fn: Callable[[], Any], fallback: 
 
 def hook_snapshot() -> StreamHookSnapshot:
     """This process's counters of the stream hooks, typed: admission (``STATS``), the tail loader
-    (``stream_copy.stats``) and the retract path (``stream_retract.stats``)."""
+    (``hooks.copy.stats``) and the retract path (``hooks.retract.stats``)."""
     from sgl_kvtier.experiments.streaming.hooks import copy as stream_copy
     from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
 

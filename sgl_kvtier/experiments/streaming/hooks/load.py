@@ -1,39 +1,17 @@
-"""Forward side of a streamed tail (issue #13, design §2.2 steps 10-12): start, per-layer gate, verdict.
+"""Forward side of a streamed tail (``HOOKS``, registered by ``experiments.streaming.plugin``).
 
-The hooks (``HOOKS``, registered by ``plugins.stream``; SGLang 0.5.23 targets):
+- **Start**, AROUND ``UnifiedRadixCache.ready_to_load_host_cache`` (the batch being built): SGLang's own load-backs,
+  then a ``copy.StreamLoad`` for the tails ``take_queued`` gives, on a loader thread where SGLang's device module is
+  ``torch.cpu`` (elsewhere the same loop runs here, on SGLang's H2D stream: untested).
+- **Gate**, AROUND ``LayerDoneCounter.wait_until`` (every attention read of the device pool calls it first): while a
+  load is in flight, block until it has done that layer, then SGLang's wait. Keyed on the layer alone, as the layer
+  loader's gate; both may be on (each waits for its own loads, then calls the original).
+- **Verdict**, AFTER ``Scheduler.run_batch``: join the batch's loads (no copy outlives the forward's step), mark the
+  batch for the prefill samplers (``stall_marks``), then keep or retract each streamed request by a rank-agreed flag.
 
-- **Start**, AROUND ``UnifiedRadixCache.ready_to_load_host_cache`` (``unified_radix_cache.py:3715-3721``,
-  called by ``_get_new_batch_prefill_raw`` for the batch being built, ``scheduler.py:4351-4355``):
-  ``p = original()`` (HiCache's own load-backs, ``start_loading``; timed, with the tokens its
-  ``load_queue`` held, as the bind rule's sample of X, ``stream_bind.sample_load_back``). If
-  ``active(cache)`` gives a registry with queued tails (``take_queued``: LOADING), a ``stream_copy.StreamLoad`` starts for them: on a loader
-  thread where SGLang's device module is ``torch.cpu`` (``l2_transfer.py:15``), or with
-  ``KVTIER_STREAM_COPY=inline`` on no thread: the forward's gate copies each layer itself just before it
-  reads it (``layer_gate.LayerLoad``'s inline mode: no second thread shares the cores with the forward's
-  OpenMP team; its waits for groups not landed yet are the batch's stalls); on any other device the
-  same loop runs here, its copies on SGLang's H2D stream (not this version's route: untested). With no
-  load of SGLang's in this batch (``p < 0``) it first takes a producer of the device pool's layer counter,
-  records its start event and fences the H2D stream, as ``start_loading`` does
-  (``cache_controller.py:1028-1045``), on the scheduler thread before the forward launches; it returns
-  that index, which the forward consumes (``tp_worker.py:637``). After each layer the load records the
-  producer's layer event (``LayerLoadingEvent.complete``).
-- **Gate**, AROUND ``LayerDoneCounter.wait_until`` (``cache_controller.py:102-105``; every attention read
-  of the device pool calls it first, ``memory_pool.py:2852-2878``): while a load is in flight, block on
-  the CPU until it has done layer ``threshold``, then SGLang's wait. Keyed on the layer alone, as
-  ``layer_loader``'s gate; both may be on (each waits for its own loads, then calls the original).
-- **Verdict**, AFTER ``Scheduler.run_batch`` (``scheduler.py:4614``): join the loads of that scheduler's
-  cache (no copy outlives the forward's step), then per streamed request of the batch, in the batch's
-  request order (the same on every rank), a landed flag MIN-reduced over the ranks (``cache._all_reduce``,
-  ``unified_radix_cache.py:376-410``). Landed: DONE, ``registry.remove``, host slots to ``defer_free``.
-  Before the verdict, the batch is marked with its tails' bytes and stalls (``stall_marks.note_batch``:
-  its time is no prefill sample; one that never stalled is the bind rule's interference sample).
-  Poisoned on any rank: the stream is cancelled, its host slots deferred, ``registry.block(rid)`` (its
-  retry never streams) and the request retracted (``stream_retract``). The hook returns None (an AFTER
-  hook's non-None value would replace SGLang's result).
-
-Every hook is a pass-through unless a load of ours is in flight (gate, verdict) or ``active`` says
-streaming is on for the cache (start). Nothing raises into SGLang: failures are counted by the
-``ErrorBoundary`` and end as poisoned tails (zeros, retract), never as committed output.
+Every hook is a pass-through unless a load of ours is in flight (gate, verdict) or streaming is on for the cache
+(start). Nothing raises into SGLang: failures are counted on the ``ErrorBoundary`` and end as poisoned tails (zeros,
+retract), never as committed output.
 """
 
 from __future__ import annotations
@@ -69,7 +47,7 @@ RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def active(cache: Any) -> StreamRegistry | None:
-    """The cache's registry if streaming is on for it (``stream_core.active``, looked up at each call), else None."""
+    """The cache's registry if streaming is on for it (``core.active``, looked up at each call), else None."""
     from sgl_kvtier.experiments.streaming.hooks import core as stream_core
 
     registry: StreamRegistry | None = stream_core.active(cache)
@@ -102,15 +80,13 @@ class InFlight:
 
 
 IN_FLIGHT = InFlight()
-ENV_COPY = "KVTIER_STREAM_COPY"  # where a CPU engine copies tail layers: "thread" (default) or "inline"
-INLINE_COPIES = os.environ.get(ENV_COPY, "thread").strip().lower() == "inline"  # read once, at import
 _ordinal = 0  # streamed tails started in this process (KVTIER_STREAM_FAULT counts them)
 _said_first = False
 
 
 def ready_to_load_host_cache(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook: SGLang's load-backs (timed: the bind rule's X), then this batch's streamed tails on the
-    loader (start)."""
+    loader (``start``)."""
     queued, t0 = _load_back_tokens(cache), time.monotonic()
     p = original(cache, *args, **kwargs)
     seconds = time.monotonic() - t0
@@ -146,7 +122,12 @@ def _load_back_tokens(cache: Any) -> int:
 
 
 def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: int) -> int:
-    """Start the load of ``tails`` for the batch being built; returns its consumer index."""
+    """Start the load of ``tails`` for the batch being built; returns the layer counter's consumer index.
+
+    With no load-back of SGLang's in the batch (``p < 0``) it first takes a producer of the counter, records its
+    start event and fences the H2D stream, as ``start_loading`` does, on the scheduler thread before the forward
+    launches; the forward consumes that index.
+    """
     global _ordinal, _said_first
     import torch
     from sglang.srt.mem_cache import l2_transfer
@@ -170,15 +151,14 @@ def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: in
         _ordinal += 1
         copies.append(TailCopy(tail, cc, counter.num_layers, now + deadline_s(tail, slow_io_s, boundary),
                                fault_group(_ordinal), boundary))
-    on_cpu = l2_transfer.device_module is torch.cpu
     load = StreamLoad(cache, registry, copies, counter.num_layers, counter.events[p].complete if p >= 0 else None,
-                      boundary, inline=on_cpu and INLINE_COPIES)
+                      boundary)
     IN_FLIGHT.add(load)
     add_stats(loads=1, tails=len(tails))
     try:
-        if on_cpu:
-            load.job.start()  # the loader thread (or, without a thread, every layer here and now); inline: none
-        else:  # not this version's route (CUDA): the same loop here, its copies on SGLang's H2D stream
+        if l2_transfer.device_module is torch.cpu:
+            load.job.start()  # the loader thread (or, without a thread, every layer here and now)
+        else:  # not a supported route (CUDA): the same loop here, its copies on SGLang's H2D stream
             with l2_transfer.device_module.stream(cc.l2_transfer_engine.host_to_device_stream):
                 load.job.finish()
     except Exception as exc:  # the load is in flight: the gate would wait for it forever
@@ -186,8 +166,8 @@ def start(cache: Any, registry: StreamRegistry, tails: list[StreamedTail], p: in
         load.job.finish()  # never raises: each layer's copy catches its own failures
     if not _said_first:
         _said_first = True
-        logger.info("kvtier stream: first streamed load: %s, %d layers, copies %s (pid %d)", load.job.label,
-                    load.job.num_layers, "inline" if load.job.inline else "on a loader thread", os.getpid())
+        logger.info("kvtier stream: first streamed load: %s, %d layers, copies on a loader thread (pid %d)",
+                    load.job.label, load.job.num_layers, os.getpid())
     return p
 
 
@@ -208,8 +188,9 @@ def wait_until(original: Callable[..., Any], counter: Any, threshold: Any, *args
 
 # ---------------------------------------------------------------------------------------------- verdict
 def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook (``run_batch``): join this batch's tail loads and apply the rank-agreed verdict."""
-    note_scheduler(scheduler)  # for the gate's and the bind's "others in the engine" (stream_core)
+    """AFTER hook (``run_batch``): join this batch's tail loads and apply the rank-agreed verdict. Returns None
+    (an AFTER hook's non-None value would replace SGLang's result)."""
+    note_scheduler(scheduler)  # for the gate's and the bind's "others in the engine" (core.others_in_engine)
     if not IN_FLIGHT:
         return None
     try:
@@ -232,7 +213,9 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
 
 
 def verdict(scheduler: Any, batch: Any, loads: list[StreamLoad]) -> None:
-    """DONE or retract each streamed request of ``batch`` (landed flags MIN-reduced over the ranks)."""
+    """DONE or retract each streamed request of ``batch`` (landed flags MIN-reduced over the ranks). Landed: DONE,
+    its host slots deferred. Failed on any rank: POISONED, its stream cancelled and slots deferred, the request
+    blocked from streaming again and retracted (else aborted)."""
     import torch
 
     cache = scheduler.tree_cache

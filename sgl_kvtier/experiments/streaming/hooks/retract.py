@@ -1,44 +1,33 @@
-"""Retract a request right after a forward whose KV must not count, and requeue it safely (issue #13, §3).
+"""Retract a request right after a forward whose KV must not count, and requeue it safely.
 
-A streamed tail that was zero-filled (a group failed to read, failed its checksum or missed its deadline)
-makes its request's forward worthless: the request is *retracted*, with SGLang's own retract semantics,
-and recomputes as if it had never streamed. ``retract(scheduler, batch, req, reason=...)`` is called on
-the scheduler thread from an AFTER hook of ``Scheduler.run_batch`` (the verdict of ``stream_load``, or
-the testing knob below), i.e. after the forward was launched and before its result is processed:
+A zero-filled streamed tail makes its request's forward worthless: the request is *retracted* with SGLang's own
+retract semantics and recomputes as if it had never streamed. ``retract`` runs on the scheduler thread from an
+AFTER hook of ``Scheduler.run_batch`` (``hooks.load``'s verdict, or the testing knob), after the forward was
+launched and before its result is processed:
 
-1. ``scheduler.chunked_req`` is cleared if it is ``req``: otherwise the next ``get_next_batch_to_run``
-   would ``stash_chunked_request`` it (``scheduler.py:3911-3919``), inserting the worthless chunk's KV
-   into the tree, and schedule its next chunk.
-2. ``release_req`` (``schedule_batch.py:2360-2395``) with ``offload_kv=False``:
-   ``release_kv_cache(req, checkpoint=False)`` gives back every slot the request owns (the suffix, and a
-   streamed tail: ``[cache_protected_len, kv_allocated_len)``), unlocks its tree path and frees its row;
-   nothing reaches the tree. Then ``req.reset_for_retract()`` (``:2049-2101``) sets ``is_retracted``,
-   which makes result processing drop this forward's output (``batch_result_processor.py:307-348``: no
-   token, no checkpoint), and keeps ``output_ids`` so the request re-prefills the same sequence.
-3. ``req`` waits in the scheduler's retract list (``PENDING_ATTR``). BEFORE ``get_next_batch_to_run``
-   (``before_next_batch``) it is filtered out of ``last_batch`` and ``running_batch`` (``filter_batch``
-   keeps every unfinished request, ``schedule_batch.py:3834-3849``, and ``get_next_batch_to_run`` would
-   merge it for decode, ``scheduler.py:3934-3961``), and it is requeued with
-   ``_add_request_to_queue(req, is_retracted=True)`` (``scheduler.py:3480-3493``, as ``retract_decode``'s
-   caller does at ``:4540``) only once no batch still waiting in ``result_queue`` holds it. Ordering:
-   requeuing earlier would let ``prepare_for_extend`` clear ``is_retracted`` (``schedule_batch.py:2996``)
-   before the overlap loop processes the worthless result, which would then be committed. In the normal
-   loop (``scheduler.py:2026-2059``) the result is processed inside the same step, so the next step
-   requeues; in the overlap loop (``:2061-2134``) the step after that.
+1. ``scheduler.chunked_req`` is cleared if it is ``req``: else ``get_next_batch_to_run`` would stash it
+   (``stash_chunked_request``), inserting the worthless chunk's KV into the tree, and schedule its next chunk.
+2. ``release_req(..., offload_kv=False)``: ``release_kv_cache(req, checkpoint=False)`` gives back every slot the
+   request owns (a streamed tail included), unlocks its tree path and frees its row; nothing reaches the tree.
+   ``Req.reset_for_retract`` then sets ``is_retracted``, which makes result processing drop this forward's output
+   (``process_batch_result_prefill``: no token, no checkpoint), and keeps ``output_ids`` for the re-prefill.
+3. ``req`` waits in the scheduler's retract list (``PENDING_ATTR``). BEFORE each ``get_next_batch_to_run`` it is
+   filtered out of ``last_batch`` and ``running_batch`` (``filter_batch`` keeps every unfinished request and the
+   next batch would merge it for decode) and requeued with ``_add_request_to_queue(req, is_retracted=True)`` (as
+   ``update_running_batch``'s retracts are) only once no batch waiting in ``result_queue`` holds it. Ordering:
+   requeued earlier, ``prepare_for_extend`` would clear ``is_retracted`` before the overlap loop processes the
+   worthless result, which would then be committed. So it is requeued at the next step in
+   ``event_loop_normal``, at the one after in ``event_loop_overlap``.
 
-If ``req`` cannot be retracted (finished, no KV, a decode row of a mixed batch, not an EXTEND/MIXED
-forward) nothing is released: the caller falls back to ``abort`` (SGLang's linker-failure semantics,
-``unified_radix_cache.py:3631-3649``: the output is discarded, the KV never inserted, HTTP 503), never to
-committing the output. Nothing here raises into SGLang: failures are logged and counted (the backend's
-``ErrorBoundary``; SGLang's own ``num_retracted_requests_total`` counts every retract too).
+A request that cannot be retracted (finished, no KV, a decode row of a mixed batch, not an EXTEND / MIXED forward)
+is left as it is and the caller aborts it (``abort``: output discarded, KV never inserted, HTTP 503, as
+``UnifiedRadixCache.finish_external_linker_loads`` treats a failed load), never commits its output. Nothing raises
+into SGLang: failures are counted on the backend's ``ErrorBoundary``. Known SGLang limit: result processing skips a
+retracted request before its input-logprob rows are consumed, so another request of the same batch asking for
+input logprobs reads shifted rows.
 
-Known limit (SGLang's): result processing skips a retracted request before its input-logprob rows are
-consumed (``batch_result_processor.py:343-348`` ``continue`` before ``_apply_prefill_logprobs``, a running
-offset), so another request of the same batch asking for input logprobs would read shifted rows.
-
-Testing only: ``KVTIER_TEST_RETRACT=<prefix>`` (like the ``fault_injection`` config table, never for
-production) retracts every request whose rid starts with ``<prefix>`` after its first prefill forward
-(never a second time), streamed or not: the path above, on a real server, without any fault.
+Testing only: ``KVTIER_TEST_RETRACT=<prefix>`` retracts every request whose rid starts with ``<prefix>`` after its
+first prefill forward (never a second time), streamed or not: this path on a real server, without a fault.
 """
 
 from __future__ import annotations
@@ -61,7 +50,7 @@ RETRACTABLE_MODES = frozenset({"EXTEND", "MIXED"})
 
 
 def _boundary(scheduler: Any) -> ErrorBoundary:
-    """Where a failure here is counted: the backend's boundary (``stream_copy.boundary_of``)."""
+    """Where a failure here is counted: the backend's boundary (``copy.boundary_of``)."""
     from sgl_kvtier.experiments.streaming.hooks.copy import boundary_of
 
     return boundary_of(getattr(scheduler, "tree_cache", None))
@@ -147,7 +136,7 @@ def retract(scheduler: Any, batch: Any, req: Any, *, reason: str) -> bool:
 
 def _count_in_sglang(scheduler: Any, req: Any) -> None:
     """SGLang's own retract counter (``sglang:num_retracted_requests_total``), as ``update_running_batch``
-    counts its decode retracts (``scheduler.py:4502-4512``); best effort."""
+    counts its decode retracts; best effort."""
     try:
         reporter = scheduler.metrics_reporter
         if reporter.enable_metrics:

@@ -1,30 +1,14 @@
-"""Prefill samples for the T_hide gate while tails stream (issue #13): the backend's prefill model is fed
-from the extend batches' timing even when the cost plugin is off.
+"""Prefill samples for the T_hide gate while tails stream: the backend's prefill model is fed from the extend
+batches' timing even when the cost policy plugin is off.
 
-The gate (``stream_admit.local_verdict``, ``stream_gate.decide``) predicts the suffix's compute with
-``backend.cost.prefill.model()``; without a model it falls back to "group 0 landed on every tail page".
-Samples come from ``prefetch.record_prefill_timing`` (AFTER ``Scheduler.process_batch_result``,
-``scheduler.py:5074``: from the batch's ``launch_ts``, set by ``run_batch`` at ``:4623``, to the end of its
-result processing), which the cost plugin registers only with ``KVTIER_PREFETCH_POLICY=cost``.
-``record_prefill`` (AFTER the same method) calls it for a batch when:
-
-- the cost plugin is not loaded in this process (``prefetch.loaded()``, set by its ``load()``; a plugin that
-  ``SGLANG_PLUGINS`` leaves out is never loaded): if it is, its own hook samples every batch, and a second
-  call would count each batch twice;
-- the batch is EXTEND or MIXED (tested first: this hook runs after every step, decode ones included), and
-  streaming is active for ``scheduler.tree_cache`` (``stream_core.active``);
-- it ran without streamed tails. ``stall_marks.note_batch`` (``stream_load``'s verdict, AFTER ``run_batch``,
-  with the batch's joined loads) marks a batch that had some by its ``forward_iter`` (set by ``run_batch``,
-  ``scheduler.py:4622``, and kept by ``ScheduleBatch.copy``, ``schedule_batch.py:4040``: the overlap loop
-  processes a copy of the batch that ran). A batch whose forward waited on a tail group is compute plus
-  stall: fitted as compute, the stall would come back as predicted compute and the gate would admit earlier,
-  to stall more; it is no sample at all. One that never waited is compute plus its tails' interference: its
-  time over the prefill model's prediction is the bind rule's sample (``StreamingSide.stream_costs``). Marks are
-  taken when read and at most ``MAX_MARKS`` are kept per scheduler (a batch whose result is never processed
-  cannot pile them up).
-
-With the cost plugin on, its hook (``prefetch.record_prefill_timing``) reads the marks the same way.
-Never raises into SGLang: a failure is counted on the backend's ``ErrorBoundary`` and the sample skipped.
+The gate (``hooks.admit.local_verdict``) predicts the suffix's compute with ``backend.cost.prefill.model()``;
+without a model it falls back to its safe minimum. ``record_prefill`` (AFTER ``Scheduler.process_batch_result``)
+calls ``cost_policy.plugin.record_prefill_timing`` for a batch when the cost policy plugin is not loaded in this
+process (if it is, its own hook samples every batch: a second call would count each batch twice), the batch is
+EXTEND or MIXED and streaming is active for ``scheduler.tree_cache``. That sampler leaves out a batch marked by
+``stall_marks`` (it ran with streamed tails): one that waited on a tail group is no sample, one that never waited
+is the bind rule's interference sample. Never raises into SGLang: a failure is counted on the backend's
+``ErrorBoundary`` and the sample skipped.
 """
 
 from __future__ import annotations

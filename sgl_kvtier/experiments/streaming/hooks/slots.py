@@ -1,31 +1,16 @@
-"""Host slots of streamed L3 tails (issue #13; design §2.2 steps 3, 4, 13): what SGLang may release, when
-deferred slots are freed, and the clean-up at reset / detach. Hooks on the scheduler thread, every one
-SGLang's original untouched unless ``stream.active(cache)`` (line numbers: SGLang 0.5.23). The admission
-hooks that create and settle tails are ``stream_admit``'s.
+"""Host slots of streamed L3 tails: what SGLang may release, when deferred slots are freed, and the clean-up at
+reset / detach. Hooks on the scheduler thread, each leaving SGLang's original untouched unless
+``core.active(cache)``; the hooks that create and settle tails are ``hooks.admit``'s.
 
-3. **Withhold** (AROUND ``append_host_mem_release``, ``hybrid_cache_controller.py:470``, and
-   ``free_prefetch_host_buffers``, ``:831``: every other path that releases a prefetch's host slots goes
-   through the former; ``_handle_prefetch_result`` frees only head slots directly, and a head page is
-   settled): registered tails' slots never reach SGLang's release (a safety net: ``stream_admit``'s
-   register step already stops it); slots a bound stream may still write go to ``registry.defer_free``
-   (``binder.claim_released``, which cancels that stream). Our own failure here keeps the slots (a counted
-   leak, never a free under a read). Every release seen inside ``_handle_prefetch_result`` is counted for
-   the register step (``counting_releases``: the head did not go in whole).
-4. **Reap** (AROUND ``check_hicache_events``, the per-step lockstep point, ``unified_radix_cache.py:3651``):
-   before SGLang's body ``active`` is decided (so this step's binds see the controller); after it, the MIN
-   over ranks of ``ready_to_reap()`` deferred entries are freed to the host pool.
-10. **Clean-up**: AFTER ``reset`` (``:416``; flush, idle: the pools are cleared) and
-    ``detach_storage_backend`` every tail and deferred entry goes, once its stream ended (bounded wait).
+- **Withhold** (AROUND ``HybridCacheController.append_host_mem_release`` and ``free_prefetch_host_buffers``; every
+  other path that releases a prefetch's host slots goes through the former, and ``_handle_prefetch_result`` frees
+  directly only head slots, which are settled): ``withhold`` decides what SGLang may release.
+- **Reap** (AROUND ``UnifiedRadixCache.check_hicache_events``, the per-step lockstep point): deferred slots are
+  freed once their stream ended, the count MIN-reduced so every rank frees the same slots.
+- **Clean-up** (AFTER ``reset`` and ``detach_storage_backend``): ``clear_all``.
 
-Accounting rules (with ``stream.drop``):
-- ``withhold``: what SGLang may release of some host slots: never a registered tail's (kept back, counted:
-  SGLang should not release them at all), and of slots a bound stream may still write only those the
-  binder clears (``binder.claim_released``, which cancels that stream); the rest is deferred.
-- Deferred slots are freed only once their stream ``ended`` (no IO in flight into them): ``free_host`` of
-  what ``registry.reap`` returns, the count MIN-reduced so every rank frees the same slots.
-- ``clear_all`` (reset, detach): every tail and deferred stream cancelled and waited for (bounded by
-  ``END_WAIT_S``, logged if late) before its slots are freed (detach) or forgotten (reset: SGLang cleared
-  the pools).
+Invariant: a slot a stream may still write is never freed. Our own failure while withholding keeps the slots (a
+counted leak, never a free under a read).
 """
 
 from __future__ import annotations
@@ -79,7 +64,9 @@ def counting_releases() -> Iterator[list[int]]:
 
 # ---------------------------------------------------------------------------------------------- the rules
 def withhold(cache: Any, host_indices: Any) -> Any:
-    """The part of ``host_indices`` SGLang may free now; the rest is deferred until its stream ended."""
+    """The part of ``host_indices`` SGLang may free now. Never a registered tail's slots (kept back and counted:
+    SGLang should not release them at all); of slots a bound stream may still write, only those the binder clears
+    (``StreamBinder.claim_released``, which cancels that stream): the rest is deferred until its stream ended."""
     import torch
 
     registry = active(cache)
@@ -111,7 +98,8 @@ def free_host(cache: Any, slots: list[Any]) -> None:
 
 
 def clear_all(cache: Any, *, free: bool) -> None:
-    """Cancel every tail and deferred stream, wait (bounded) for their ends; ``free``: give the slots back."""
+    """Cancel every tail and deferred stream and wait for their ends (bounded by ``END_WAIT_S``, logged if late);
+    ``free`` (detach): give the slots of ended streams back; else (reset: SGLang cleared the pools) forget them."""
     registry: StreamRegistry | None = cache.__dict__.get(REGISTRY_ATTR)
     if registry is None:
         return
@@ -137,10 +125,11 @@ def clear_all(cache: Any, *, free: bool) -> None:
                      late, END_WAIT_S, "detach" if free else "reset", "leaked" if free else "reused")
 
 
-# ---------------------------------------------------------------------------------------------- 3. withhold
+# ---------------------------------------------------------------------------------------------- withhold
 def withhold_release(original: Callable[..., Any], controller: Any, host_indices: Any = None,
                      extra_pools: Any = None) -> Any:
-    """AROUND ``append_host_mem_release``: SGLang releases only slots no stream may still write."""
+    """AROUND ``append_host_mem_release``: SGLang releases only slots no stream may still write. Every release
+    seen inside ``_handle_prefetch_result`` is counted for the register step (``counting_releases``)."""
     if _releases.seen is not None:
         _releases.seen.append(0 if host_indices is None else int(host_indices.numel()))
     cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
@@ -152,7 +141,7 @@ def withhold_release(original: Callable[..., Any], controller: Any, host_indices
 
 
 def withhold_free(original: Callable[..., Any], controller: Any, operation: Any, host_indices: Any) -> Any:
-    """AROUND ``free_prefetch_host_buffers`` (no caller in 0.5.23): the same rule as the release."""
+    """AROUND ``free_prefetch_host_buffers``: the same rule as the release."""
     cache = None if host_indices is None or host_indices.numel() == 0 else controller_cache(controller)
     if cache is not None:
         host_indices = guard(cache, "withhold", "slots kept (leaked), never freed under a read",
@@ -160,9 +149,10 @@ def withhold_free(original: Callable[..., Any], controller: Any, operation: Any,
     return original(controller, operation, host_indices)
 
 
-# ---------------------------------------------------------------------------------------------- 4. reap
+# ---------------------------------------------------------------------------------------------- reap
 def reap_deferred(original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``check_hicache_events``: decide ``active`` first, then free the deferred slots all ranks can."""
+    """AROUND ``check_hicache_events``: decide ``active`` before SGLang's body (so this step's binds see the
+    controller), then free the deferred slots every rank can (the MIN of ``ready_to_reap``)."""
     registry = active(cache)
     result = original(cache, *args, **kwargs)
     if registry is not None:
@@ -173,7 +163,7 @@ def reap_deferred(original: Callable[..., Any], cache: Any, *args: Any, **kwargs
     return result
 
 
-# ---------------------------------------------------------------------------------------------- 10. clean-up
+# ---------------------------------------------------------------------------------------------- clean-up
 def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``reset`` (flush): the pools were cleared; forget every tail once its stream ended."""
     guard(cache, "reset", "tails forgotten", lambda: clear_all(cache, free=False))

@@ -1,19 +1,12 @@
-"""Marks of the batches that ran with streamed tails (issue #13), so that neither prefill sampler
-(``stream_sample.record_prefill``, the cost plugin's ``prefetch.record_prefill_timing``) fits such a batch's
-time as compute: a forward that waited on a tail's layer group (a stall) would come back as predicted
-compute, and one that ran beside its tails' landing and copies is compute plus their interference. The
-latter is the bind rule's sample instead (``experiments.streaming.rules.bind``: seconds over the prediction, per tail byte).
+"""Marks of the batches that ran with streamed tails, so that neither prefill sampler (``hooks.sample``, the cost
+policy's ``record_prefill_timing``) fits such a batch's time as compute: a forward that waited on a tail's group
+(a stall) would come back as predicted compute and the gate would admit earlier, to stall more; one that ran beside
+its tails' landing is compute plus their interference, the bind rule's sample instead (``rules.bind``).
 
-A mark is ``scheduler.__dict__[MARKS_ATTR][forward_iter] = Mark(...)`` (``forward_iter``: set by SGLang's
-``run_batch`` and kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``take`` removes it
-when read, and at most ``MAX_MARKS`` are kept per scheduler (the oldest go first). It imports neither
-sampler: both use it without importing each other.
-
-Both samplers also end the bind rule's end-to-end timing of a hit (``first_tokens``; ``experiments.streaming.rules.bind``,
-the measured comparison): a request the rule is timing gets its first token from an extend batch, which is
-the sample if the batch was that request alone and ran as its path says (a streamed hit: with its tail,
-unfailed; a whole load: without tails); anything else drops it (a tail dropped at the gate, its request
-recomputing it, is no sample either: rare, at the gate's deadline).
+A mark is ``scheduler.__dict__[MARKS_ATTR][forward_iter]`` (``forward_iter`` is set by ``Scheduler.run_batch`` and
+kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``take`` removes it when read and at most
+``MAX_MARKS`` are kept per scheduler, the oldest going first. Both samplers use this module without importing each
+other. They also end the bind rule's end-to-end timing of a hit (``first_tokens``).
 """
 
 from __future__ import annotations
@@ -29,6 +22,8 @@ MAX_MARKS = 64
 
 @dataclass(frozen=True)
 class Mark:
+    """What one batch's forward did with its streamed tails."""
+
     waits: int  # times the forward waited on a tail group
     stall_s: float  # seconds it waited in all
     tail_bytes: int  # bytes of the streamed tails the batch loaded
@@ -36,7 +31,7 @@ class Mark:
 
     @property
     def stalled(self) -> bool:
-        """No sample of either kind (the forward waited on a group, or ran with a failed tail: ``stream_load``)."""
+        """No sample of either kind (the forward waited on a group, or ran with a failed tail: ``hooks.load``)."""
         return self.waits > 0
 
 
@@ -62,9 +57,10 @@ def take(scheduler: Any, batch: Any) -> Mark | None:
 
 
 def first_tokens(costs: Any, batch: Any, mark: Mark | None, now: float) -> None:
-    """Requests of extend ``batch`` (its result handled at ``now``) that ``costs`` (the backend's
-    ``StreamCosts``) is timing: their sample, or dropped (module docstring). A request still in its prefill
-    (a chunk with no first token yet) is dropped too: its batch is not its whole forward."""
+    """Requests of extend ``batch`` (its result handled at ``now``) that ``costs`` (the backend's ``StreamCosts``)
+    is timing: their sample, or dropped. A sample needs the batch to hold that request alone, with its first token,
+    and to have run as its path says (a streamed hit: with its tail, unfailed; a whole load: without tails);
+    anything else drops it (a chunk with no first token yet too: its batch is not its whole forward)."""
     reqs = list(getattr(batch, "reqs", None) or ())
     alone = len(reqs) == 1
     shape = list(zip(batch.extend_lens, batch.prefix_lens)) if alone else None

@@ -1,59 +1,38 @@
-"""Stream a hit, or load it whole? The bind-time rule of a streamed L3 tail (issue #13), and the two
-figures it learns on the running server. Pure Python: no clock, no SGLang; callers pass measurements in.
+"""Stream a hit, or load it whole? The bind-time rule of a streamed L3 tail and the figures it learns on the
+running server. Pure Python: no clock, no SGLang; callers pass measurements in.
 
-A hit loaded whole costs its request ``W`` (SGLang's prefetch, from the op's start to its result) before
-the suffix's compute ``c`` starts, plus ``X``, the host -> device copy of the hit that SGLang makes when it
-admits the request (on a CPU engine a synchronous copy before the forward's clock starts; 0 where it
-is asynchronous). A streamed hit waits at the gate until each read group of the rest is predicted to land
-before the forward computed the layers before it (``stream_gate``), at least for group 0, and its forward then
-runs while the tail lands and is copied in, slower by ``k`` seconds per tail byte where those copies take
-the cores the forward computes on (a CPU engine: the forward's threads and the landing share the cores; on
-a GPU the copies are DMA and ``k`` is about 0). With ``R`` the predicted read of the hit (the store's read
-model), read in groups of ``shares`` (``experiments.streaming.rules.read_groups``; even over ``G`` where not given), and
-``S = stream_read.stall_s(shares, R, c + k * bytes)`` (the pipeline's fill and stalls; even groups:
-``max(R / G, R - (1 - 1/G) * (c + k * bytes))``):
+A hit loaded whole costs its request ``W`` (SGLang's prefetch, from the op's start to its handled result) plus
+``X`` (SGLang's host -> device copy when it admits the request; 0 where that copy is asynchronous) before the
+suffix's compute ``c`` starts. A streamed hit waits at the gate (``rules.gate``), then its forward runs while the
+tail lands, slower by ``k`` seconds per tail byte where the landing takes the forward's cores (about 0 on a GPU).
+With ``R`` the hit's predicted read (the store's read model) in read groups of ``shares`` (``rules.read_groups``;
+even over ``G`` where not given) and ``S = stall_s(shares, R, c + k * bytes)`` the pipeline's fill and stalls:
 
     gain  =  W + X  -  S  -  k * bytes
-    STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + X + c)    (else WHOLE: today's path)
+    STREAM  when  gain  >=  MIN_GAIN_SHARE * (W + X + c)    (else WHOLE)
 
-Learned figures (``StreamCosts``, thread-safe; W and X weighted halving every ``HALF_LIFE`` samples, k over
-the last ``K_WINDOW``):
-- ``W(bytes) ~= a + bytes / bw`` (the store's own read fit, ``estimation.TransferEstimator``), from hits
-  that loaded whole while no other prefetch ran (their op's start to SGLang's handling of its result);
-  until ``MIN_SAMPLES`` were seen, ``W`` is taken as ``R``.
-- ``X(bytes) ~= a + bytes / bw``, from SGLang's own load-backs (the time of its ``start_loading``, any host
-  hit's): ``k`` counts the tail's copy in the forward, so without ``X`` the rule would charge a stream
-  for a copy the whole load makes too (measured on a 2-core CPU: 0.36-0.41 ms/MB, 0.08 s per 201 MB hit).
-  Until learned, 0.
-- ``k``, from the forwards that ran with streamed tails and never waited on one of their groups (the last
-  ``K_WINDOW`` kept raw: tail bytes, the batch's shape, its seconds): each one's time minus the prefill
-  model's prediction *now* for its shape, per tail byte (least squares through 0, at least 0), evaluated
-  at every decision (the caller passes the model's ``batch_time``). Evaluated at record time instead, the
-  first samples (the first streamed hits, right after a server's first computed prompts) were judged by a
-  model that had seen no hit-shaped batch: measured 3.8 ms/MB, 0.76 s per 201 MB hit, where the streamed
-  hits ran 0.05 s faster than whole loads. Until ``MIN_SAMPLES`` were seen, or without a prefill model,
-  ``k`` is unknown and the hit streams (that is how ``k`` is measured).
-Measured, like for like (``begin_hit`` / ``finish_hit``): the model above leaves out what it cannot see (a
-whole load's W is op start to SGLang's handling of its result, not its request's time; a streamed hit's gate
-waits and the stalls of its forward are in no figure; measured in one run: W + X over-predicted a whole
-load by ~0.14 s and the streamed side was under-predicted by ~0.16 s, so the rule streamed where it lost).
-So each hit the rule decided, alone, is also timed end to end: from its op's start to the result of the
-forward that gave its request's first token, minus the prefill model's time for that forward's batch (now),
-is the path's *excess* over a device hit. The last ``HIT_WINDOW`` of each path are kept raw (bytes, batch
-shape, seconds) and fitted per byte through 0, as ``k``. Once both paths have ``min_samples``, they decide:
+Learned figures (``StreamCosts``, thread-safe): ``W`` and ``X`` as ``a + bytes / bw`` fits weighted halving every
+``HALF_LIFE`` samples, from hits loaded whole while no other prefetch ran and from SGLang's own load-backs (until
+learned, ``W`` is taken as ``R`` and ``X`` as 0); ``k`` from the last ``K_WINDOW`` forwards that ran with tails and
+never waited on one: each one's time minus the prefill model's prediction for its shape, per tail byte (least
+squares through 0, at least 0), judged against the model at decision time, not at record time. Until
+``MIN_SAMPLES`` were seen, or without a prefill model, ``k`` is unknown and the hit streams (that is how ``k`` is
+measured).
+
+The model leaves out what it cannot see (a whole load's time outside W, a streamed hit's gate waits and stalls), so
+each hit the rule decided, alone, is also timed end to end (``begin_hit`` / ``finish_hit``): its op's start to the
+result of the forward that gave its first token, minus the prefill model's time for that batch, is the path's
+*excess* over a device hit, fitted per byte as ``k`` over the last ``HIT_WINDOW`` hits of each path. Once both paths
+have ``min_samples``, they decide and the model is only the prior:
 
     STREAM  when  excess_whole - excess_stream  >=  MIN_GAIN_SHARE * (excess_whole + c)
 
-and the model is only the prior. A sample needs its request's first token from a batch of its own
-(``finish_hit``: any other batch drops it); a streamed one needs that batch to have run with its tail,
-unfailed (dropped, refused or retracted tails are no sample), a whole one to have landed whole.
-Each choice feeds only its own figure, so every ``EXPLORE_EVERY``-th decided hit takes the other path
-(re-measuring it: a device that changed speed is seen). Unknown ``R`` or ``c``: the hit streams, as before
-this rule (the gate's safe minimum then decides when to admit).
+Each choice feeds only its own figure, so every ``EXPLORE_EVERY``-th decided hit takes the other path (a device
+that changed speed is seen). Unknown ``R`` or ``c``: the hit streams (the gate's safe minimum decides when to admit).
 
-Invariants: ``decide`` never raises for finite inputs and answers a reason with every verdict; a sample
-that is not finite, or of no bytes, is ignored; at most ``MAX_PENDING`` hits are timed at once (the oldest
-is forgotten first: a request aborted before its first token never leaks).
+Invariants: ``decide`` never raises for finite inputs and answers a reason with every verdict; a sample that is
+not finite, or of no bytes, is ignored; at most ``MAX_PENDING`` hits are timed at once (the oldest is forgotten
+first: a request aborted before its first token never leaks).
 """
 
 from __future__ import annotations
@@ -81,6 +60,8 @@ Predict = Callable[[list[tuple[int, int]]], float]  # the prefill model's batch 
 
 
 class BindVerdict(enum.Enum):
+    """The bind rule's choice for one hit."""
+
     STREAM = "stream"
     WHOLE = "whole"
 
@@ -96,7 +77,7 @@ class BindInputs:
     whole_wait_s: float | None = None  # learned W for this hit (None: not learned yet, R stands in)
     interference_s_per_byte: float | None = None  # learned k (None: not learned yet)
     load_back_s: float | None = None  # learned X for this hit (None: not learned yet, taken as 0)
-    measured_whole_s: float | None = None  # a whole load's measured excess over compute for this hit (None: too few)
+    measured_whole_s: float | None = None  # a whole load's measured excess over compute (None: too few samples)
     measured_stream_s: float | None = None  # a streamed hit's measured excess (None: too few)
     shares: tuple[float, ...] = ()  # each read group's share of the hit ((): even over ``groups``)
 
@@ -110,6 +91,8 @@ class BindInputs:
 
 @dataclass(frozen=True)
 class BindDecision:
+    """A verdict, its reason and the predicted gain behind it."""
+
     verdict: BindVerdict
     reason: str  # a short label (counted by the plugin)
     gain_s: float | None = None  # the predicted gain, where computed
@@ -172,6 +155,7 @@ class StreamCosts:
         self._load_back.record(nbytes, seconds)
 
     def load_back_s(self, nbytes: int) -> float | None:
+        """Learned X for ``nbytes`` (None: too few samples)."""
         return self._predicted(self._load_back, nbytes)
 
     def record_stream_forward(self, nbytes: int, shape: Sequence[tuple[int, int]], seconds: float) -> None:
@@ -181,6 +165,7 @@ class StreamCosts:
                 self._forwards.append((nbytes, tuple((int(e), int(p)) for e, p in shape), float(seconds)))
 
     def whole_wait_s(self, nbytes: int) -> float | None:
+        """Learned W for ``nbytes`` (None: too few samples)."""
         return self._predicted(self._whole, nbytes)
 
     def _predicted(self, fit: TransferEstimator, nbytes: int) -> float | None:
@@ -268,7 +253,8 @@ class StreamCosts:
             k_samples = len(self._forwards)
             hits = {path: len(samples) for path, samples in self._hits.items()}
         k = self.interference_s_per_byte(predict)
-        whole_x, stream_x = (self.measured_s(path, 1_000_000, predict) for path in (BindVerdict.WHOLE, BindVerdict.STREAM))
+        whole_x, stream_x = (self.measured_s(path, 1_000_000, predict)
+                             for path in (BindVerdict.WHOLE, BindVerdict.STREAM))
         (whole_fixed, whole_mb), (copy_fixed, copy_mb) = _fixed_per_mb(self._whole), _fixed_per_mb(self._load_back)
         return StreamBindSnapshot(
             whole_wait_fixed_s=whole_fixed, whole_wait_s_per_mb=whole_mb, whole_samples=self._whole.samples,

@@ -1,54 +1,32 @@
-"""The T_hide admission rule of a streamed L3 tail (issue #13, design §2.2 step 5): pure, no SGLang, no torch.
+"""The T_hide admission rule of a streamed L3 tail: pure, no SGLang, no torch.
 
-A request whose tail is still streaming is admitted once the rest of its read is predicted to hide under
-the prefill of its own suffix. The forward computes layer by layer and the tail lands read group by read
-group (``shares``: each group's share of the tail's layers, ``experiments.streaming.rules.read_groups``; even over ``groups``
-where not given), so group k is needed only once the forward computed the layers before it. The forward
-of a request whose tail lands meanwhile runs ``c = suffix_compute_s + interference_s``: the prefill model's
-time plus what the landing costs it (the bind rule's learned ``k`` x the tail's bytes: on a CPU engine the
-reads, checksums and copies take the forward's cores; about 0 on a GPU). Measured on a 2-core CPU (8
-groups, a 201 MB tail at 235 MB/s): without it, the gate admitted at the third group's landing (0.35 s after
-registration), where the forward it hid under ran 0.1-0.3 s longer than the model's compute:
+A request whose tail still streams is admitted once the rest of its read is predicted to hide under the prefill of
+its own suffix. The forward computes layer by layer and the tail lands read group by read group (``shares``:
+``rules.read_groups``; even over ``groups`` where not given), so group k is needed only once the forward computed
+the layers before it. The forward runs ``c = suffix_compute_s + interference_s``: the prefill model's time plus
+what the landing costs it (the bind rule's learned ``k`` x the tail's bytes):
 
-    READY  when  stream_read.stall_s(shares, remaining_bytes / read_rate, c, landed, first=1)  <=  0
+    READY  when  stall_s(shares, remaining_bytes / read_rate, c, landed, first=1)  <=  0
 
-i.e. no read group after the first lands later than the forward needs it; group 0 is the forward's to wait
-on either way (but the only group of a one-group tail is not left out). ``landed``, the tail's share
-already landed, is ``1 - remaining_bytes / tail_bytes`` (at least group 0's share once it landed). Once
-group 0 landed, with even groups only the last one can bind: ``remaining_bytes / read_rate <= (1 - 1/G) *
-c``. Before group 0 landed on every page (a rate is known from the first pages' landings) only the last
-group is checked, ``read <= (1 - s_last) * c``: counted from now, the forward cannot compute before group 0
-lands, so the middle groups' terms would hold group 0's read against it (even groups: today's rule).
+i.e. no read group after the first lands later than the forward needs it (group 0 is the forward's to wait on
+either way, unless it is the only one). ``landed`` is the tail's share already landed (at least group 0's once it
+landed). Before group 0 landed on every page only the last group is checked: counted from now, the forward cannot
+compute before group 0 lands.
 
-The read rate is the stream's own, counted between its landings once a second one landed. Until then
-(group 0 landed, nothing after it) the stream's rate is counted from its thread's start and holds the
-thread's start and the read's set-up (measured: 160-185 MB/s at group 0 on a 235 MB/s device, 220-230
-MB/s between landings), so the rule takes the higher of it and the store's measured read bandwidth
-(``device_rate_Bps``, fitted over the store's real reads): the gate can open at group 0's landing instead
-of the second one. A device that stalls after group 0 is the forward's to wait on, to the tail's deadline
-(then retracted and recomputed, as any stall after admission).
+The read rate is the stream's own, counted between landings once a second one landed; before that it also holds
+the read's set-up, so once group 0 landed the higher of it and the store's measured bandwidth (``device_rate_Bps``)
+is taken. A device that stalls after admission is the forward's to wait on, to the tail's deadline (then the
+request is retracted). Without a read rate or a prefill model the rule falls back to its safe minimum: READY once
+group 0 landed on every tail page.
 
-Inputs the rule cannot get yet (no read rate measured on the stream, no prefill model: the backend's
-``cost.prefill`` has neither samples nor a seed) fall back to the safe minimum: READY once group 0 has
-landed on every tail page (the forward's first layers never wait on a group not even started).
+DROP (the request computes the tail itself) when a group FAILED before admission (nothing unverified is admitted);
+when waiting is predicted slower than recomputing tail + suffix (``full_compute_s``, given only with the cost policy
+on: otherwise a tail is waited for, as a hit loaded whole); or when the tail waited past its deadline (SGLang's own
+prefetch budget). ``busy`` (another request runs or waits on the engine): READY only once landed whole, as a hit
+loaded whole, since a stall or the landing's interference would cost the whole batch.
 
-DROP (the request computes the tail itself; its host slots are freed once their reads end) when:
-- a group has FAILED on a tail page before admission (nothing unverified is ever admitted);
-- waiting is predicted slower than recomputing: streaming TTFT ``c`` + the stall above (even groups:
-  ``max(read, (1 - 1/G) c) + c/G``) against the recompute TTFT of tail + suffix (the same prefill
-  model's). The caller passes the latter only with the cost policy on (``KVTIER_PREFETCH_POLICY=cost``):
-  otherwise, as a hit loaded whole under SGLang's own policy, the tail is waited for (measured: an early,
-  low read rate dropped tails that then landed in well under their recompute time);
-- the tail has waited at the gate past its deadline (SGLang's own prefetch budget, so a stalled device
-  never parks a request for longer than SGLang itself would have waited on it).
-
-BUSY (``busy``: another request runs or waits on the engine): the tail is READY only once it landed whole,
-as a hit loaded whole is: its forward then holds other requests' work too, and a stall or the landing's
-interference in it would cost them all (measured at C = 4 on a fast device, 2-core CPU: rounds where 1-2
-tails were admitted early ran 1.27-1.62x the off server's TTFT p50, rounds where none streamed 0.87-1.02).
-
-Every caller MIN-reduces the flags over the ranks before acting (``ready`` and ``keep`` are ANDed), so the
-rule may read local clocks and rates.
+Every caller MIN-reduces the flags over the ranks (``ready`` and ``keep`` are ANDed), so the rule may read local
+clocks and rates.
 """
 
 from __future__ import annotations
@@ -61,6 +39,8 @@ from sgl_kvtier.experiments.streaming.rules.read_groups import check_shares, or_
 
 
 class Verdict(enum.Enum):
+    """The gate's answer for one tail at one poll."""
+
     WAIT = "wait"  # not yet: the request is skipped this round (not blocking the queue)
     READY = "ready"  # admit: the next match reports the tail as a host hit
     DROP = "drop"  # give the tail up: the request computes it

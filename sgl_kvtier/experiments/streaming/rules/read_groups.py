@@ -1,42 +1,19 @@
-"""How a streamed L3 tail is cut into read groups (issue #13), and how long a forward waits on such a read.
-Pure Python: callers pass the figures in.
+"""How a streamed L3 tail is cut into read groups, and how long a forward waits on such a read. Pure Python:
+callers pass the figures in.
 
-A page of a streamable pool is stored as ``G`` layer groups, each checksummed on its own (``parts_plan``);
-a stream may read them merged into fewer, larger read groups: ``cuts`` over the stored groups, read group r
-being stored groups ``[cuts[r], cuts[r + 1])`` (``parts_plan.ReadPlan``: a read group's parts of one K|V
-range are consecutive in the page, one IO per page and range). Each read group has a *share* of the tail's
-layers and bytes (its stored groups' layers over all; the shares sum to 1).
+A page of a streamable pool is stored as ``G`` checksummed layer groups (``parts_plan``); a stream may read them
+merged in ``cuts``: read group r is stored groups ``[cuts[r], cuts[r + 1])`` (``parts_plan.ReadPlan``: one IO per
+page and K|V range). A read group's *share* is its part of the tail's layers and bytes; the shares sum to 1.
 
-**The pipeline** (``stall_s``): the read lands the tail at a steady rate, group after group, in ``R``; the
-forward computes its ``c`` at a steady rate layer after layer, and needs read group k once it computed the
-layers before it. Started together, the forward waits ``max over k of (R * (s_0 + .. + s_k) - c * (s_0 + ..
-+ s_(k-1)))`` in all (at least 0): the k = 0 term is the pipeline's fill (group 0 lands before layer 0
-computes), the last one what a read slower than the compute leaves over. ``stream_bind`` prices a stream
-with it, ``stream_gate`` admits a tail once its groups after the first no longer make the forward wait.
+``stall_s`` (the pipeline): the read lands the tail at a steady rate in ``R``; the forward computes its ``c`` layer
+by layer and needs read group k once it computed the layers before it, so it waits ``max over k of (R * (s_0 + .. +
+s_k) - c * (s_0 + .. + s_(k-1)))``, at least 0 (the k = 0 term is the pipeline's fill).
 
-**The cut** (``read_cuts``): every IO also costs CPU on the engine's own cores (the syscall, its completion,
-the Python around it): ``pages x ranges`` IOs of ``op_cpu_s`` per read group. On a CPU engine those are the
-forward's cores, so the forward pays them: measured on this project's 2-vCPU VM (``bench_landing``), landing
-a 201 MB hit (96 pages x 2 ranges) took 168 ms of CPU in 8 read groups, 126 ms in 4, 108 in 3, 97 in 2 and
-67 ms read whole, i.e. 0.07-0.1 ms per extra IO, where that hit's forward computes for 0.6-0.8 s; after
-session 18's engine work 122 ms in 8, 102 in 6, 88 in 4, 62 in 2 and 43 whole (0.05-0.06 ms per IO).
-``OP_CPU_S`` stays at 0.1 ms: in a server the landing's IO threads also wait for the GIL and the cores
-behind the forward, so an IO costs the forward more than its own CPU. Where the landing is off the
-compute's cores (a GPU forward), ``op_cpu_s`` is 0 and the finest cut wins.
-
-So the cut is the one of least ``stall_s + read groups x pages x ranges x op_cpu_s`` over every way to merge
-the stored groups in order into at least 2 read groups (``2^(G-1) - 1`` cuts, at most 127: G <= 8); on a
-tie the most read groups, then even cuts. The groups need not be even: where the read is faster than the
-compute (``R < c``) the fill is the only wait, so a small group 0 and larger ones after it cost the fewest
-IOs for the least fill (kvheavy on the fast device, R 0.12 s, c 0.47 s: ``(0, 2, 8)``, the 30 ms fill of
-the 3 even groups ``(0, 2, 5, 8)`` in a third fewer IOs); where it is slower, what the forward computes
-after the last group lands is the wait, so the last group is small and the ones before it may be large
-(break-even, R 0.86 s, c 0.55 s: ``(0, 1, 4, 6, 7, 8)`` against the even ``(0, 1, 2, 3, 4, 5, 6, 8)``,
-whose last group of 2 leaves 69 ms more to compute after the read). Measured against even cuts in the same
-run (``benchmarks/RESULTS.md``, session 20): 0-4% lower TTFT at break-even, the forward's waits on groups
-halved. Without a compute estimate ``c`` the cut is even, in ``read_groups(..)`` groups (``R / G' + G' x
-pages x ranges x op_cpu_s``, the finest on a tie: on a fast device 2-3, at break-even 7-8); unknown or
-non-finite ``R``: the stored groups as they are.
+``read_cuts`` (the cut): the least ``stall_s + read groups x pages x ranges x op_cpu_s`` over every in-order merge of
+the stored groups into at least 2 read groups (at most 127 cuts: G <= 8), as every IO also costs a CPU engine's
+forward CPU (``op_cpu_s``; 0 where the landing is off the compute's cores); on a tie the most read groups, then even
+cuts. Without a compute estimate the cut is even (``read_groups``); with an unknown ``R``, the stored groups as they
+are.
 """
 
 from __future__ import annotations
@@ -48,7 +25,9 @@ from collections.abc import Sequence
 from sgl_kvtier.sglang.parts_plan import Cuts as Cuts
 from sgl_kvtier.sglang.parts_plan import even_cuts as even_cuts
 
-OP_CPU_S = 1e-4  # CPU seconds per streamed IO on a CPU engine (measured above)
+# CPU seconds a streamed IO costs a CPU engine's forward: above an IO's own CPU, as in a server the landing's IO
+# threads also wait for the GIL and the cores behind the forward.
+OP_CPU_S = 1e-4
 
 
 def shares(layer_bounds: Sequence[int], cuts: Sequence[int]) -> tuple[float, ...]:
