@@ -1,6 +1,6 @@
 """Seeded NFS-like incoherence for the tests of ``sharing = "cluster"`` followers (never for production).
 
-``StaleFiles(inner, ...)`` wraps an ``io.files.FileView`` (give it to ``PageReader.open(view=...)``, or to a
+``StaleFiles(inner, ...)`` wraps an ``io.file_view.FileView`` (give it to ``PageReader.open(view=...)``, or to a
 block of followers with ``sharing.follower.reading_through``). Faults:
     lag_rate     a read of a ``lag_match`` file (journals) returns a random prefix past ``offset``; with
                  probability ``zero_share`` the missing bytes read as zeros instead (grown, not yet written)
@@ -31,7 +31,7 @@ from sgl_kvtier.io.ops import IOEngine, IOOp, IOResult, OpKind, op_length, read_
 
 
 class Files(Protocol):
-    """What ``StaleFiles`` wraps (and is): ``io.files.FileView``."""
+    """What ``StaleFiles`` wraps (and is): ``io.file_view.FileView``."""
 
     def read(self, path: Path, offset: int = 0, limit: int | None = None) -> bytes: ...
     def size(self, path: Path) -> int: ...

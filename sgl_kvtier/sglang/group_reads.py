@@ -23,13 +23,13 @@ import torch
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sglang.host_pages import Access, check_indices
+from sgl_kvtier.sglang.host_shard import HostShard
 from sgl_kvtier.sglang.parts_plan import ReadPlan
-from sgl_kvtier.sglang.pool_tier import PoolTier
 
 OnGroup = Callable[[int, range, list[bool]], None]  # (read group, its layers, per page: verified so far)
 
 
-def read_layer_groups(tier: PoolTier, keys: Sequence[PageKey], host_indices: torch.Tensor,
+def read_layer_groups(tier: HostShard, keys: Sequence[PageKey], host_indices: torch.Tensor,
                       on_group: OnGroup, reads: ReadPlan | None = None) -> list[bool]:
     """Read ``keys`` into ``host_indices`` read group by read group (module docstring)."""
     plan = tier.pages.plan

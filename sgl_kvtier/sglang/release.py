@@ -9,7 +9,7 @@ What the adapter meets across the range (everything else it calls is the same in
 - ``HiCacheStorageConfig.is_storage_writer`` is new in 0.5.23; 0.5.22 elects the same writers by its own
   rule, inlined in its cache controller (``writer_of``);
 - ``HiCacheStorage.on_host_pools_registered()`` is new in 0.5.23; on 0.5.22 the tiers open on the first
-  call that needs a store (``tiers.PoolTiers.ready``);
+  call that needs a store (``tiers.HostShards.ready``);
 - ``HiCacheStorageFailureInjector`` is new in 0.5.23 (looked up by name, absent on 0.5.22);
 - the plugins' hook targets: each plugin lists the releases it is tested on (``plugins.PLUGINS``).
 

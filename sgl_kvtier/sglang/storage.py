@@ -59,12 +59,12 @@ from sgl_kvtier.keys import PageKey
 from sgl_kvtier.policy.cost_inputs import CostPolicy, ReadPath
 from sgl_kvtier.sglang import plugins, release
 from sgl_kvtier.sglang.host_pages import check_indices
+from sgl_kvtier.sglang.host_shard import HostShard
+from sgl_kvtier.sglang.host_shards import KV, HostShards
 from sgl_kvtier.sglang.page_keys import keys_or_none, keys_until_invalid, parent_of, prefix_keys, warm_page_hash
-from sgl_kvtier.sglang.pool_tier import PoolTier
 from sgl_kvtier.sglang.settings import store_config
-from sgl_kvtier.sglang.sidecars import exists_v2
+from sgl_kvtier.sglang.side_pools import exists_v2
 from sgl_kvtier.sglang.stats import TransferStats
-from sgl_kvtier.sglang.tiers import KV, PoolTiers
 from sgl_kvtier.store.lifecycle import Failure, handed_on, weak_method
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.prometheus import PrometheusFeed
@@ -110,7 +110,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         self.storage_config = storage_config
         self.config = store_config(storage_config.extra_config)
         self.writer = release.writer_of(storage_config)
-        self.pools = PoolTiers(storage_config, self.config, self.writer)
+        self.host_shards = HostShards(storage_config, self.config, self.writer)
         self.stats = TransferStats(enabled=True)
         self.boundary = ErrorBoundary(log, EXPECTED_ERRORS)
         # (parts call back weakly: no reference cycle, store.lifecycle; a closed backend goes by refcounting alone)
@@ -124,14 +124,14 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
                  list(self.config.devices))
 
     @property
-    def tiers(self) -> dict[str, PoolTier]:
-        """The served pools' tiers by pool name (``kv`` the KV pool's)."""
-        return self.pools.by_name
+    def shards(self) -> dict[str, HostShard]:
+        """The shard serving each registered host pool, by pool name (``kv``: the KV pool's)."""
+        return self.host_shards.by_name
 
     @property
-    def kv(self) -> PoolTier | None:
+    def kv(self) -> HostShard | None:
         """The KV pool's tier (None before ``register_mem_pool_host`` and after ``close``)."""
-        return self.pools.kv
+        return self.host_shards.kv
 
     # ------------------------------------------------------------------ registration (errors stop start-up)
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -139,7 +139,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         devices it waits for the others), under its final share of the capacity once every side pool is
         known (``on_host_pools_registered``)."""
         super().register_mem_pool_host(mem_pool_host)
-        self.pools.register(KV, mem_pool_host, open_now=True)
+        self.host_shards.register(KV, mem_pool_host, open_now=True)
         self._say_streaming()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -147,15 +147,15 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         tier), or refused with ``UnservedPoolError`` naming it. A pool registered after the shards opened
         reopens them under new capacity shares."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self.pools.register(str(getattr(host_pool_name, "value", host_pool_name)), host_pool)
+        self.host_shards.register(str(getattr(host_pool_name, "value", host_pool_name)), host_pool)
 
     def on_host_pools_registered(self) -> None:
         """All pools are known: open every tier's shard under its share of the capacity. (SGLang 0.5.23 calls
-        it; 0.5.22 does not, and the first call that needs a store opens them, ``PoolTiers.ready``.)"""
+        it; 0.5.22 does not, and the first call that needs a store opens them, ``HostShards.ready``.)"""
         parent = getattr(super(), "on_host_pools_registered", None)  # new in SGLang 0.5.23
         if parent is not None:
             parent()
-        self.pools.open_all()
+        self.host_shards.open_all()
         self._say_streaming()
 
     # ------------------------------------------------------------------ extensions
@@ -260,7 +260,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """The usable KV prefix given every side pool's hit policy (see ``sidecars``)."""
         def exists() -> PoolTransferResult:
-            return exists_v2(self._kv(), self.tiers, keys_until_invalid(keys), pool_transfers or [])
+            return exists_v2(self._kv(), self.shards, keys_until_invalid(keys), pool_transfers or [])
 
         return self._guarded("batch_exists_v2", exists, PoolTransferResult.empty)
 
@@ -278,8 +278,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         keys = list(t.keys or [])
 
         def move() -> list[bool]:
-            self.pools.ready()
-            tier = self.tiers.get(str(getattr(t.name, "value", t.name)))
+            self.host_shards.ready()
+            tier = self.shards.get(str(getattr(t.name, "value", t.name)))
             if tier is None:
                 raise KVTierError(f"no host pool {t.name!r} registered")
             if not write:
@@ -294,8 +294,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     def clear(self) -> None:
         """Drop every page of every shard this rank writes."""
         def drop() -> None:
-            self.pools.ready()
-            for tier in list(self.tiers.values()):
+            self.host_shards.ready()
+            for tier in list(self.shards.values()):
                 self._guarded("clear", tier.clear, lambda: None)  # each shard whatever the others raise
 
         self._guarded("clear", drop, lambda: None)
@@ -314,7 +314,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         the prefill model, the policy switch, the boundary's counters, the rank labels, and its streamed
         tails when it streams."""
         cfg = self.storage_config
-        tiers = list(self.tiers.values())
+        tiers = list(self.shards.values())
         return TelemetrySnapshot(
             ranks=RankLabels(int(cfg.tp_rank or 0), int(cfg.pp_rank or 0), int(cfg.dp_rank or 0)),
             pools=tuple(t.snapshot() for t in tiers), prefill=self.cost.prefill.snapshot(),
@@ -345,7 +345,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
                 self.boundary.fail("close (extension)", exc, outcome="the stores closed anyway")
         for held in ("mem_pool_host", "registered_pools"):  # HiCacheStorage's own references to the host pools
             self.__dict__.pop(held, None)
-        failures = self.pools.close()
+        failures = self.host_shards.close()
         if failures:  # handed on, not kept here: this frame is in their tracebacks (lifecycle.handed_on)
             self._report_close(handed_on(failures))
 
@@ -369,8 +369,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             return None
         return ReadPath(tier.pages.page_tokens, tier.pages.page_bytes, model)
 
-    def _kv(self) -> PoolTier:
-        self.pools.ready()
+    def _kv(self) -> HostShard:
+        self.host_shards.ready()
         kv = self.kv
         if kv is None:
             raise KVTierError("no KV host pool registered (or the backend is closed)")

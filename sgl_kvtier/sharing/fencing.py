@@ -1,6 +1,6 @@
 """A pool's own writer (``sharing.pool``): its store, its quota loop, its fence, and its re-registration.
 
-``OwnWriter`` holds the pool's current own ``PageStore`` and the ``QuotaLoop`` on it (both on the pool's one
+``RejoiningWriter`` holds the pool's current own ``PageStore`` and the ``QuotaLoop`` on it (both on the pool's one
 ``liveness.LeaseWatch``). Under ``sharing = "cluster"`` it also arms each own store's fence:
 
   * Every lease beat first reads the own ``FENCE`` (``liveness.OwnFence`` through ``Lease.fence_check``).
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 REREGISTER_TRIES = 8  # fresh directories claimed in a row that turn out fenced too (then: tried later)
 
 
-class OwnWriter:
+class RejoiningWriter:
     """The pool's own writer (see the module docstring). ``store`` and ``quota`` are replaced, never
     mutated: a caller reading them once works on one consistent store."""
 

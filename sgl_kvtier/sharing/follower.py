@@ -53,7 +53,7 @@ from typing import Any
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import CorruptRecordError, DeviceError
 from sgl_kvtier.io.engine import IOEngine
-from sgl_kvtier.io.files import POSIX, FileView
+from sgl_kvtier.io.file_view import POSIX, FileView
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.sharing import sites
 from sgl_kvtier.sharing.writers import writer_dirs

@@ -54,7 +54,7 @@ from sgl_kvtier.errors import DeviceError, KVTierError, StoreClosedError
 from sgl_kvtier.io.buffers import Run
 from sgl_kvtier.io.engine import IOEngine
 from sgl_kvtier.keys import Namespace, PageKey
-from sgl_kvtier.sharing.fencing import OwnWriter
+from sgl_kvtier.sharing.fencing import RejoiningWriter
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.liveness import Judged, LeaseWatch, Verdict
 from sgl_kvtier.sharing.peers import InUse, Peers
@@ -98,7 +98,7 @@ class SharedPool(PoolReads, ClosedOnExit):
         self._followed = Peers(config, namespace, ns_meta, shared, self._watch, self._in_use, clock,
                                weak_method(self._own_wid, None), weak_method(self._touched, None), engine)
         self._closed = False
-        self._writer = None if own is None else OwnWriter(own, ns_meta, self._watch, self._in_use,
+        self._writer = None if own is None else RejoiningWriter(own, ns_meta, self._watch, self._in_use,
                                                            weak_method(self._leased_peer_bytes, 0), shared, clock)
 
     @property

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from sgl_kvtier.errors import CorruptRecordError
-from sgl_kvtier.io.files import POSIX, FileView
+from sgl_kvtier.io.file_view import POSIX, FileView
 from sgl_kvtier.keys import KEY_BYTES, PageKey
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.parts import Checksum, pack_sums

@@ -4,7 +4,7 @@ lease and config go, and how it reads them back.
 Two kinds (``writer_meta`` picks the layout's):
   * ``DirMeta``: a writer directory ``w-<wid>/`` on a filesystem (``store.format``): ``journal_write.Journal``
     files, the checkpoint replaced by tmp + rename (``journal_write.replace_checkpoint``, which deletes the
-    journals it covers), ``LEASE`` / ``CONFIG`` files; read back with plain syscalls (``io.files.POSIX``).
+    journals it covers), ``LEASE`` / ``CONFIG`` files; read back with plain syscalls (``io.file_view.POSIX``).
   * ``region_meta.RegionFiles``: a writer's region of a shared raw pool (its areas on the device, O_DIRECT);
     it is its own ``view``.
 ``PageStore`` writes its meta only through one (``open_journal``, ``may_rotate``, ``write_checkpoint``,
@@ -22,7 +22,7 @@ from typing import Protocol
 import msgpack
 
 from sgl_kvtier.config import StoreConfig
-from sgl_kvtier.io.files import POSIX, FileView
+from sgl_kvtier.io.file_view import POSIX, FileView
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import journal_write as jw
 from sgl_kvtier.store.devices import write_file_atomic

@@ -59,9 +59,9 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
         self.seq = self._buffer_swa_seq(min_pages=4)
         self.expected = self._l3_produce(self.storage_dir, self.seq, marker=11)
         self.first = self.backend(self._holders[self.storage_dir])
-        self.assertEqual(set(self.first.tiers), {"kv", "swa"})
-        self.metas = [t.store.layout.meta for t in self.first.tiers.values()]
-        self.stored = {name: len(t.store) for name, t in self.first.tiers.items()}
+        self.assertEqual(set(self.first.shards), {"kv", "swa"})
+        self.metas = [t.store.layout.meta for t in self.first.shards.values()]
+        self.stored = {name: len(t.store) for name, t in self.first.shards.items()}
         self.faults_off: list[Callable[[], None]] = []
 
     def detach_failing(self, first: str, *also: str) -> list[logging.LogRecord]:
@@ -78,7 +78,7 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
         self.assertTrue(reported.getMessage().startswith(f"kvtier close ({first}) failed"), reported.getMessage())
         warned = [r.getMessage() for r in records if "also failed" in r.getMessage()]
         self.assertEqual([w.split(" also failed")[0] for w in warned], [f"kvtier close: {s}" for s in also])
-        self.assertEqual((self.first.tiers, self.first.kv), ({}, None))
+        self.assertEqual((self.first.shards, self.first.kv), ({}, None))
         self.assertEqual(open_fds_under(self.storage_dir), {}, "descriptors of the store left open")
         self.assertEqual(kvtier_threads() - self.threads_before, set(), "kvtier threads left running")
         self.assertTrue(all(lock_free_elsewhere(meta) for meta in self.metas), "a writer lock is still held")
@@ -90,7 +90,7 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
         cons, allocator, _ = self._l3_consumer(self.storage_dir)  # a new KVTierStorage, same directory
         again = self.backend(cons)
         self.assertIsNot(again, self.first)
-        self.assertEqual({name: len(t.store) for name, t in again.tiers.items()}, self.stored)
+        self.assertEqual({name: len(t.store) for name, t in again.shards.items()}, self.stored)
         hashes = get_storage_hash_str(self.seq, None, page_size=self.cfg.page_size)
         self.assertEqual(self._storage_exists_count(cons, hashes), len(hashes))
         handle = CacheRequestHandle("reattached", 0)
@@ -104,7 +104,7 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
 
     def failing_checkpoint(self, pool: str) -> OSFaults:
         """The pool's next checkpoint cannot be written (ENOSPC): its store close raises StoreCloseError."""
-        meta = self.first.tiers[pool].store.layout.meta
+        meta = self.first.shards[pool].store.layout.meta
         faults = OSFaults(errno.ENOSPC, {"write"}, f"{meta}/checkpoint")
         patcher = mock.patch.object(devices, "os", faults)
         patcher.start()
@@ -128,7 +128,7 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
         self._store_close_error("swa")
 
     def _store_close_os_error(self, pool: str) -> None:
-        store = self.first.tiers[pool].store
+        store = self.first.shards[pool].store
         store.close = then_raise(store.close, OSError(errno.EIO, "injected EIO closing the store"))
         records = self.detach_failing(f"pool {pool}")
         self.assertTrue(any("OSError" in r.getMessage() and "EIO" in r.getMessage() for r in records))
@@ -141,7 +141,7 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
         self._store_close_os_error("swa")
 
     def _read_ahead_close_raises(self, pool: str) -> None:
-        stage = self.first.tiers[pool].readahead
+        stage = self.first.shards[pool].readahead
         self.assertIsNotNone(stage)
         stage.close = then_raise(stage.close, RuntimeError("injected read-ahead failure"))
         records = self.detach_failing(f"pool {pool}")
@@ -156,7 +156,7 @@ class TestDetachReleasesEverything(KVTierKit, unittest.TestCase):
 
     def test_every_tier_fails_the_first_is_reported_the_other_noted(self):
         self.failing_checkpoint("kv")
-        stage = self.first.tiers["swa"].readahead
+        stage = self.first.shards["swa"].readahead
         stage.close = then_raise(stage.close, RuntimeError("injected read-ahead failure"))
         records = self.detach_failing("pool kv", "pool swa")
         [reported] = [r for r in records if r.getMessage().startswith("kvtier close (")]

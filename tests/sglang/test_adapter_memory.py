@@ -125,7 +125,7 @@ def test_a_closed_backend_still_held_keeps_no_host_pool(tmp_path: Path) -> None:
         del pool
         assert held() is None, "the closed backend kept its host pool"
         backend.close()  # idempotent, holding nothing
-        assert backend.kv is None and backend.tiers == {}
+        assert backend.kv is None and backend.shards == {}
 
 
 def test_a_backend_whose_close_fails_is_gone_at_once_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,7 +135,7 @@ def test_a_backend_whose_close_fails_is_gone_at_once_too(tmp_path: Path, monkeyp
         pool = mha_host_pool("layer_first")
         backend = make_backend(tmp_path, pool)
         assert backend.batch_set_v1(chain_keys(2), slots([1, 2])) == [True, True]
-        faults = OSFaults(errno.ENOSPC, {"write"}, f"{backend.tiers['kv'].store.layout.meta}/checkpoint")
+        faults = OSFaults(errno.ENOSPC, {"write"}, f"{backend.shards['kv'].store.layout.meta}/checkpoint")
         monkeypatch.setattr(devices, "os", faults)
         backend.close()
         monkeypatch.undo()
@@ -159,7 +159,7 @@ class TestDetachedBackendsGoAtOnce(KVTierKit, unittest.TestCase):
 
     def _detach_is_final(self, storage_dir: str) -> None:
         backend = self.backend(self._holders[storage_dir])
-        self.assertEqual(set(backend.tiers), {"kv", "swa"})
+        self.assertEqual(set(backend.shards), {"kv", "swa"})
         gone = weakref.ref(backend)
         del backend
         self._hand_over(storage_dir)  # SGLang's detach_storage_backend: it stops its threads, closes ours

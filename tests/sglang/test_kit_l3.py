@@ -99,14 +99,14 @@ class L3Scenarios(KVTierKit):
         cons, _, _ = self._l3_consumer(storage_dir)
         backend = self.backend(cons)
         registered = {str(e.name.value) for e in cons.cache_controller.mem_pool_host.entries}
-        self.assertEqual(set(backend.tiers), registered)
+        self.assertEqual(set(backend.shards), registered)
         self.assertEqual(registered, {"kv", "swa"} if self.cfg.has_swa else {"kv"})
-        capacity = {name: t.store.stats().capacity_bytes for name, t in backend.tiers.items()}
+        capacity = {name: t.store.stats().capacity_bytes for name, t in backend.shards.items()}
         self.assertLessEqual(sum(capacity.values()), LIMIT)
-        slots = {name: slot_bytes(t.namespace) for name, t in backend.tiers.items()}
+        slots = {name: slot_bytes(t.namespace) for name, t in backend.shards.items()}
         pages = LIMIT // sum(slots.values())  # the split: room for as many pages in every pool, one device
         self.assertEqual(capacity, {name: pages * slot for name, slot in slots.items()})
-        self.assertTrue(all(len(t.store) > 0 for t in backend.tiers.values()), "a pool's pages never reached L3")
+        self.assertTrue(all(len(t.store) > 0 for t in backend.shards.values()), "a pool's pages never reached L3")
 
     # ------------------------------------------------------------------ prefetch corruption
     def test_a_page_damaged_on_flash_is_a_miss_never_garbage(self):
@@ -183,10 +183,10 @@ class L3Scenarios(KVTierKit):
         hashes = self._all_page_hashes(cache, leaf)
         self.assertEqual(hashes, self._hashes(full))
         self.assertEqual(self._storage_exists_count(cache, hashes), len(hashes))
-        metas = [t.store.layout.meta for t in first.tiers.values()]
+        metas = [t.store.layout.meta for t in first.shards.values()]
 
         self._hand_over(storage_dir)  # DELETE /hicache/storage-backend
-        self.assertEqual((first.tiers, first.kv), ({}, None))
+        self.assertEqual((first.shards, first.kv), ({}, None))
         self.assertEqual(open_fds_under(storage_dir), {})
         self.assertTrue(all(lock_free_elsewhere(meta) for meta in metas), "a writer lock outlived the detach")
         cache.reset()  # /flush_cache: L1 and L2 dropped, L3 kept

@@ -24,7 +24,7 @@ from sgl_kvtier.media.shared_raw.superblock import format_pool, superblock_of  #
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
 from sgl_kvtier.sglang import capacity as capacity_module  # noqa: E402
 from sgl_kvtier.sglang.capacity import slot_bytes  # noqa: E402
-from sgl_kvtier.sglang.tiers import UnservedPoolError  # noqa: E402
+from sgl_kvtier.sglang.host_shards import UnservedPoolError  # noqa: E402
 from sgl_kvtier.store.format import BLOCK_HEADER_BYTES  # noqa: E402
 
 LIMIT = 64 << 20
@@ -46,7 +46,7 @@ def register(backend, kv, **side) -> None:
 
 
 def capacities(backend) -> dict[str, int]:
-    return {name: t.store.stats().capacity_bytes for name, t in backend.tiers.items()}
+    return {name: t.store.stats().capacity_bytes for name, t in backend.shards.items()}
 
 
 def side_pools():
@@ -60,7 +60,7 @@ def test_the_kv_pool_registered_again_through_v2_is_the_kv_tier(tmp_path):
     fill_random(kv, seed=31)
     backend = new_backend([tmp_path])
     register(backend, kv)
-    assert set(backend.tiers) == {"kv"} and backend.tiers["kv"].pages.pool is kv
+    assert set(backend.shards) == {"kv"} and backend.shards["kv"].pages.pool is kv
     keys = chain_keys(3)
     assert backend.batch_set_v1(keys, slots([1, 2, 3])) == [True] * 3
     assert backend.batch_exists(keys) == 3
@@ -71,7 +71,7 @@ def assert_nothing_held(root, backend, metas, threads_before) -> None:
     assert open_fds_under(root) == {}
     assert kvtier_threads() - threads_before == set()
     assert all(lock_free_elsewhere(meta) for meta in metas)
-    assert backend.tiers == {} and backend.kv is None
+    assert backend.shards == {} and backend.kv is None
 
 
 @pytest.mark.parametrize("when", ["at start-up", "late"])
@@ -126,7 +126,7 @@ def test_side_pools_share_the_configured_capacity(tmp_path, ndev):
     register(backend, kv, **side)
     held = capacities(backend)
     assert set(held) == {"kv", "swa", "draft"}
-    slot = {name: slot_bytes(t.namespace) for name, t in backend.tiers.items()}
+    slot = {name: slot_bytes(t.namespace) for name, t in backend.shards.items()}
     pages = LIMIT // (ndev * sum(slot.values()))  # per device: as many pages of every pool
     assert held == {name: pages * ndev * s for name, s in slot.items()}
     assert LIMIT - ndev * sum(slot.values()) < sum(held.values()) <= LIMIT
@@ -152,7 +152,7 @@ def test_the_free_space_default_is_one_limit_for_all_pools(tmp_path, monkeypatch
     held = capacities(backend)
     limit = int(free * capacity_module.FREE_SPACE_SHARE)
     assert sum(held.values()) <= limit
-    assert len({n // slot_bytes(t.namespace) for n, t in zip(held.values(), backend.tiers.values())}) == 1
+    assert len({n // slot_bytes(t.namespace) for n, t in zip(held.values(), backend.shards.values())}) == 1
     backend.close()
 
 

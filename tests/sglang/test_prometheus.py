@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from sgl_kvtier.policy.cost_inputs import ENV_POLICY, PrefillSampler  # noqa: E402
 from sgl_kvtier.policy.cost_model import DeviceModel, PrefillEstimator  # noqa: E402
 from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
-from sgl_kvtier.sglang.pool_tier import WritersGone  # noqa: E402
+from sgl_kvtier.sglang.host_shard import WritersGone  # noqa: E402
 from sgl_kvtier.telemetry import prometheus  # noqa: E402
 from sgl_kvtier.telemetry.snapshot import SHARING_COUNTERS, WriterSnapshot, WriterState  # noqa: E402
 

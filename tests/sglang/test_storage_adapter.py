@@ -290,7 +290,7 @@ def test_v2_side_pools_and_hit_policies(tmp_path):
     backend.register_mem_host_pool_v2(kv, PoolName.KV)
     backend.register_mem_host_pool_v2(side, PoolName.DRAFT)
     backend.on_host_pools_registered()
-    assert backend.tiers["draft"].namespace.layout.startswith("draft/")
+    assert backend.shards["draft"].namespace.layout.startswith("draft/")
     keys = chain_keys(6)
     assert backend.batch_set_v1(keys, slots([0, 1, 2, 3, 4, 5])) == [True] * 6
     # The side pool holds pages 0-2 and 5 (say, a trailing window), not 3-4.

@@ -71,7 +71,7 @@ def test_a_bug_in_the_store_is_a_miss_counted_and_logged_with_its_traceback(tmp_
     def bug(*args, **kwargs):
         raise TypeError(message)
 
-    monkeypatch.setattr(backend.tiers["draft" if call.endswith("_v2") else "kv"].store, broken, bug)
+    monkeypatch.setattr(backend.shards["draft" if call.endswith("_v2") else "kv"].store, broken, bug)
     with caplog.at_level(logging.ERROR, logger="sgl_kvtier"):
         assert sglang_calls(backend, keys) == miss
     assert backend.telemetry().boundary == BoundaryCounts(expected=0, unexpected=1)
@@ -101,7 +101,7 @@ def test_get_stats_and_close_never_raise(tmp_path, monkeypatch, caplog):
         backend.close()
     assert backend.boundary.counts() == BoundaryCounts(expected=0, unexpected=2)
     assert [r.exc_info[0] for r in caplog.records if "injected bug" in r.getMessage()] == [KeyError, KeyError]
-    assert backend.tiers == {} and backend.kv is None
+    assert backend.shards == {} and backend.kv is None
 
 
 def test_a_bug_in_the_store_reaches_sglangs_threads_as_a_miss(tmp_path, single_rank, monkeypatch, caplog):

@@ -51,12 +51,12 @@ from sgl_kvtier.experiments.cost_policy import plugin as prefetch  # noqa: E402
 from sgl_kvtier.experiments.streaming.backend_side import require_side
 from sgl_kvtier.experiments.streaming.contract import TailState  # noqa: E402
 from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit
+from sgl_kvtier.experiments.streaming.hooks import batch_marks as batch_marks  # noqa: E402
 from sgl_kvtier.experiments.streaming.hooks import copy as stream_copy
 from sgl_kvtier.experiments.streaming.hooks import core as stream_core
 from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
 from sgl_kvtier.experiments.streaming.hooks import sample as stream_sample
 from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
-from sgl_kvtier.experiments.streaming.hooks import stall_marks  # noqa: E402
 from sgl_kvtier.keys import parse_keys  # noqa: E402
 from sgl_kvtier.policy import cost_inputs  # noqa: E402
 from sgl_kvtier.telemetry import prometheus  # noqa: E402
@@ -232,16 +232,16 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     assert sampler.model().time(1000, 0) == pytest.approx(1.0, rel=1e-6)
     stream_sample.record_prefill(None, scheduler, batch("DECODE", 1, 0.5, 90))
     stalled = batch("EXTEND", 300, 9.0, 91)  # its forward waited on a tail group: compute + stall
-    stall_marks.note_batch(scheduler, stalled, waits=2, seconds=8.7, tail_bytes=1 << 20)
+    batch_marks.note_batch(scheduler, stalled, waits=2, seconds=8.7, tail_bytes=1 << 20)
     stream_sample.record_prefill(None, scheduler, stalled.copy())  # the overlap loop processes a copy
-    assert sampler.estimator.samples == 4 and not scheduler.__dict__[stall_marks.MARKS_ATTR]  # mark taken
+    assert sampler.estimator.samples == 4 and not scheduler.__dict__[batch_marks.MARKS_ATTR]  # mark taken
     costs = require_side(env.backend).stream_costs
     assert costs.snapshot().interference_samples == 0  # a stalled forward is no sample of either kind
     stream_sample.record_prefill(None, scheduler, batch("MIXED", 200, 0.2, 92))
     assert sampler.estimator.samples == 5
     for i, mb in enumerate((1, 2)):  # ran beside 1 / 2 MB of tails, never waited: 0.1 s / 0.2 s over the model
         streamed = batch("EXTEND", 300, 0.3 + 0.1 * mb, 95 + i)
-        stall_marks.note_batch(scheduler, streamed, waits=0, seconds=0.0, tail_bytes=mb * 1_000_000)
+        batch_marks.note_batch(scheduler, streamed, waits=0, seconds=0.0, tail_bytes=mb * 1_000_000)
         stream_sample.record_prefill(None, scheduler, streamed)
     assert sampler.estimator.samples == 5  # compute + interference: not a prefill sample
     assert costs.interference_s_per_byte(sampler.model().batch_time) == pytest.approx(0.1 / 1e6, rel=1e-6)  # k
@@ -251,7 +251,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
         hook(None, scheduler, batch("EXTEND", 400, 0.4, 93))
     assert sampler.estimator.samples == 6  # one sample, not two
     stalled = batch("EXTEND", 500, 9.0, 94)
-    stall_marks.note_batch(scheduler, stalled, waits=1, seconds=8.5, tail_bytes=1 << 20)
+    batch_marks.note_batch(scheduler, stalled, waits=1, seconds=8.5, tail_bytes=1 << 20)
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
         hook(None, scheduler, stalled)
     assert sampler.estimator.samples == 6  # the cost plugin's hook skips a stalled batch too
@@ -262,7 +262,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
 def test_hits_the_rule_decided_are_timed_to_their_first_token(sampled) -> None:
     """The bind rule's measured comparison: a hit's op start to the handled result of the batch that gave its
     request's first token is a sample of its path when the batch was that request alone and ran as its path
-    says; any other batch drops it (``stall_marks.first_tokens``)."""
+    says; any other batch drops it (``batch_marks.first_tokens``)."""
     from sgl_kvtier.experiments.streaming.rules.bind import BindVerdict
 
     env = sampled
@@ -277,7 +277,7 @@ def test_hits_the_rule_decided_are_timed_to_their_first_token(sampled) -> None:
         b = ScheduleBatch(reqs=reqs, forward_mode=ForwardMode.EXTEND, extend_lens=[64] * len(reqs),
                           prefix_lens=[1536] * len(reqs), launch_ts=T0 - 0.3)
         b.forward_iter = forward_iter
-        stall_marks.note_batch(scheduler, b, waits=waits, seconds=0.1 * waits, tail_bytes=tails, failed=failed)
+        batch_marks.note_batch(scheduler, b, waits=waits, seconds=0.1 * waits, tail_bytes=tails, failed=failed)
         stream_sample.record_prefill(None, scheduler, b)
         assert costs.timing(rid) is None  # sampled or dropped, never left pending
 

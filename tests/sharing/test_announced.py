@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from support import HostMemory, key, namespace, store_config
 
-from sgl_kvtier.io.files import PosixView
+from sgl_kvtier.io.file_view import PosixView
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.pool import SharedPool

@@ -17,7 +17,7 @@ from test_announced import PAGE, Pages, beat, cluster_config, peer_of
 
 from sgl_kvtier.errors import DeviceError
 from sgl_kvtier.io.engine import ThreadPoolEngine
-from sgl_kvtier.io.files import POSIX
+from sgl_kvtier.io.file_view import POSIX
 from sgl_kvtier.io.stale import StaleFiles, StaleSlotEngine
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sharing.follower import SUSPECT_TRIES, PageReader, reading_through

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvtier.experiments.streaming.backend_side import require_side, side_of
-from sgl_kvtier.experiments.streaming.hooks import stall_marks
+from sgl_kvtier.experiments.streaming.hooks import batch_marks as batch_marks
 from sgl_kvtier.policy.cost_inputs import PolicyMode
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
 from sgl_kvtier.sglang.plugins import HookSpec, register_all
@@ -142,14 +142,14 @@ def request_state(operation: Any, page_tokens: int, page_bytes: int, now: float)
 def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on ``Scheduler.process_batch_result``: one prefill sample per extend batch, into the
     prefill sampler of the backend behind ``scheduler.tree_cache``. A batch that ran with streamed tails
-    (``stall_marks``) is no prefill sample: stalled, none at all; else the bind rule's interference sample."""
+    (``batch_marks``) is no prefill sample: stalled, none at all; else the bind rule's interference sample."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     if not isinstance(batch, ScheduleBatch) or batch.forward_mode is None or batch.launch_ts is None:
         return
     if batch.forward_mode.name not in PREFILL_MODES or not batch.extend_lens:
         return
-    mark = stall_marks.take(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
+    mark = batch_marks.take(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
     backend = backend_of(getattr(scheduler, "tree_cache", None))
     if backend is None:
         return
@@ -157,7 +157,7 @@ def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, *
     side = side_of(backend)  # the stream plugin's side of this backend (None: the plugin is off)
     try:  # the bind rule's end-to-end hit samples end here, stalled batches included (a stall is the path's cost)
         if side is not None:
-            stall_marks.first_tokens(side.stream_costs, batch, mark, now)
+            batch_marks.first_tokens(side.stream_costs, batch, mark, now)
     except Exception as exc:
         backend.boundary.fail("bind rule hit timing", exc, outcome="sample skipped")
     if mark is not None and mark.stalled:  # compute + a wait on streamed tails: fitted, it would be "compute"

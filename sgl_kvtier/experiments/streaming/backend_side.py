@@ -41,7 +41,7 @@ class StreamingSide:
 
     def __init__(self, backend: KVTierStorage) -> None:
         me = weakref.ref(backend)
-        pools = backend.pools
+        pools = backend.host_shards
         self._backend = me
         self.stream_costs = StreamCosts()  # the bind rule's learned figures (``rules.bind``)
         self.binder = StreamBinder(lambda: pools.kv, lambda: bool((b := me()) and side_enabled(b)), backend.boundary)
@@ -53,7 +53,7 @@ class StreamingSide:
         """``streaming = "on"`` and the KV pool's pages stream in layer groups (``binding.why_not_streaming``)."""
         backend = self._backend()
         return backend is not None and backend.config.streaming is Streaming.ON and \
-            why_not_streaming(backend.kv, backend.tiers) is None
+            why_not_streaming(backend.kv, backend.shards) is None
 
     def answer(self, keys: Sequence[PageKey | None], host_indices: torch.Tensor) -> list[bool] | None:
         """Bound slots: the stream's head at once (``StreamBinder.answer``); None: not bound, read them."""
@@ -64,7 +64,7 @@ class StreamingSide:
         backend = self._backend()
         if self._said or backend is None or backend.config.streaming is not Streaming.ON or backend.kv is None:
             return
-        why = why_not_streaming(backend.kv, backend.tiers)
+        why = why_not_streaming(backend.kv, backend.shards)
         if why:
             self._said = True
             log.warning("kvtier: streaming = \"on\" but L3 hits will load whole, as with \"off\": %s", why)

@@ -42,7 +42,7 @@ from sgl_kvtier.experiments.streaming.tail_stream import Observer, TailStream
 from sgl_kvtier.io.threads import io_thread_started
 from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sglang.host_pages import Access, check_indices
-from sgl_kvtier.sglang.pool_tier import PoolTier
+from sgl_kvtier.sglang.host_shard import HostShard
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ MAX_STREAMS = 2  # streams reading at once (executor threads); later ones queue
 WAIT_S = 10.0  # bound on waiting for a cancelled stream to end (bug paths and close)
 
 
-def why_not_streaming(kv: PoolTier | None, tiers: Mapping[str, PoolTier]) -> str | None:
+def why_not_streaming(kv: HostShard | None, tiers: Mapping[str, HostShard]) -> str | None:
     """Why a backend with ``streaming = "on"`` cannot stream its KV pool's hits (None: it can): the pool's
     pages must stream in layer groups (``HostPages.plan``), move zero-copy, be stored as those groups'
     checksummed parts, and be the only pool served (no side pools)."""
@@ -97,7 +97,7 @@ class _Bound:
 class StreamBinder:
     """Bound hits of one backend by host page (module docstring)."""
 
-    def __init__(self, tier: Callable[[], PoolTier | None], enabled: Callable[[], bool], boundary: ErrorBoundary,
+    def __init__(self, tier: Callable[[], HostShard | None], enabled: Callable[[], bool], boundary: ErrorBoundary,
                  max_streams: int = MAX_STREAMS, wait_s: float = WAIT_S):
         self._tier = tier
         self._enabled = enabled

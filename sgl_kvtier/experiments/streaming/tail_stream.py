@@ -51,7 +51,7 @@ from sgl_kvtier.keys import PageKey
 from sgl_kvtier.prefetch.readahead import ReadAhead, StagedPage
 from sgl_kvtier.sglang.group_reads import read_layer_groups
 from sgl_kvtier.sglang.host_pages import check_indices
-from sgl_kvtier.sglang.pool_tier import PoolTier
+from sgl_kvtier.sglang.host_shard import HostShard
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 Observer = Callable[["TailStream", int], None]  # (stream, group) on the stream's thread after g is recorded
@@ -77,7 +77,7 @@ class StreamSummary:
 class TailStream:
     """One bound hit streaming into its host slots (module docstring; implements ``contract.TailStream``)."""
 
-    def __init__(self, tier: PoolTier, keys: Sequence[PageKey], host_indices: torch.Tensor, executor: Executor,
+    def __init__(self, tier: HostShard, keys: Sequence[PageKey], host_indices: torch.Tensor, executor: Executor,
                  boundary: ErrorBoundary, observer: Observer | None = None,
                  on_end: Callable[[TailStream], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, cuts: Cuts | None = None):

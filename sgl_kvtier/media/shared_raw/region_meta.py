@@ -2,7 +2,7 @@
 ``store.format``, "Shared raw pool"), and the region's slots as an arena.
 
 ``RegionFiles`` is both sides of one writer's region on the pool's first device:
-  * a ``FileView`` (``io.files``) mapping a writer directory's names onto the areas, so recovery and
+  * a ``FileView`` (``io.file_view``) mapping a writer directory's names onto the areas, so recovery and
     following (``store.journal.recover`` / ``follow_announced``, ``sharing.follower.read_lease``) work
     unchanged: ``LEASE``, ``CONFIG``, ``HEADER``, ``checkpoint.bin`` (the newest valid checkpoint area),
     ``journal-<g>.log`` (area ``g % journals`` if it holds generation ``g``, presented as a journal file: the

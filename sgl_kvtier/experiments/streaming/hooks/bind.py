@@ -13,7 +13,7 @@ sees the op. Each hook leaves SGLang's original untouched unless ``core.active(c
   ``allocate_storage_hit`` runs in a drain after the op's storage query, so this has run by then.
 
 The bind rule's figures are learned here: a hit loaded whole, alone (``sample_whole``), SGLang's own load-backs
-(``sample_load_back``), and the forwards that ran with tails (the prefill samplers, ``stall_marks``). Testing only:
+(``sample_load_back``), and the forwards that ran with tails (the prefill samplers, ``batch_marks``). Testing only:
 ``KVTIER_TEST_STREAM_GATE=group0`` (read once at import) leaves the prefill model out: every hit the other
 conditions allow streams, and the gate's safe minimum admits it. Nothing raises into SGLang: a failure is counted
 on the backend's ``ErrorBoundary`` and the hit loads whole.
@@ -94,7 +94,7 @@ def bind_hit(result: Any, controller: Any, operation: Any, *args: Any, **kwargs:
         require_side(backend).bind_hit(list(operation.hash_value[:pages]), host_indices, cuts)
         STATS.bind_calls += 1
         kv = backend.kv
-        if decision is not None and kv is not None:  # the rule's choice: timed to its first token (stall_marks)
+        if decision is not None and kv is not None:  # the rule's choice: timed to its first token (batch_marks)
             require_side(backend).stream_costs.begin_hit(operation.handle.rid, BindVerdict.STREAM,
                                                          float(operation.start_time), pages * kv.pages.page_bytes)
 
@@ -180,7 +180,7 @@ def note_prompt(result: Any, cache: Any, request: Any, last_host_node_id: Any, n
 
 def sample_whole(cache: Any, operation: Any, tokens: int) -> None:
     """A hit the bind rule loaded whole, alone, landed (called by ``hooks.admit.register_tail``): its op's start to
-    now is a sample of W, and its request is timed on to its first token (``stall_marks.first_tokens``)."""
+    now is a sample of W, and its request is timed on to its first token (``batch_marks.first_tokens``)."""
     start = float(operation.start_time)
     _record(cache, "record_whole", tokens, _clock() - start)
     found = _costs_of(cache)

@@ -7,7 +7,7 @@
   load is in flight, block until it has done that layer, then SGLang's wait. Keyed on the layer alone, as the layer
   loader's gate; both may be on (each waits for its own loads, then calls the original).
 - **Verdict**, AFTER ``Scheduler.run_batch``: join the batch's loads (no copy outlives the forward's step), mark the
-  batch for the prefill samplers (``stall_marks``), then keep or retract each streamed request by a rank-agreed flag.
+  batch for the prefill samplers (``batch_marks``), then keep or retract each streamed request by a rank-agreed flag.
 
 Every hook is a pass-through unless a load of ours is in flight (gate, verdict) or streaming is on for the cache
 (start). Nothing raises into SGLang: failures are counted on the ``ErrorBoundary`` and end as poisoned tails (zeros,
@@ -25,9 +25,9 @@ from typing import Any
 
 from sgl_kvtier.experiments.streaming.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
+from sgl_kvtier.experiments.streaming.hooks import batch_marks as batch_marks
 from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind
 from sgl_kvtier.experiments.streaming.hooks import retract as stream_retract
-from sgl_kvtier.experiments.streaming.hooks import stall_marks
 from sgl_kvtier.experiments.streaming.hooks.copy import (
     StreamLoad,
     TailCopy,
@@ -204,7 +204,7 @@ def after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwarg
             blocked = [load.blocked() for load in loads]
             failed = any(tc.failed for tc in copies)
             waits = sum(w for w, _ in blocked) or int(failed)
-            stall_marks.note_batch(scheduler, batch, waits, sum(s for _, s in blocked),
+            batch_marks.note_batch(scheduler, batch, waits, sum(s for _, s in blocked),
                                    kv_bytes(scheduler.tree_cache, sum(tc.tail.tokens for tc in copies)), failed)
             verdict(scheduler, batch, loads)
     except Exception as exc:

@@ -6,7 +6,7 @@ without a model it falls back to its safe minimum. ``record_prefill`` (AFTER ``S
 calls ``cost_policy.plugin.record_prefill_timing`` for a batch when the cost policy plugin is not loaded in this
 process (if it is, its own hook samples every batch: a second call would count each batch twice), the batch is
 EXTEND or MIXED and streaming is active for ``scheduler.tree_cache``. That sampler leaves out a batch marked by
-``stall_marks`` (it ran with streamed tails): one that waited on a tail group is no sample, one that never waited
+``batch_marks`` (it ran with streamed tails): one that waited on a tail group is no sample, one that never waited
 is the bind rule's interference sample. Never raises into SGLang: a failure is counted on the backend's
 ``ErrorBoundary`` and the sample skipped.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sgl_kvtier.experiments.streaming.hooks import stall_marks
+from sgl_kvtier.experiments.streaming.hooks import batch_marks as batch_marks
 
 BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 
@@ -35,7 +35,7 @@ def record_prefill(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs
         from sgl_kvtier.experiments.streaming.hooks import core as stream_core
 
         if stream_core.active(cache) is None:
-            stall_marks.take(scheduler, batch)  # none lingers
+            batch_marks.take(scheduler, batch)  # none lingers
             return None
     except Exception as exc:
         from sgl_kvtier.experiments.streaming.hooks.core import boundary

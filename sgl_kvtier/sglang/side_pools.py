@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer, PoolTransferResult
 
 from sgl_kvtier.keys import PageKey
-from sgl_kvtier.sglang.pool_tier import PoolTier
+from sgl_kvtier.sglang.host_shard import HostShard
 
 
-def exists_v2(kv: PoolTier | None, tiers: Mapping[str, PoolTier], keys: Sequence[PageKey],
+def exists_v2(kv: HostShard | None, tiers: Mapping[str, HostShard], keys: Sequence[PageKey],
               transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
     """The usable hit of ``keys``: the stored KV prefix, cut to what every gating side pool can restore."""
     kv_pages = kv.longest_prefix(keys) if kv is not None else 0

@@ -71,7 +71,7 @@ _READAHEAD_FIELDS = tuple(f.name for f in dataclasses.fields(ReadAheadCounters))
 
 
 @dataclass
-class PoolTier:
+class HostShard:
     """One registered host pool, its shard's store (None while a reader's shard is not open) and read-ahead."""
 
     name: str
@@ -86,7 +86,7 @@ class PoolTier:
     _gone: WritersGone = field(default_factory=lambda: WritersGone(), repr=False)
 
     @classmethod
-    def bind(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> PoolTier:
+    def bind(cls, name: str, pages: HostPages, storage_config: Any, config: StoreConfig, writer: bool) -> HostShard:
         """``pages`` bound to its shard's namespace; nothing is opened yet (``open``)."""
         return cls(name, pages, namespace_for(storage_config, pages, name), config, writer)
 

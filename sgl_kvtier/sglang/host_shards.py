@@ -35,7 +35,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.sglang.capacity import backend_limit, split
 from sgl_kvtier.sglang.host_pages import HostPages
-from sgl_kvtier.sglang.pool_tier import PoolTier
+from sgl_kvtier.sglang.host_shard import HostShard
 from sgl_kvtier.store.devices import is_block_like
 from sgl_kvtier.store.lifecycle import Failure, abandon, run_steps
 
@@ -51,15 +51,15 @@ class UnservedPoolError(KVTierError):
         super().__init__(f"host pool {name!r} ({type(pool).__name__}) is not served: {why}")
 
 
-class PoolTiers:
+class HostShards:
     """The tiers of one backend by pool name (``kv`` the KV tier), their capacity split, open and close."""
 
     def __init__(self, storage_config: Any, config: StoreConfig, writer: bool):
         self.storage_config = storage_config
         self.config = config
         self.writer = writer
-        self.by_name: dict[str, PoolTier] = {}
-        self.kv: PoolTier | None = None
+        self.by_name: dict[str, HostShard] = {}
+        self.kv: HostShard | None = None
         self._lock = threading.RLock()
         self._opened = False  # every bound tier is open under its current share
         self._settled = False  # on_host_pools_registered came: a pool registered from now on opens at once
@@ -68,7 +68,7 @@ class PoolTiers:
         self._failed: str | None = None
 
     # ------------------------------------------------------------------ registration
-    def register(self, name: str, pool: Any, open_now: bool = False) -> PoolTier:
+    def register(self, name: str, pool: Any, open_now: bool = False) -> HostShard:
         """Serve ``pool`` under ``name``, or raise ``UnservedPoolError`` (see the module docstring); with
         ``open_now`` (or once the pools are settled) the tiers are opened under their shares before it
         returns, and their errors propagate."""
@@ -83,7 +83,7 @@ class PoolTiers:
                     name, pool, f"another pool ({type(known.pages.pool).__name__}) is registered under that "
                                 f"name and is the one served"))
             try:
-                tier = PoolTier.bind(name, HostPages.of(pool), self.storage_config, self.config, self.writer)
+                tier = HostShard.bind(name, HostPages.of(pool), self.storage_config, self.config, self.writer)
             except Exception as exc:
                 raise self._refuse(UnservedPoolError(name, pool, f"its pages cannot be described: {exc!r}")) from exc
             self.by_name[name] = tier
@@ -145,7 +145,7 @@ class PoolTiers:
             raise
         self._opened = True
 
-    def _shares(self, tiers: list[PoolTier]) -> tuple[int, list[StoreConfig]]:
+    def _shares(self, tiers: list[HostShard]) -> tuple[int, list[StoreConfig]]:
         """The backend's limit and each tier's config under its share (a reader's: as configured)."""
         if not self.writer:
             return 0, [self.config] * len(tiers)
@@ -167,7 +167,7 @@ class PoolTiers:
         return run_steps((f"pool {t.name}", t.close) for t in tiers)
 
 
-def _check_limit(tiers: list[PoolTier], limit: int) -> None:
+def _check_limit(tiers: list[HostShard], limit: int) -> None:
     held = {t.name: t.store.stats().capacity_bytes for t in tiers if t.store is not None}
     if sum(held.values()) > limit:
         each = ", ".join(f"{name} {n}" for name, n in held.items())
