@@ -1,30 +1,22 @@
-"""A pool's own writer (``sharing.pool``): its store, its quota loop, its fence, and its re-registration.
+"""A pool's own writer (``sharing.pool``): its store, its quota loop, its fence, and its re-registration
+(the protocol argument is in docs/sharing-protocol.md).
 
-``RejoiningWriter`` holds the pool's current own ``PageStore`` and the ``QuotaLoop`` on it (both on the pool's one
-``liveness.LeaseWatch``). Under ``sharing = "cluster"`` it also arms each own store's fence:
-
-  * Every lease beat first reads the own ``FENCE`` (``liveness.OwnFence`` through ``Lease.fence_check``).
-    Once a live writer of another host has retired this one (it was paused, or cut off, past
-    ``dead_after_s``: ``sharing.retire``), the lease stops and the store is ``fenced``: it writes nothing more
-    in that directory (its puts are refused without IO; the pool counts them as ``fenced_pages``).
-  * The next write call (``writable``) re-registers, under a lock: it claims a fresh writer directory
-    (``writers.claim_writer``: the lowest free ``k``; the fenced one's LOCK is still held, so it is skipped
-    while it exists) and opens a new own ``PageStore`` with a quota loop there, so the instance keeps
-    caching. The fenced store is closed (no checkpoint: its directory is being deleted) once no call uses
-    it (``peers.InUse``). Gets go on throughout; the fenced store's pages turn into misses. A failed open
-    is logged and tried again after PEER_RETRY_S; meanwhile puts are refused. Nothing raises into callers.
-  * A directory found fenced at open (a retirement still deleting it when this writer claimed its free
-    LOCK) is never written: it is fenced anew under this incarnation, so that every observer judges it
-    ``RETIRED`` and finishes the deletion, and another directory is claimed at once (up to
-    REREGISTER_TRIES in a row, each fenced one held meanwhile so that the claim moves past it).
-
-A shared raw pool (``host_index``) has no fences (no writer of another host retires one there): a store's
-lease checks instead that its host slot was not taken over by another machine (``PageStore.host_check``,
-``sharing.shared_raw_claim``); once it was, the store is fenced the same way, and re-registering is refused (logged,
-tried again later) while that machine beats.
-
-Closing reads the fence once more: a store retired since its last beat writes no checkpoint either.
-Under ``sharing = "host"`` (and "off") no fence is armed and the own store is never replaced.
+``RejoiningWriter`` holds the pool's current own ``PageStore`` and the ``QuotaLoop`` on it. Under
+``sharing = "cluster"`` it arms each own store's fence:
+  * Every lease beat first reads the own FENCE (``liveness.OwnFence`` through ``Lease.fence_check``). Once a
+    live writer of another host has retired this one (``sharing.retire``), the lease stops and the store is
+    ``fenced``: it writes nothing more there (puts refused without IO, counted as ``fenced_pages``).
+  * The next write call (``writable``) re-registers under a lock: a fresh writer directory through the site
+    (the fenced one's LOCK is still held, so the claim skips it) and a new store with its quota loop. The
+    fenced store is closed without a checkpoint once no call uses it (``peers.InUse``). Gets go on; a failed
+    open is retried after PEER_RETRY_S, puts refused meanwhile. Nothing raises into callers.
+  * A directory found fenced at open is never written: it is fenced anew under this incarnation (so every
+    observer judges it ``RETIRED`` and finishes the deletion) and another is claimed at once, up to
+    REREGISTER_TRIES in a row.
+On a shared raw pool (``host_index``) the lease checks instead that the host slot was not taken over
+(``PageStore.host_check``, ``sharing.shared_raw_claim``); re-registering is refused while that machine
+beats. Closing reads the fence once more (a store retired since its last beat writes no checkpoint). Under
+``sharing = "host"`` and "off" no fence is armed and the own store is never replaced.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ from sgl_kvtier.sharing.peers import PEER_RETRY_S, InUse
 from sgl_kvtier.sharing.quota_loop import QuotaLoop
 from sgl_kvtier.sharing.retire import write_fence
 from sgl_kvtier.sharing.sites import open_writer
-from sgl_kvtier.sharing.writers import host_id
+from sgl_kvtier.sharing.writers import WriterClaim, host_id
 from sgl_kvtier.store.lifecycle import Step
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.shard import SharedTelemetry
@@ -120,7 +112,8 @@ class RejoiningWriter:
             store.lease.on_fenced = partial(self._on_fenced, store)
             return
         try:
-            fence = OwnFence(store.claim.path, store.incarnation)  # made empty here where absent
+            lock_fd = store.claim.lock_fd if isinstance(store.claim, WriterClaim) else None
+            fence = OwnFence(store.claim.path, store.incarnation, lock_fd)  # made empty here where absent
         except OSError as exc:
             self._errlog.error("%s: cannot open its FENCE (fencing off for it): %r", store.claim.path, exc)
             return

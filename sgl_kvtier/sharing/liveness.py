@@ -1,40 +1,23 @@
-"""Who is alive: one verdict per writer directory of a namespace, for the pool, the quota and ``inspect``.
+"""Who is alive: one verdict per writer directory of a namespace, for the pool, the quota and ``inspect``
+(the protocol argument is in docs/sharing-protocol.md).
 
-A ``LeaseWatch`` belongs to one observer process and remembers, per writer, when that writer's lease mark
-``(counter, incarnation)`` last changed ON THE OBSERVER'S OWN MONOTONIC CLOCK. No clock of another host
-is ever compared with ours (file mtimes and the lease's own times are never used for a verdict).
-
-Verdicts (``Verdict``), first rule that applies:
-  1. ``RETIRED`` (``sharing = "cluster"`` only; no other mode writes fences, so none is read there): the
-     directory's ``FENCE`` names the incarnation of its last lease (or there is no lease): a live writer of
-     another host retired it (``sharing.retire``); its files are going. Never read from again.
-  2. Same host (no lease yet, or the lease's ``host_id`` is this host's and its ``boot_id`` this boot's):
-     the ``LOCK`` flock (``writers.writer_alive``): held is ``LIVE``, free is ``DEAD`` at once.
-  3. The lease's ``host_id`` is this host's but its ``boot_id`` another: ``DEAD`` (an earlier boot of this
-     host) -- unless its mark changes under our watch, then ``LIVE``: another machine is using our
-     ``host_id`` (the claim refuses to start in that case, ``sharing.writers``).
-  4. Another host: ``LIVE`` until its mark has stayed unchanged for ``dead_after_s`` of our watching (the
-     config's; so an observer started a moment ago presumes it live), then ``DEAD``. A mark that changes
-     again makes it ``LIVE`` again (a paused writer that resumed; if it was retired meanwhile it finds its
-     fence and stops writing there).
-  A directory with no readable lease and no LOCK is ``UNKNOWN`` (being created, or damaged).
-
-A writer of another host counts as dead long enough to retire (``reclaim_due``) once its mark has stayed
-unchanged for ``reclaim_after_s`` of our watching: counted from the same last change as ``dead_after_s``
-(hence the config's ``dead_after_s <= reclaim_after_s``).
-
-``FENCE`` (format in ``store.format``) is read with O_DIRECT where the filesystem allows it (it is an open
-file that already exists, so no attribute or negative-lookup cache of a network filesystem hides a new
-fence), else buffered. ``judge`` (the quota's step, inspect) reads it every time. ``retired`` (what a pool's
-refresh asks, every ``follow_interval_s`` and on a lookup shortfall) reads it only when the writer is new to
-this watch, its lease mark differs from the one the last read was made under, or that read is
-``heartbeat_s`` old on our clock; else it answers from the last read (``judge``'s included). So a refresh
-notices a fence at most ``heartbeat_s`` (plus one refresh interval) after it was written, and at its next
-refresh once the retirer's deletion removed the LEASE (the mark changed).
-The owner's side is ``OwnFence``: the owner creates its (empty) FENCE at open and holds it open, so a
-retirer's fence lands in that very file; it reads it through that descriptor at every lease beat
-(``Lease.fence_check``). A FENCE the owner's descriptor finds deleted (``st_nlink`` 0, or ``ESTALE`` on a
-network filesystem) counts as a fence too: only a retirer deletes it, after fencing.
+A ``LeaseWatch`` belongs to one observer and remembers when each writer's lease mark ``(counter,
+incarnation)`` last changed ON THE OBSERVER'S OWN MONOTONIC CLOCK; no other host's clock, file mtime or
+lease time is ever used for a verdict. Verdicts, first rule that applies:
+  1. ``RETIRED`` (``sharing = "cluster"`` only): its ``FENCE`` names the incarnation of its last lease (or
+     there is no lease): a live writer of another host retired it (``sharing.retire``). Never read again.
+  2. Same host and boot (or no lease yet): the ``LOCK`` flock (``writers.writer_alive``): held ``LIVE``,
+     free ``DEAD``.
+  3. This host's ``host_id`` from another boot: ``DEAD``, unless its mark changes under our watch (``LIVE``:
+     another machine uses our ``host_id``).
+  4. Another host: ``LIVE`` until its mark stayed unchanged for ``dead_after_s`` of our watching, then
+     ``DEAD``; a mark that changes again is ``LIVE`` again. ``reclaim_due``: unchanged for ``reclaim_after_s``.
+  No readable lease and no LOCK: ``UNKNOWN``.
+``FENCE`` is read with O_DIRECT where allowed (an existing file, so no network-filesystem cache hides a
+fence). ``judge`` reads it every time; ``retired`` (a pool's refresh) only when the writer is new, its lease
+mark moved, or the last read is ``heartbeat_s`` old. ``OwnFence`` is the owner's side: its FENCE created
+empty at open and held open, read at every beat; a FENCE (or the LOCK it holds) found deleted counts as a
+fence too (only a retirer deletes them, after fencing).
 """
 
 from __future__ import annotations
@@ -48,12 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.sharing.writers import boot_id, host_id, writer_alive
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.lifecycle import release_all
 
 log = logging.getLogger(__name__)
 FENCE = "FENCE"
@@ -216,11 +201,14 @@ class OwnFence:
     """A writer's own ``FENCE`` (see the module docstring): created empty if absent and held open from
     construction; ``check`` reads it through that descriptor. Thread-safe."""
 
-    def __init__(self, directory: Path, incarnation: bytes):
-        """Raises OSError where the file can be neither opened nor created."""
+    def __init__(self, directory: Path, incarnation: bytes, lock_fd: int | None = None):
+        """``lock_fd``: the writer's ``LOCK`` descriptor, watched too (a copy is held: the claim's own may
+        close first). Raises OSError where the file can be neither opened nor created."""
         self.path = directory / FENCE
+        self.lock_path = directory / "LOCK"
         self.incarnation = incarnation
         self._lock = threading.Lock()
+        self._lock_fd = -1 if lock_fd is None else os.dup(lock_fd)
         direct = getattr(os, "O_DIRECT", 0)
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | direct, 0o600)
@@ -237,12 +225,17 @@ class OwnFence:
             if self._fd < 0:
                 return None
             try:
+                # A retirement that ran between this writer's claim and its first fence check deleted the
+                # directory's files (its LOCK too) and then its FENCE, before this one was made: only the LOCK
+                # it holds shows it. Left unnoticed, another process could claim the same directory.
+                if self._lock_fd >= 0 and _unlinked(self._lock_fd, self.lock_path):
+                    return "its LOCK was deleted (retired)"
                 if os.fstat(self._fd).st_nlink == 0:
                     return "its FENCE was deleted (retired)"
                 data = _pread_aligned(self._fd, fmt.LEASE_BLOCK_BYTES)
             except OSError as exc:
                 if exc.errno in (errno.ESTALE, errno.ENOENT):
-                    return f"its FENCE is gone ({errno.errorcode.get(exc.errno, exc.errno)})"
+                    return f"its FENCE or LOCK is gone ({errno.errorcode.get(exc.errno, exc.errno)})"
                 log.debug("%s: fence unreadable this beat: %r", self.path, exc)
                 return None
         fence = fmt.unpack_fence(data, str(self.path))
@@ -253,9 +246,8 @@ class OwnFence:
     def close(self) -> None:
         """Close the descriptor. Idempotent."""
         with self._lock:
-            fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+            fds, self._fd, self._lock_fd = (self._fd, self._lock_fd), -1, -1
+        release_all([(f"close {fd}", partial(os.close, fd)) for fd in fds if fd >= 0])
 
 
 def _mark(lease: dict[str, Any] | None) -> Any:
@@ -271,3 +263,18 @@ def _older(mark: Any, seen: Any) -> bool:
         return int(mark[0]) <= int(seen[0])
     except (TypeError, ValueError):
         return False
+
+
+def _unlinked(fd: int, path: Path) -> bool:
+    """Whether the file open as ``fd`` is no longer the one at ``path`` (unlinked, replaced or gone). An error
+    reading the descriptor propagates (ESTALE: another host removed it)."""
+    held = os.fstat(fd)
+    if held.st_nlink == 0:
+        return True
+    try:
+        now = os.stat(path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ESTALE):
+            return True
+        raise
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)

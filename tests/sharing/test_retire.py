@@ -256,6 +256,27 @@ def test_a_directory_found_fenced_at_open_is_never_written(tmp_path):
         assert read(again, [*range(4), 10]) == ([10], list(range(4)), [])
 
 
+def test_a_writer_whose_directory_was_retired_between_its_claim_and_its_fence_check_moves_on(tmp_path):
+    """A retirement that ran between a claim and the claimant's first fence check deleted the directory's files,
+    its LOCK too, and then its FENCE, before the claimant made its own: the end state is a live writer holding
+    an unlinked LOCK. Its next beat must fence it (else a second process could claim the same directory), and
+    its next write re-registers under a LOCK of its own; no page is served wrong."""
+    with SharedPool.open_writer(cluster_config(tmp_path, "hosta"), NS) as a:
+        assert put(a, list(range(4))) == [True] * 4
+        old_wid = a.wid
+        assert old_wid is not None and a.own is not None and a.own.lease is not None
+        directory = a.ns_meta / f"w-{old_wid}"
+        (directory / "LOCK").unlink()  # what the retirer's deletion left (the claimant's fresh FENCE stands)
+        a.own.lease.beat()
+        assert a.own.fenced == "its LOCK was deleted (retired)"
+        assert put(a, [10]) == [True]  # re-registered: a new directory with a LOCK of its own
+        assert a.sharing_stats()["reregistrations"] == 1
+        held = a.own.claim  # a LOCK that is linked, held by this writer alone
+        assert held.lock_fd is not None and os.stat(held.path / "LOCK").st_ino == os.fstat(held.lock_fd).st_ino
+        hits, misses, wrong = read(a, [*range(4), 10])
+        assert wrong == [] and 10 in hits
+
+
 def test_host_mode_never_retires_another_hosts_writer(tmp_path):
     cb, cap = Clock(), 20
     knobs = {"sharing": "host", "quota_high": 0.5, "quota_low": 0.4}
