@@ -57,14 +57,19 @@ class PoolReads:
         if not self._in_use.enter(shard):
             return fallback
         try:
+            return self._peer_call(shard, call, fallback)
+        finally:
+            self._in_use.exit(shard)
+
+    def _peer_call(self, shard: PageShard, call: Callable[[], _T], fallback: _T) -> _T:
+        """``call()`` on ``shard``, held in use by the caller; ``fallback`` where a peer's files failed."""
+        try:
             return call()
         except PEER_ERRORS as exc:  # StoreClosedError included: the pool is closing under the call
             if shard is self.own:  # the own store's errors are the caller's (one replaced since is not own)
                 raise
             log.debug("a read of %s failed: %r", shard.layout.meta, exc)
             return fallback
-        finally:
-            self._in_use.exit(shard)
 
     def _holder(self, key: PageKey) -> PageShard | None:
         for shard in self._shards():
@@ -114,17 +119,26 @@ class PoolReads:
         self.refresh()
         routes = self._routes(keys)
         reads: list[PartRead] = []
+        held: list[PageShard] = []  # in use until the whole read ran: a peer dropped meanwhile closes after it
         try:
-            for shard, picked in routes:
-                call = partial(shard.part_read, [keys[i] for i in picked], [pages[i] for i in picked], plan, picked)
-                read = self._call(shard, call, None)
-                if read is not None:
-                    reads.append(read)
-        except BaseException:
-            for read in reads:  # the own store's pin failed (closed): let go of the peers' pins
-                read.close()
-            raise
-        results = drive(reads, len(keys), len(plan), on_part)
+            try:
+                for shard, picked in routes:
+                    if not self._in_use.enter(shard):
+                        continue  # taken out of the pool since the routes were made: its pages miss
+                    held.append(shard)
+                    call = partial(shard.part_read, [keys[i] for i in picked], [pages[i] for i in picked], plan,
+                                   picked)
+                    read = self._peer_call(shard, call, None)
+                    if read is not None:
+                        reads.append(read)
+            except BaseException:
+                for read in reads:  # the own store's pin failed (closed): let go of the peers' pins
+                    read.close()
+                raise
+            results = drive(reads, len(keys), len(plan), on_part)
+        finally:
+            for shard in held:
+                self._in_use.exit(shard)
         self._touch_remote(keys, routes, results)
         return results
 

@@ -361,6 +361,29 @@ def test_pool_get_parts_routes_across_two_writers(tmp_path):
         assert set(a.own._touched) == set(keys()[4:])  # the peer's pages: journaled as uses
 
 
+def test_a_peer_dropped_during_a_group_major_read_is_closed_only_after_it(tmp_path):
+    """The pool drops a followed writer (``Peers._drop``: retired from use) while a group-major read of its pages
+    is between groups: the read finishes every group from it, and the peer is closed once the read ends."""
+    cfg, mem, expected = config(tmp_path), *fill()
+    with SharedPool.open_writer(cfg, ns()) as a, SharedPool.open_writer(cfg, ns()) as b:
+        assert b.put(keys(), runs(mem)) == [True] * N
+        a.refresh(force=True)
+        peer = a.peers()[b.wid]
+        mem.clear()
+        seen: list[tuple[int, list[bool]]] = []
+
+        def on_part(group: int, ok: list[bool]) -> None:
+            seen.append((group, list(ok)))
+            if group == 0:
+                a._in_use.retire(peer)  # what a refresh that drops the peer does, on another thread
+                assert not peer._closed  # still in use by this read
+
+        assert a.get_parts(keys(), runs(mem), on_part) == [True] * N
+        assert seen == [(g, [True] * N) for g in range(len(PARTS))]
+        assert [mem.page(i).tobytes() for i in range(N)] == expected
+        assert peer._closed  # closed by the read's end
+
+
 # ------------------------------------------------------------------------------------------ identity
 def test_parts_name_another_shard_and_a_mismatched_header_is_refused(tmp_path):
     assert ns().digest() != ns(ODD_PARTS).digest() != namespace(PAGE).digest()
