@@ -1,10 +1,12 @@
-"""The SGLang adapter: the L3 backend ``KVTierStorage`` (``storage``, with ``pool_tier``, ``host_pages``,
-``sidecars``, ``settings``, ``stats``) and SGLang's general plugins (``plugins``).
+"""The SGLang adapter: the HiCache L3 backend ``KVTierStorage`` (``storage``; its host pools' page-store
+shards in ``host_shard`` / ``host_shards``, with ``host_pages``, ``side_pools``, ``settings``, ``stats``) and
+SGLang's general plugins (``plugins``).
 
-Only this package imports sglang or torch. Nothing is imported eagerly: SGLang imports
-``sgl_kvtier.sglang.plugins.cpu`` and ``.prefetch`` in every one of its processes through the
-``sglang.srt.plugins`` entry points, so this package must stay cheap to import. ``KVTierStorage`` is resolved on first access, which is
-how SGLang's ``dynamic`` backend factory reaches it (``getattr(module, "KVTierStorage")``).
+Only this package and ``sgl_kvtier.experiments`` import sglang or torch; this package loads an experiment only
+by name, through ``plugins.load``. Nothing is imported eagerly: SGLang runs the ``kvtier`` entry point
+(``sgl_kvtier.sglang.plugins:load``) in every one of its processes, so this package must stay cheap to import.
+``KVTierStorage`` is resolved on first access, which is how SGLang's ``dynamic`` backend factory reaches it
+(``getattr(module, "KVTierStorage")``).
 """
 
 from typing import Any

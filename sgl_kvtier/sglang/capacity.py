@@ -1,22 +1,20 @@
-"""One byte limit per backend, split over its pool tiers.
+"""One byte limit per backend, split over its host shards.
 
-A backend (one rank's ``KVTierStorage``) stores the KV pool and any side pools SGLang registers (SWA,
-Mamba, draft KV, ...), each in a shard of its own. ``capacity_bytes``, or the free-space default, is the
-limit of the *backend*: the tiers share it, they never each get all of it.
+A backend (one rank's ``KVTierStorage``) stores the KV pool and any side pools SGLang registers (SWA, Mamba,
+draft KV, ...), each in a host shard of its own. ``capacity_bytes``, or the free-space default, is the limit of
+the *backend*: its host shards share it, never each getting all of it.
 
-The limit: ``capacity_bytes`` when set; otherwise, per device, 90 % of (its free space + the segment
-files this backend's shards already hold there) on a directory, the device's size less its region
-table on a raw block device, or on a pool formatted for several hosts (``sgl-kvtier pool-format``) this
-host's share less the journal areas every shard's region keeps on the device, 95 % of it (the checkpoint
-areas), divided by the number of rank shards sharing the devices; then the
-smallest device's share times the number of devices (pages are striped, so the smallest device fills
-first). The same rule the store applies to one shard, taken once for all of a backend's shards.
+The limit (``backend_limit``): ``capacity_bytes`` when set; otherwise, per device, 90 % of (its free space +
+the segment files this backend's shards already hold there) on a directory, the device's size less its region
+table on a raw block device, or this host's share of a pool formatted for several hosts
+(``sgl-kvtier pool-format``); each divided by the number of rank shards sharing the devices (on a pool: then
+less every shard's journal areas, 95 % of the rest); then the smallest device's budget times the number of devices
+(pages are striped). The store's own rule for one shard, taken once for all of a backend's shards.
 
-The split (``split``): every pool tier gets room for the same number of pages, so each tier's share
-is proportional to the flash size of one of its pages (its slot: the page and its trailer, rounded up to
-4 KiB). A prefix whose pages every pool must restore fits in all of them alike. Each share is a whole number of
-slots on every device, so the store rounds nothing up, and the shares never add up to more than the
-limit. A limit too small for one page of every pool on every device is refused, naming the pools.
+The split (``split``): every host shard gets room for the same number of pages (a prefix every pool must
+restore fits in all of them alike), so shares are proportional to the flash size of one page (its slot: page
+and trailer, 4 KiB-aligned). Each share is whole slots on every device, the shares never add up to more than
+the limit, and a limit too small for one page of every pool on every device is refused, naming the pools.
 """
 
 from __future__ import annotations
@@ -63,6 +61,7 @@ def _budget(config: StoreConfig, index: int, path: str, namespaces: Sequence[Nam
 
 
 def _device_budget(index: int, path: str, namespaces: Sequence[Namespace]) -> int:
+    """A block device's size less its region table, or 90 % of a directory's free space + our segments."""
     if is_block_like(path):  # raises DeviceError for a missing path
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -1,17 +1,16 @@
-"""Layer-group reads of a KV tier's pages straight into host slots: the read side of a streamed L3 tail
-(issue #13).
+"""Layer-group reads of a KV host shard's pages straight into host slots: the read side of a streamed L3 tail.
 
-``read_layer_groups(tier, keys, host_indices, on_group, reads)`` reads the pages of ``keys`` into the host
+``read_layer_groups(shard, keys, host_indices, on_group, reads)`` reads the pages of ``keys`` into the host
 slots ``host_indices`` (page-aligned, ``len == pages * page_tokens``) group-major (``SharedPool.get_parts``
-with the groups of ``reads``, a ``ReadPlan`` of the tier's ``LayerPlan``; None: one read group per layer
-group): read group 0 of every page, verified, then ``on_group(0, layers, ok)``, then
-group 1, ... While ``on_group(g)`` runs, group g + 1 is in flight; groups after g + 1 have not been
-read. ``ok[i]``: page ``i`` has every part of groups 0..g verified in its slots (a page failing a part in
-group g gets no IO from group g + 2 on, and its slots then hold bytes that must not be used). Returns, per
-page, whether it was read whole and verified.
+with the groups of ``reads``, a ``ReadPlan`` of the pool's ``LayerPlan``; None: one read group per layer
+group): read group 0 of every page, verified, then ``on_group(0, layers, ok)``, then group 1, ... While
+``on_group(g)`` runs, group g + 1 is in flight; later groups are not read yet. ``ok[i]``: page ``i`` has every
+part of groups 0..g verified in its slots (a page failing a part in group g gets no IO from group g + 2 on,
+and its slots then hold bytes that must not be used). Returns, per page, whether it was read whole and
+verified.
 
-Only tiers whose pool streams (``HostPages.plan``) and moves zero-copy are read this way; any other raises
-``KVTierError`` (callers load those pages whole, as today).
+Only host shards whose pool streams (``HostPages.plan``) and moves zero-copy are read this way; any other
+raises ``KVTierError`` (callers load those pages whole).
 """
 
 from __future__ import annotations
@@ -29,20 +28,20 @@ from sgl_kvtier.sglang.parts_plan import ReadPlan
 OnGroup = Callable[[int, range, list[bool]], None]  # (read group, its layers, per page: verified so far)
 
 
-def read_layer_groups(tier: HostShard, keys: Sequence[PageKey], host_indices: torch.Tensor,
+def read_layer_groups(shard: HostShard, keys: Sequence[PageKey], host_indices: torch.Tensor,
                       on_group: OnGroup, reads: ReadPlan | None = None) -> list[bool]:
     """Read ``keys`` into ``host_indices`` read group by read group (module docstring)."""
-    plan = tier.pages.plan
-    if plan is None or tier.pages.access is not Access.ZERO_COPY or tier.namespace.parts != plan.parts:
-        raise KVTierError(f"pool {tier.name} ({tier.pages.layout}) does not stream in layer groups")
+    plan = shard.pages.plan
+    if plan is None or shard.pages.access is not Access.ZERO_COPY or shard.namespace.parts != plan.parts:
+        raise KVTierError(f"pool {shard.name} ({shard.pages.layout}) does not stream in layer groups")
     if reads is not None and reads.stored != plan:
         raise ValueError("the read plan is not of this pool's layer groups")
-    problem = check_indices(host_indices, len(keys), tier.pages.page_tokens)
+    problem = check_indices(host_indices, len(keys), shard.pages.page_tokens)
     if problem is not None:
         raise ValueError(problem)
-    store = tier.store
+    store = shard.store
     if store is None:
-        raise KVTierError(f"shard {tier.namespace.dirname()} is not open")
+        raise KVTierError(f"shard {shard.namespace.dirname()} is not open")
     if not keys:
         return []
 
@@ -51,4 +50,4 @@ def read_layer_groups(tier: HostShard, keys: Sequence[PageKey], host_indices: to
     def on_part(group: int, ok: list[bool]) -> None:
         on_group(group, read.layers(group), ok)
 
-    return store.get_parts(list(keys), tier.pages.page_runs(host_indices), on_part, groups=read.groups)
+    return store.get_parts(list(keys), shard.pages.page_runs(host_indices), on_part, groups=read.groups)

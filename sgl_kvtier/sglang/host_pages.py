@@ -6,17 +6,14 @@ so the zero-copy v1 path and the legacy copy path read and write identical bytes
   * MHA layer_first: ``get_page_buffer_meta`` gives K0,V0,K1,V1,...; the flat order is K0..K(L-1),
     V0..V(L-1), so the runs are reordered to that;
   * MLA page_first(_direct): one run; MLA layer_first: one run per layer, in layer order.
-Pools whose flat page is not a view of their memory (Mamba, ...) use the *copy*
-strategy: write from ``get_data_page(flat=True)``, read into ``get_dummy_flat_data_page()`` then
-``set_from_flat_data_page``. The strategy is chosen once per pool and checked against the flat page.
-Zero-copy pools of a layout whose layer groups are contiguous get a ``plan`` (``parts_plan``): the parts of
-the KV pool's namespace and the layer groups they form.
+Pools whose flat page is not a view of their memory (Mamba, ...) use the *copy* strategy: write from
+``get_data_page(flat=True)``, read into ``get_dummy_flat_data_page()`` then ``set_from_flat_data_page``. The
+strategy is chosen once per pool and checked against the flat page. Zero-copy pools whose layer groups are
+contiguous get a ``plan`` (``parts_plan``).
 
-Every layout SGLang ships places a page's runs at ``base + slot * stride`` per run, so a zero-copy pool's
-pages are one page's runs shifted (``RunTemplate``: the padding page's runs and the bytes between pages),
-found once per pool and checked against ``get_page_buffer_meta`` on a spread of the pool's pages; a hit's
-runs are then computed from its pages' first slots (~1 ms for 96 pages of 128 runs, against ~3 ms through
-SGLang's per-layer Python). A pool where the check fails keeps asking SGLang (``RunTemplate.of``: None).
+A zero-copy pool's pages are one page's runs shifted (``RunTemplate``), found once per pool and checked
+against ``get_page_buffer_meta`` on a spread of its pages; a hit's runs are then computed from its pages'
+first slots, not asked of SGLang page by page. A pool where the check fails keeps asking SGLang.
 """
 
 from __future__ import annotations
@@ -131,6 +128,7 @@ class HostPages:
         return self._meta_runs(torch.arange(start, start + self.page_tokens, dtype=torch.int64))[0]
 
     def _meta_runs(self, host_indices: torch.Tensor) -> list[list[Run]]:
+        """Each page's runs from SGLang's ``get_page_buffer_meta``, in flat page order."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         n_pages = len(host_indices) // self.page_tokens
         per_page = len(ptrs) // n_pages

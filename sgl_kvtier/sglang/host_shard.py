@@ -1,31 +1,21 @@
-"""One SGLang host pool bound to its page-store shard: SGLang's call shapes in, store calls out.
+"""HostShard: one SGLang host pool bound to its page-store shard; SGLang's call shapes in, store calls out.
 
-A tier is bound to its pool first (``bind``: geometry and namespace, nothing opened) and opened once the
-backend knows all its pools, and so each tier's share of the capacity (``open``; ``reopen`` when a pool
-registered later changes the shares). Every tier holds a ``sharing.pool.SharedPool``: the merged view over
-every writer process of its namespace shard (other servers and DP replicas on this host share the pool).
-Writers open it with a writer directory of their own. Ranks that only read a replicated (MLA) shard open
-it read-only, lazily: no writer may have created it yet, so a failed open is retried on later calls. Each open store gets a read-ahead stage
-(``config.readahead_bytes``; 0 = none): ``stage`` starts the reads of pages an exists query found, and
-every read of this tier goes through it.
+A host shard is bound to its pool first (``bind``: geometry and namespace, nothing opened) and opened once the
+backend knows all its pools and so each one's share of the capacity (``open``; ``reopen`` when a pool
+registered later changes the shares). It holds a ``sharing.pool.SharedPool``, the merged view over every
+writer process of its namespace. Writer ranks open it with a writer directory of their own; ranks that only
+read a replicated (MLA) shard open it read-only and lazily, retrying while no writer has created it. An open
+store gets a read-ahead stage (``config.readahead_bytes``; 0: none): ``stage`` starts the reads of an exists
+query's hit, and every read goes through it.
 
-``snapshot`` lists every writer of the pool: the own one from its usage now (``retired`` while it is
-fenced and not re-registered yet), the others from the leases the pool last read (``SharedPool.leases``,
-refreshed with the journals) with the pool's verdict on each (``SharedPool.verdict``: a shared ``flock``
-probe of a LOCK of this host, the lease watch for another host's, whose ``unchanged_s`` is reported too;
-under ``sharing = "cluster"`` a FENCE read) and lease age (its LEASE mtime): one stat and one probe per
-other writer, at most once per metrics interval. The pool's view is refreshed first (``SharedPool.refresh``,
-rate-limited to ``follow_interval_s`` as lookups are), so that an idle server's figures follow the pool
-and the verdicts judge current leases (a verdict on a lease read long ago, interleaved with the quota
-loop's fresh reads, would keep resetting the watch: a dead writer of another host judged live forever). A writer that left the pool (a peer dropped: retired,
-its directory removed; an own store replaced after a fence) is listed ``retired`` with no pages (as is one
-whose lease is still there but judged ``RETIRED``: fenced, its pages no longer read) for
-``RETIRED_SHOWN_S`` after it was last seen, so that a scrape sees it go; then it is no longer listed. The
-pool's sharing counters (``SharedPool.sharing_stats``) come with the writers.
+``snapshot`` refreshes the pool's view first (``SharedPool.refresh``, rate-limited as lookups are), so an idle
+server's figures follow the pool and the verdicts judge current leases. It lists the own writer (``retired``
+while fenced), every other writer from its last lease with the pool's verdict (``SharedPool.verdict``) and
+lease age (one stat and one probe per writer), and for ``RETIRED_SHOWN_S`` each writer that left the pool or
+is judged ``RETIRED``, as ``retired`` with no pages; then the pool's sharing counters.
 
-``close`` stops the read-ahead and closes the store, both whatever the other raises, each detached from
-the tier before it is released (a failed release is reported, never retried); the first failure is
-raised, the other as its note (``store.lifecycle.release_all``).
+``close`` stops the read-ahead and closes the store, both whatever the other raises, each detached before it
+is released; the first failure is raised, the other as its note (``store.lifecycle.release_all``).
 """
 
 from __future__ import annotations
@@ -91,7 +81,7 @@ class HostShard:
         return cls(name, pages, namespace_for(storage_config, pages, name), config, writer)
 
     def open(self, config: StoreConfig) -> None:
-        """Open the shard under ``config`` (this tier's share of the capacity): a writer now (its errors
+        """Open the shard under ``config`` (this host shard's share of the capacity): a writer now (its errors
         propagate), a reader as soon as the writer rank has made it."""
         self.config = config
         self.opened = True
@@ -108,6 +98,7 @@ class HostShard:
         self.open(config)
 
     def _reader(self) -> SharedPool | None:
+        """A reader's store, opened on first need (retried every ``READER_RETRY_S`` while not created)."""
         if self.opened and self.store is None and time.monotonic() >= self._next_open:
             try:
                 self._attach(SharedPool.open_reader(self.config, self.namespace))
@@ -124,6 +115,7 @@ class HostShard:
                                        chunk_pages=self.config.io_depth)
 
     def _store(self) -> SharedPool:
+        """The open store, or ``KVTierError`` when the shard does not exist yet."""
         store = self.store if self.writer else self._reader()
         if store is None:
             raise KVTierError(f"shard {self.namespace.dirname()} does not exist yet")
@@ -206,6 +198,7 @@ class HostShard:
         return t.is_contiguous() and t.numel() * t.element_size() == self.pages.page_bytes
 
     def _put(self, keys: Sequence[PageKey | None], runs: list[list[Run]], parent: PageKey | None) -> list[bool]:
+        """Store each valid run of ``keys`` from ``runs`` (writer only); False for each page not stored."""
         store = self._store()
         if not store.writer:
             raise KVTierError(f"shard {self.namespace.dirname()} is open read-only here")
@@ -244,12 +237,14 @@ class HostShard:
 
 
 def _rate(estimator: TransferEstimator) -> RateSnapshot:
+    """An estimator's fitted read rate (None fields: no model yet) and sample count."""
     model = estimator.model()
-    return RateSnapshot(None if model is None else model.bandwidth_Bps, None if model is None else model.batch_latency_s,
-                        estimator.samples)
+    return RateSnapshot(None if model is None else model.bandwidth_Bps,
+                        None if model is None else model.batch_latency_s, estimator.samples)
 
 
 def _store_snapshot(store: SharedPool, gone: WritersGone | None = None) -> StoreSnapshot:
+    """The pool's occupancy, rates, devices, writers (``gone``: with those that left) and sharing counters."""
     # The pool's view first (rate-limited as lookups do it; never raises): an idle server's snapshot follows
     # the other writers too, and the verdicts below judge the leases as read now, not as of the last lookup.
     store.refresh()
@@ -289,8 +284,7 @@ def _writers(store: SharedPool) -> tuple[WriterSnapshot, ...]:
     for wid, lease in sorted(store.leases().items()):
         judged = store.verdict(wid)
         # A fenced writer's lease outlives its fence for a moment (the retirer deletes it after): its pages are
-        # no longer read from the fence on, so it is listed with none (seen in a full test run: RETIRED with
-        # its lease's 4 pages).
+        # no longer read from the fence on, so it is listed with none.
         held = judged.verdict is not Verdict.RETIRED
         rows.append(WriterSnapshot(wid, str(lease.get("host_id", "")), _STATE[judged.verdict],
                                    int(lease.get("pages", 0)) if held else 0,
@@ -302,7 +296,7 @@ def _writers(store: SharedPool) -> tuple[WriterSnapshot, ...]:
 
 @dataclass
 class WritersGone:
-    """The writers one pool tier listed, to list those that left the pool as ``retired`` for a while
+    """The writers one host shard listed, to list those that left the pool as ``retired`` for a while
     (``RETIRED_SHOWN_S``; see the module docstring)."""
 
     shown_s: float = RETIRED_SHOWN_S
@@ -329,6 +323,7 @@ class WritersGone:
 
 
 def _check(host_indices: Any, n_keys: int, page_tokens: int) -> None:
+    """``ValueError`` when ``host_indices`` cannot carry ``n_keys`` pages (``check_indices``)."""
     problem = check_indices(host_indices, n_keys, page_tokens)
     if problem is not None:
         raise ValueError(problem)

@@ -1,26 +1,20 @@
-"""A backend's pool tiers: every pool SGLang registers served or refused, one capacity over them all.
+"""HostShards: a backend's host shards, one per host pool SGLang registers, under one byte limit.
 
-Registration (``register``): SGLang hands the KV pool to ``register_mem_pool_host`` and then every pool of
-its ``HostPoolGroup`` to ``register_mem_host_pool_v2``, the KV pool again among them (as ``"kv"``). A pool
-is *served* (bound to a tier of its own, ``"kv"`` being the KV tier) or *refused* with
-``UnservedPoolError`` naming it: a second, different pool under a name already registered (``"kv"``
-included), or a pool whose pages cannot be described (``HostPages.of``). Nothing is ignored. A refusal
-fails the attach it belongs to: the backend then releases whatever it had opened and serves nothing.
+Registration (``register``): SGLang hands the KV pool to ``register_mem_pool_host``, then every pool of its
+``HostPoolGroup`` to ``register_mem_host_pool_v2``, the KV pool again among them (as ``"kv"``). A pool is
+*served* (bound to a host shard of its own, ``"kv"`` being the KV pool's) or *refused* with
+``UnservedPoolError`` naming it: a second, different pool under a name already registered, or a pool whose
+pages cannot be described (``HostPages.of``). Nothing is ignored; a refusal fails its attach, and the backend
+releases whatever it opened and serves nothing.
 
-Opening: the KV tier opens at once when ``register_mem_pool_host`` binds it, inside SGLang's guarded
-attach (a failed open, another writer's lock included, is rolled back by SGLang), provisionally with
-the whole limit; not on raw block devices, whose regions keep the size of their first claim, so there
-the KV shard waits for the final split like the others. Once all pools are known (``open_all``, from ``on_host_pools_registered``; or, for a
-caller that never says so, the first call that needs a store) every tier is opened under its share of
-the backend's one byte limit (``capacity``): the KV tier is reopened under its smaller share when there
-are side pools. A pool registered after that (SGLang adds draft-KV sidecars late) changes every share
-again: the open writer tiers are reopened under theirs, the new one opened. The tiers' capacities, as the opened
-stores report them, are checked never to add up to more than the limit (a raw block device's region
-keeps the size it was first claimed with, so an old, larger one is refused here, not silently kept).
-An open that fails releases every tier and leaves the backend serving nothing; the error propagates
-(at start-up: SGLang refuses to start with it).
+Opening: the KV host shard opens when ``register_mem_pool_host`` binds it (inside SGLang's guarded attach),
+provisionally with the whole limit; on raw block devices, whose regions keep the size of their first claim,
+it waits for the final split instead. Once all pools are known (``open_all``; or the first call that needs a
+store, ``ready``) every host shard opens under its share of the limit (``capacity``), an open one reopening
+when its share changed; a pool registered later changes every share again. The opened capacities are
+checked never to add up to more than the limit. A failed open releases every host shard and propagates.
 
-Closing (``close``): every tier is closed whatever the others raise; the failures are returned, in
+Closing (``close``): every host shard is closed whatever the others raise; the failures are returned, in
 order, for the caller's boundary to report.
 """
 
@@ -52,7 +46,7 @@ class UnservedPoolError(KVTierError):
 
 
 class HostShards:
-    """The tiers of one backend by pool name (``kv`` the KV tier), their capacity split, open and close."""
+    """The host shards of one backend by pool name (``kv``: the KV pool's), their capacity split, open and close."""
 
     def __init__(self, storage_config: Any, config: StoreConfig, writer: bool):
         self.storage_config = storage_config
@@ -61,7 +55,7 @@ class HostShards:
         self.by_name: dict[str, HostShard] = {}
         self.kv: HostShard | None = None
         self._lock = threading.RLock()
-        self._opened = False  # every bound tier is open under its current share
+        self._opened = False  # every bound host shard is open under its current share
         self._settled = False  # on_host_pools_registered came: a pool registered from now on opens at once
         # Why nothing is served (a refusal or a failed open): the error's message, never the error, whose
         # traceback's frames hold their callers (the backend, the host pool): a reference cycle.
@@ -70,7 +64,7 @@ class HostShards:
     # ------------------------------------------------------------------ registration
     def register(self, name: str, pool: Any, open_now: bool = False) -> HostShard:
         """Serve ``pool`` under ``name``, or raise ``UnservedPoolError`` (see the module docstring); with
-        ``open_now`` (or once the pools are settled) the tiers are opened under their shares before it
+        ``open_now`` (or once the pools are settled) the host shards are opened under their shares before it
         returns, and their errors propagate."""
         with self._lock:
             self._check_serving()
@@ -78,21 +72,21 @@ class HostShards:
             known = self.by_name.get(name)
             if known is not None:
                 if known.pages.pool is pool:
-                    return known  # the KV pool again, through v2: served by the KV tier
+                    return known  # the KV pool again, through v2: served by its host shard
                 raise self._refuse(UnservedPoolError(
                     name, pool, f"another pool ({type(known.pages.pool).__name__}) is registered under that "
                                 f"name and is the one served"))
             try:
-                tier = HostShard.bind(name, HostPages.of(pool), self.storage_config, self.config, self.writer)
+                shard = HostShard.bind(name, HostPages.of(pool), self.storage_config, self.config, self.writer)
             except Exception as exc:
                 raise self._refuse(UnservedPoolError(name, pool, f"its pages cannot be described: {exc!r}")) from exc
-            self.by_name[name] = tier
+            self.by_name[name] = shard
             if name == KV:
-                self.kv = tier
+                self.kv = shard
             self._opened = False
             if open_now:
                 self._open_all()
-            return tier
+            return shard
 
     def _fixed_regions(self) -> bool:
         """Whether a device is a raw block device (its regions are sized once, at their first claim)."""
@@ -105,8 +99,8 @@ class HostShards:
 
     # ------------------------------------------------------------------ opening
     def open_all(self) -> None:
-        """Every pool is registered: open each tier not open yet under its share, reopen those whose share
-        changed; a pool registered later opens at once. Idempotent."""
+        """Every pool is registered: open each host shard not open yet under its share, reopen those whose
+        share changed; a pool registered later opens at once. Idempotent."""
         with self._lock:
             self._check_serving()
             self._settled = True
@@ -125,52 +119,54 @@ class HostShards:
             raise KVTierError(f"not serving: {self._failed}")
 
     def _open_all(self) -> None:
-        tiers = list(self.by_name.values())
+        """Open or reopen every host shard under its share; on any failure release them all and re-raise."""
+        shards = list(self.by_name.values())
         try:
-            limit, configs = self._shares(tiers)
-            for tier, config in zip(tiers, configs):
-                if not tier.opened:
-                    tier.open(config)
-                elif config != tier.config:
-                    tier.reopen(config)
+            limit, configs = self._shares(shards)
+            for shard, config in zip(shards, configs):
+                if not shard.opened:
+                    shard.open(config)
+                elif config != shard.config:
+                    shard.reopen(config)
                 else:
                     continue
-                log.info("kvtier: pool %s -> %s (%s, %d-byte pages, %s, capacity %s bytes)", tier.name,
-                         tier.namespace.dirname(), tier.namespace.describe(), tier.pages.page_bytes,
-                         tier.pages.access.value, config.capacity_bytes if self.writer else "as written")
+                log.info("kvtier: pool %s -> %s (%s, %d-byte pages, %s, capacity %s bytes)", shard.name,
+                         shard.namespace.dirname(), shard.namespace.describe(), shard.pages.page_bytes,
+                         shard.pages.access.value, config.capacity_bytes if self.writer else "as written")
             if self.writer:
-                _check_limit(tiers, limit)
+                _check_limit(shards, limit)
         except BaseException as exc:
             self._give_up(exc)
             raise
         self._opened = True
 
-    def _shares(self, tiers: list[HostShard]) -> tuple[int, list[StoreConfig]]:
-        """The backend's limit and each tier's config under its share (a reader's: as configured)."""
+    def _shares(self, shards: list[HostShard]) -> tuple[int, list[StoreConfig]]:
+        """The backend's limit and each host shard's config under its share (a reader's: as configured)."""
         if not self.writer:
-            return 0, [self.config] * len(tiers)
-        limit = backend_limit(self.config, [t.namespace for t in tiers])
-        shares = split(limit, [(t.name, t.namespace) for t in tiers], len(self.config.devices))
+            return 0, [self.config] * len(shards)
+        limit = backend_limit(self.config, [s.namespace for s in shards])
+        shares = split(limit, [(s.name, s.namespace) for s in shards], len(self.config.devices))
         return limit, [dataclasses.replace(self.config, capacity_bytes=share) for share in shares]
 
     def _give_up(self, error: BaseException) -> None:
-        """``error`` ends this backend's service: release every tier (their failures become its notes)."""
-        tiers, self.by_name, self.kv, self._opened = list(self.by_name.values()), {}, None, False
+        """``error`` ends this backend's service: release every host shard (their failures become its notes)."""
+        shards, self.by_name, self.kv, self._opened = list(self.by_name.values()), {}, None, False
         self._failed = str(error)
-        abandon(error, "the backend's pool tiers", [(f"pool {t.name}", t.close) for t in tiers])
+        abandon(error, "the backend's host shards", [(f"pool {s.name}", s.close) for s in shards])
 
     # ------------------------------------------------------------------ closing
     def close(self) -> list[Failure]:
-        """Close every tier, each whatever the others raise; the ``(step, error)`` of each that failed."""
+        """Close every host shard, each whatever the others raise; the ``(step, error)`` of each that failed."""
         with self._lock:
-            tiers, self.by_name, self.kv, self._opened = list(self.by_name.values()), {}, None, False
-        return run_steps((f"pool {t.name}", t.close) for t in tiers)
+            shards, self.by_name, self.kv, self._opened = list(self.by_name.values()), {}, None, False
+        return run_steps((f"pool {s.name}", s.close) for s in shards)
 
 
-def _check_limit(tiers: list[HostShard], limit: int) -> None:
-    held = {t.name: t.store.stats().capacity_bytes for t in tiers if t.store is not None}
+def _check_limit(shards: list[HostShard], limit: int) -> None:
+    """``KVTierError`` when the opened stores' capacities add up to more than ``limit``."""
+    held = {s.name: s.store.stats().capacity_bytes for s in shards if s.store is not None}
     if sum(held.values()) > limit:
         each = ", ".join(f"{name} {n}" for name, n in held.items())
-        raise KVTierError(f"capacity_bytes: the pool tiers' capacities ({each} bytes) add up to more than the "
+        raise KVTierError(f"capacity_bytes: the host shards' capacities ({each} bytes) add up to more than the "
                           f"backend's limit of {limit} bytes; a raw block device's region keeps the size it "
                           f"was first claimed with: zero the device's region table to claim it anew")

@@ -23,12 +23,10 @@ log = logging.getLogger(__name__)
 def warm_page_hash() -> None:
     """Load SGLang's native page-hash extension now, at start-up, not at the first L3 lookup.
 
-    SGLang loads it lazily, at its first page hash, which in a fresh server is the prefetch thread's first
-    lookup: a torch JIT load (a rebuild, seconds, whenever a process of another checkout last built the
-    shared ``~/.cache/torch_extensions`` copy; queued behind any process building it now) inside that
-    request's prefetch deadline (``timeout`` policy: 1 s + 0.25 s per 1,024 tokens), which then expires
-    with nothing loaded: a storage hit lost. Loaded once per process (SGLang caches it). A failure is
-    logged, never raised: SGLang reports it at its own first hash."""
+    SGLang loads it lazily at its first page hash, in a fresh server the prefetch thread's first lookup: a
+    torch JIT load (possibly a rebuild) inside that request's prefetch deadline, which can then expire with
+    nothing loaded, losing a storage hit. Loaded once per process (SGLang caches it). A failure is logged,
+    never raised: SGLang reports it at its own first hash."""
     start = time.perf_counter()
     try:
         from sglang.srt.mem_cache.utils import get_hash_str

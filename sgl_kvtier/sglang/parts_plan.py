@@ -1,28 +1,18 @@
 """Layer groups of a host pool's pages: the checksummed parts (``Namespace.parts``) the adapter chooses, and
-which parts form each layer group, for reads verified group by group (issue #13, ``store.part_reads``).
+which parts form each layer group, for reads verified group by group (``store.part_reads``).
 
-A stored page is the pool's flat page (``host_pages``). In these layouts every layer's bytes of a page are
-one contiguous range of it, layers in order, so a run of layers is one contiguous range too:
+A stored page is the pool's flat page (``host_pages``). In MHA ``layer_first`` / ``page_first_direct`` (flat
+page ``(2, L, ps, H, D)``: K of layers 0..L-1, then V) and MLA ``layer_first`` / ``page_first_direct`` (flat
+page ``(L, ps, 1, Dkv)``) each layer's bytes of a page are one contiguous range, layers in order. Such a pool
+is *streamable*: its L layers are cut into G groups (``choose_groups``), group g holding layers
+``[bounds[g], bounds[g + 1])``; each (group, K|V range) is one part, in page order (MHA: K g0..K g(G-1),
+V g0..V g(G-1), layer group g being parts ``[g, G + g]``; MLA: G parts). G: the most groups in 4..8 (at most
+L) whose smallest IO, one group's layers of one range of one page, is at least ``MIN_IO_BYTES``, else the fewest.
 
-  * MHA ``layer_first`` and ``page_first_direct``: flat page ``(2, L, ps, H, D)``, K of layers 0..L-1 then V
-    of layers 0..L-1 (the page's view is ``(2, L, ps, H, D)`` resp. ``(2, 1, L, ps, H, D)``);
-  * MLA ``page_first_direct`` and ``layer_first``: ``(L, ps, 1, Dkv)`` (view ``(1, L, ps, 1, Dkv)`` resp.
-    ``(L, ps, 1, Dkv)``).
-
-Such a pool is *streamable*: its L layers are cut into G groups (``choose_groups``), group g holding layers
-``[bounds[g], bounds[g + 1])``; each (group, K|V range) is one part, in page order: MHA K g0..K g(G-1),
-V g0..V g(G-1) (2G parts; layer group g is parts ``[g, G + g]``), MLA g0..g(G-1) (G parts; group g is part
-``[g]``). G: the most groups in 4..8 (never more than L) whose smallest IO, one group's layers of one range
-of one page, is at least ``MIN_IO_BYTES``; where no G in 4..8 reaches it, the fewest (4, larger IOs).
-E.g. ``kvheavy`` (64 layers, ps 16, 8 x 64 bf16: 16 KiB per layer and range): G = 8, 128 KiB IOs; 480B TP8
-(62 layers, ps 64, 1 x 128 fp8: 8 KiB): G = 4, 120-128 KiB.
-
-Every other layout (MHA ``page_first`` / ``page_head``: token- or head-major, a layer group is strided;
-MLA ``page_first``: token-major; a pool whose pages are copied, not read in place; a pool of another
-shape; one layer) keeps one part; ``unstreamable`` says why, logged once per layout and reason.
-
-The choice depends only on the pool's geometry, so every rank and every restart of one deployment chooses
-the same parts (they are part of the namespace's identity when there are several).
+Every other layout (a strided or token-major layer group, pages copied rather than read in place, another
+shape, one layer) keeps one part; ``unstreamable`` says why, logged once per layout and reason. The choice
+depends only on the pool's geometry, so every rank and restart of one deployment chooses the same parts
+(part of the namespace's identity when there are several).
 """
 
 from __future__ import annotations
@@ -61,10 +51,12 @@ class LayerPlan:
 
     @property
     def group_count(self) -> int:
+        """G, the number of layer groups."""
         return len(self.bounds) - 1
 
     @property
     def page_bytes(self) -> int:
+        """The bytes of one page."""
         return self.ranges * self.num_layers * self.layer_bytes
 
     @property
@@ -101,8 +93,8 @@ class LayerPlan:
         return ReadPlan(self, even_cuts(self.group_count, count))
 
     def read_in(self, cuts: Sequence[int]) -> ReadPlan:
-        """How to read these pages in the read groups ``cuts`` (``experiments.streaming.rules.read_groups.Cuts``: read group r is
-        layer groups ``[cuts[r], cuts[r + 1])``). Raises ValueError for cuts that are not ``0 < .. < G``."""
+        """How to read these pages in the read groups ``cuts`` (``Cuts``: read group r is layer groups
+        ``[cuts[r], cuts[r + 1])``). Raises ValueError for cuts that are not ``0 < .. < G``."""
         cut = tuple(int(c) for c in cuts)
         g = self.group_count
         if len(cut) < 2 or cut[0] != 0 or cut[-1] != g or any(a >= b for a, b in zip(cut, cut[1:])):
@@ -123,10 +115,12 @@ class ReadPlan:
 
     @property
     def group_count(self) -> int:
+        """The number of read groups."""
         return len(self.cuts) - 1
 
     @property
     def parts(self) -> tuple[int, ...]:
+        """The stored parts' byte lengths (the ``LayerPlan``'s)."""
         return self.stored.parts
 
     @property
@@ -173,6 +167,7 @@ def unstreamable(pages: Any) -> str | None:
 
 
 def _plan(pages: Any, groups: int | None) -> tuple[LayerPlan | None, str]:
+    """``(plan, "")`` for a streamable pool, else ``(None, why)``."""
     pool = getattr(pages, "pool", None)
     if pool is None:
         return None, "no host pool"

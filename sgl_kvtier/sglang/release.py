@@ -1,16 +1,15 @@
 """The SGLang releases sgl-kvtier supports, and what differs between them.
 
-Supported: 0.5.22 and 0.5.23, the releases the test suite runs on (the whole suite on 0.5.23; the adapter's
-contract tests and a real CPU server, from an installed wheel, on 0.5.22). Older releases are refused:
-their CPU path cannot be tested here (0.5.21 and older allocate paged KV through Triton, so no CPU server
-with pages over one token), and they lack hook targets the plugins need.
+Supported: 0.5.22 and 0.5.23, the releases the test suite runs on. Older releases are refused: their CPU path
+cannot be tested (0.5.21 and older allocate paged KV through Triton), and they lack hook targets the plugins
+need.
 
 What the adapter meets across the range (everything else it calls is the same in both):
-- ``HiCacheStorageConfig.is_storage_writer`` is new in 0.5.23; 0.5.22 elects the same writers by its own
-  rule, inlined in its cache controller (``writer_of``);
-- ``HiCacheStorage.on_host_pools_registered()`` is new in 0.5.23; on 0.5.22 the tiers open on the first
-  call that needs a store (``tiers.HostShards.ready``);
-- ``HiCacheStorageFailureInjector`` is new in 0.5.23 (looked up by name, absent on 0.5.22);
+- ``HiCacheStorageConfig.is_storage_writer``: absent on 0.5.22, which elects the same writers by a rule
+  inlined in its cache controller (``writer_of``);
+- ``HiCacheStorage.on_host_pools_registered()``: absent on 0.5.22, where the host shards open on the first
+  call that needs a store (``host_shards.HostShards.ready``);
+- ``HiCacheStorageFailureInjector``: absent on 0.5.22 (looked up by name);
 - the plugins' hook targets: each plugin lists the releases it is tested on (``plugins.PLUGINS``).
 
 Invariant: imports no SGLang (only its installed version's metadata), so it is cheap wherever it is used.

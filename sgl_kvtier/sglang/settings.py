@@ -1,18 +1,15 @@
 """From SGLang's world (``HiCacheStorageConfig``, the extra-config dict, a host pool, the server args) to ours.
 
-Our keys in ``--hicache-storage-backend-extra-config`` are exactly the ``StoreConfig`` fields
-(``devices`` and ``capacity_bytes`` are the fixed contract; see README for the rest). Keys that SGLang
-itself reads are ignored here; any other unknown key stops start-up with a message naming it.
+Our keys in ``--hicache-storage-backend-extra-config`` are exactly the ``StoreConfig`` fields (``devices``
+and ``capacity_bytes`` are the fixed contract; README has the rest). Keys SGLang itself reads are ignored;
+any other unknown key stops start-up with a message naming it.
 
-Namespace invariants (``namespace_for``): every rank of every process derives its shard from SGLang's
-storage config, the host pool and the weights' identity only, so processes serving the same weights in
-the same geometry (two servers, or the DP replicas of one under ``sharing = "host"``) name the same
-shard, and anything that changes a page's bytes names another. The weights' identity is the operator's
-``model_fingerprint`` key when given, else ``sgl_kvtier.fingerprint`` over the model files SGLang serves,
-read once per process from SGLang's published server args (``weights_identity``); it never fails
-start-up: where the files are unknown, the name stands for them (with one warning). The KV pool's pages
-are checksummed in parts, one per (layer group, K|V range), where its layout streams (``parts_plan``): its
-namespace so names the parts too (deterministic from the geometry, so every rank and restart agrees).
+Namespace invariants (``namespace_for``): every rank of every process derives its shard from SGLang's storage
+config, the host pool and the weights' identity only, so processes serving the same weights in the same
+geometry (two servers, or the DP replicas of one under ``sharing = "host"``) name the same shard, and
+anything that changes a page's bytes names another. The weights' identity is the ``model_fingerprint`` key
+when given, else ``sgl_kvtier.fingerprint`` over the model files SGLang serves (``weights_identity``); it
+never fails start-up. Where the KV pool's layout streams (``parts_plan``) its namespace names its parts too.
 """
 
 from __future__ import annotations
@@ -72,8 +69,7 @@ def namespace_for(cfg: Any, pages: HostPages, pool_name: str = "kv", config: Sto
 def kv_parts(pages: Any) -> tuple[int, ...]:
     """The checksummed parts of the KV pool's pages: one per (layer group, K|V range) where the layout
     streams (``parts_plan``), else one part (``()``; said once in the log). Each part's digest is taken inside
-    the page's own IO (``io.ops``: ``digest_ranges``), so parts cost put/get nothing measurable (96 x 2 MiB
-    pages, 16 parts vs 1: the same medians) and let a load be verified layer group by layer group."""
+    the page's own IO (``digest_ranges``, ``store.part_reads``), so a load can be verified group by group."""
     plan: LayerPlan | None = getattr(pages, "plan", None)
     if plan is None:
         unstreamable(pages)

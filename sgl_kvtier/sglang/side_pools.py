@@ -1,7 +1,7 @@
-"""``batch_exists_v2`` semantics for side pools (Mamba/SWA state, DSA indexer, draft KV).
+"""``batch_exists_v2`` for side pools (Mamba/SWA state, DSA indexer, draft KV), served by their host shards.
 
-Same fold as SGLang's own file backend: the KV prefix is the longest run of stored KV pages; each
-pool then restricts which prefix lengths are restorable:
+The same fold as SGLang's ``HiCacheFile.batch_exists_v2``: the KV prefix is the longest run of stored KV
+pages; each pool then restricts which prefix lengths are restorable:
   ALL_PAGES       every page of the prefix must be stored for that pool;
   TRAILING_PAGES  only the last ``len(transfer.keys)`` pages of the prefix must be stored;
   BLOCK_GROUPS    the pool reports the whole groups it holds from the start; it never gates the KV hit.
@@ -18,9 +18,10 @@ from sgl_kvtier.keys import PageKey
 from sgl_kvtier.sglang.host_shard import HostShard
 
 
-def exists_v2(kv: HostShard | None, tiers: Mapping[str, HostShard], keys: Sequence[PageKey],
+def exists_v2(kv: HostShard | None, shards: Mapping[str, HostShard], keys: Sequence[PageKey],
               transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
-    """The usable hit of ``keys``: the stored KV prefix, cut to what every gating side pool can restore."""
+    """The usable hit of ``keys``: the stored KV prefix, cut to what every gating side pool can restore
+    (``shards``: the host shard of each pool, by name)."""
     kv_pages = kv.longest_prefix(keys) if kv is not None else 0
     hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
     restorable = list(range(1, kv_pages + 1))
@@ -28,8 +29,8 @@ def exists_v2(kv: HostShard | None, tiers: Mapping[str, HostShard], keys: Sequen
         if not restorable:
             break
         name = str(transfer.name)
-        tier = tiers.get(name)
-        has = [tier is not None and tier.contains(keys[i]) for i in range(kv_pages)]
+        shard = shards.get(name)
+        has = [shard is not None and shard.contains(keys[i]) for i in range(kv_pages)]
         if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
             group = max(1, transfer.group_pages or 1)
             full = next((i for i, h in enumerate(has) if not h), kv_pages)

@@ -6,16 +6,14 @@ Loaded by SGLang with::
     '{"backend_name":"kvtier","module_path":"sgl_kvtier.sglang","class_name":"KVTierStorage","interface_v1":1,
       "devices":["/mnt/nvme0/kvtier"], "capacity_bytes": 400000000000}'
 
-Lifecycle (``tiers``): ``cls(storage_config, {})`` checks that the running SGLang is a supported release
-(``release``: else ``UnsupportedSGLangError`` naming the installed and the supported ones) and validates our
-keys (a bad one raises ``ConfigError`` naming it); either stops start-up. ``register_mem_pool_host(pool)``
-and ``register_mem_host_pool_v2`` bind every pool SGLang registers to a shard of its own, or refuse it loudly
-(``UnservedPoolError``, naming it). The KV shard opens at ``register_mem_pool_host`` (a writer's failed open raises: SGLang then
-refuses to start with the error, rather than serving without its L3); ``on_host_pools_registered()``
-opens the side pools' shards, each tier under its share of the one byte limit of the backend
-(``capacity``). ``close()`` (detach, shutdown, a failed attach) closes every
-shard, whatever the others raise, and reports the first failure at the boundary: it never raises into
-SGLang, and a new backend on the same devices (a re-attach) opens them again.
+Lifecycle (``host_shards``): ``cls(storage_config, {})`` checks the SGLang release (``release``:
+``UnsupportedSGLangError``) and our keys (``ConfigError`` naming the bad one); either stops start-up.
+``register_mem_pool_host`` and ``register_mem_host_pool_v2`` bind every host pool SGLang registers to a host
+shard of its own, or refuse it (``UnservedPoolError``, naming it). The KV host shard opens at
+``register_mem_pool_host`` (a writer's failed open raises: SGLang refuses to start rather than run without its
+L3); ``on_host_pools_registered`` opens the rest, each under its share of the backend's one byte limit
+(``capacity``). ``close`` (detach, shutdown, a failed attach) closes every host shard whatever the others
+raise and reports the first failure at the boundary; a later backend on the same devices opens them again.
 
 Boundary rule: SGLang calls exists / get / set from three threads, and clear / get_stats / close from its
 scheduler; none of these raises. Every exception is caught in ``_guarded``, answered as a miss (``False``
@@ -25,13 +23,12 @@ scheduler; none of these raises. Every exception is caught in ``_guarded``, answ
 
 Extensions (``Extension``): an opt-in feature rides on a backend without the adapter importing it. A plugin's
 ``load`` adds a factory to ``EXTENSIONS``; each backend made afterwards carries one of each. ``batch_get_v1``
-lets them answer first (the streamed tails' bound slots: ``experiments.streaming.backend_side``),
-``telemetry().stream`` is theirs, and ``close`` closes them before the stores. With none (the default) a
-read goes straight to the KV shard.
+lets them answer first (``experiments.streaming.backend_side``), ``telemetry().stream`` is theirs, and
+``close`` closes them before the stores. With none (the default) a read goes straight to the KV host shard.
 
-State: everything per backend lives on the instance (stores, transfer figures, the error counters, the
-cost policy with its prefill estimator, the metrics feed); the one per-process object is the Prometheus
-exporter (``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's registry is per process.
+State: everything per backend lives on the instance (host shards, transfer figures, error counters, the cost
+policy, the metrics feed); the one per-process object is the Prometheus exporter
+(``telemetry.prometheus.PROCESS_GAUGES``), because prometheus_client's registry is per process.
 """
 
 from __future__ import annotations
@@ -76,9 +73,9 @@ T = TypeVar("T")
 
 
 class Extension(Protocol):
-    """An opt-in feature riding on a backend (the stream plugin's ``StreamingSide``): the adapter calls it
-    through these four methods alone and never imports it. Each method is called under the backend's
-    boundary rules: ``answer`` inside ``batch_get_v1``'s guard, the others guarded here."""
+    """An opt-in feature riding on a backend (``experiments.streaming.backend_side.StreamingSide``): the
+    adapter calls it through these four methods alone and never imports it. Each call is guarded by the
+    backend's boundary: ``answer`` inside ``batch_get_v1``'s guard, the others here."""
 
     def answer(self, keys: list[PageKey | None], host_indices: torch.Tensor) -> list[bool] | None:
         """The read of these slots if the extension answers it itself, else None (read them as usual)."""
@@ -98,7 +95,7 @@ EXTENSIONS: list[Callable[[KVTierStorage], Extension]] = []
 
 
 class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGLang ships no type information
-    """SGLang's L3 storage backend: one page-store shard per registered host pool, on NVMe.
+    """SGLang's L3 storage backend: one host shard (a page-store shard) per registered host pool, on NVMe.
 
     KV moves zero-copy between the host pool and flash through the v1 calls (``interface_v1``); the
     legacy flat-tensor calls and the v2 side-pool calls are served too. ``telemetry()`` is the one
@@ -130,29 +127,29 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
 
     @property
     def kv(self) -> HostShard | None:
-        """The KV pool's tier (None before ``register_mem_pool_host`` and after ``close``)."""
+        """The KV pool's host shard (None before ``register_mem_pool_host`` and after ``close``)."""
         return self.host_shards.kv
 
     # ------------------------------------------------------------------ registration (errors stop start-up)
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The KV host pool (the ``kv`` tier): its shard opens now (errors stop start-up; on raw block
-        devices it waits for the others), under its final share of the capacity once every side pool is
-        known (``on_host_pools_registered``)."""
+        """The KV host pool (host shard ``kv``): it opens now (errors stop start-up; on raw block devices it
+        waits for the others), and under its final share of the capacity once every side pool is known
+        (``on_host_pools_registered``)."""
         super().register_mem_pool_host(mem_pool_host)
         self.host_shards.register(KV, mem_pool_host, open_now=True)
         self._say_streaming()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Every pool of SGLang's ``HostPoolGroup``: served by a tier of its own (the KV pool by the ``kv``
-        tier), or refused with ``UnservedPoolError`` naming it. A pool registered after the shards opened
+        """Every pool of SGLang's ``HostPoolGroup``: served by a host shard of its own (the KV pool by ``kv``),
+        or refused with ``UnservedPoolError`` naming it. A pool registered after the host shards opened
         reopens them under new capacity shares."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self.host_shards.register(str(getattr(host_pool_name, "value", host_pool_name)), host_pool)
 
     def on_host_pools_registered(self) -> None:
-        """All pools are known: open every tier's shard under its share of the capacity. (SGLang 0.5.23 calls
+        """All pools are known: open every host shard under its share of the capacity. (SGLang 0.5.23 calls
         it; 0.5.22 does not, and the first call that needs a store opens them, ``HostShards.ready``.)"""
-        parent = getattr(super(), "on_host_pools_registered", None)  # new in SGLang 0.5.23
+        parent = getattr(super(), "on_host_pools_registered", None)  # absent on SGLang 0.5.22
         if parent is not None:
             parent()
         self.host_shards.open_all()
@@ -179,12 +176,12 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
 
     def _exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None) -> int:
         parsed = keys_until_invalid(keys)
-        tier = self._kv()
-        hit = tier.longest_prefix(parsed)
+        shard = self._kv()
+        hit = shard.longest_prefix(parsed)
         # With KVTIER_PREFETCH_POLICY=cost: only the leading pages predicted to load faster than recompute.
         hit = self.cost.shorten_hit(len(keys), hit, len(prefix_keys(extra_info)))
         try:
-            tier.stage(parsed[:hit])  # read-ahead: the reads start now, batch_get_v1 collects them
+            shard.stage(parsed[:hit])  # read-ahead: the reads start now, batch_get_v1 collects them
         except Exception as exc:  # the hit stands: batch_get_v1 reads on demand
             self.boundary.fail("batch_exists read-ahead", exc, outcome="read on demand")
         return hit
@@ -194,14 +191,14 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         """Read the leading stored run of ``keys`` into the host pool slots ``host_indices``."""
         def get() -> list[bool]:
             start = time.perf_counter()
-            tier = self._kv()
+            shard = self._kv()
             parsed = keys_or_none(keys)
             for ext in self.extensions:  # none unless a plugin added one (a streamed hit's head, at once)
                 answer = ext.answer(parsed, host_indices)
                 if answer is not None:
                     return answer
-            result = tier.read(parsed, host_indices)
-            self.stats.record_get(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
+            result = shard.read(parsed, host_indices)
+            self.stats.record_get(sum(result), shard.pages.page_bytes, time.perf_counter() - start)
             return result
 
         return self._guarded("batch_get_v1", get, lambda: [False] * len(keys))
@@ -214,9 +211,9 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
 
         def put() -> list[bool]:
             start = time.perf_counter()
-            tier = self._kv()
-            result = tier.write(keys_or_none(keys), host_indices, parent_of(extra_info))
-            self.stats.record_set(sum(result), tier.pages.page_bytes, time.perf_counter() - start)
+            shard = self._kv()
+            result = shard.write(keys_or_none(keys), host_indices, parent_of(extra_info))
+            self.stats.record_set(sum(result), shard.pages.page_bytes, time.perf_counter() - start)
             return result
 
         return self._guarded("batch_set_v1", put, lambda: [False] * len(keys))
@@ -235,10 +232,10 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         """Flat pages into ``target_locations`` (or fresh ones); None for each miss."""
         def get() -> list[Any]:
-            tier = self._kv()
+            shard = self._kv()
             given = [None] * len(keys) if target_locations is None else list(target_locations)
-            targets = [tier.pages.pool.get_dummy_flat_data_page() if t is None else t for t in given]
-            oks = tier.read_flat(keys_or_none(keys), targets)
+            targets = [shard.pages.pool.get_dummy_flat_data_page() if t is None else t for t in given]
+            oks = shard.read_flat(keys_or_none(keys), targets)
             return [t if ok else None for t, ok in zip(targets, oks)]
 
         return self._guarded("batch_get", get, lambda: [None] * len(keys))
@@ -258,7 +255,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
     # ------------------------------------------------------------------ v2: side pools
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        """The usable KV prefix given every side pool's hit policy (see ``sidecars``)."""
+        """The usable KV prefix given every side pool's hit policy (see ``side_pools``)."""
         def exists() -> PoolTransferResult:
             return exists_v2(self._kv(), self.shards, keys_until_invalid(keys), pool_transfers or [])
 
@@ -275,28 +272,29 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         return {str(t.name): self._transfer(t, write=True, extra_info=extra_info) for t in transfers}
 
     def _transfer(self, t: PoolTransfer, write: bool, extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        """One side pool's read or write through its host shard, guarded; one flag per key."""
         keys = list(t.keys or [])
 
         def move() -> list[bool]:
             self.host_shards.ready()
-            tier = self.shards.get(str(getattr(t.name, "value", t.name)))
-            if tier is None:
+            shard = self.shards.get(str(getattr(t.name, "value", t.name)))
+            if shard is None:
                 raise KVTierError(f"no host pool {t.name!r} registered")
             if not write:
-                return tier.read(keys_or_none(keys), t.host_indices)
+                return shard.read(keys_or_none(keys), t.host_indices)
             if not self.writer:
                 return [True] * len(keys)
-            return tier.write(keys_or_none(keys), t.host_indices, parent_of(extra_info))
+            return shard.write(keys_or_none(keys), t.host_indices, parent_of(extra_info))
 
         return self._guarded(f"batch_{'set' if write else 'get'}_v2[{t.name}]", move, lambda: [False] * len(keys))
 
     # ------------------------------------------------------------------ admin
     def clear(self) -> None:
-        """Drop every page of every shard this rank writes."""
+        """Drop every page of every host shard this rank writes."""
         def drop() -> None:
             self.host_shards.ready()
-            for tier in list(self.shards.values()):
-                self._guarded("clear", tier.clear, lambda: None)  # each shard whatever the others raise
+            for shard in list(self.shards.values()):
+                self._guarded("clear", shard.clear, lambda: None)  # each host shard whatever the others raise
 
         self._guarded("clear", drop, lambda: None)
 
@@ -314,13 +312,14 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         the prefill model, the policy switch, the boundary's counters, the rank labels, and its streamed
         tails when it streams."""
         cfg = self.storage_config
-        tiers = list(self.shards.values())
+        shards = list(self.shards.values())
         return TelemetrySnapshot(
             ranks=RankLabels(int(cfg.tp_rank or 0), int(cfg.pp_rank or 0), int(cfg.dp_rank or 0)),
-            pools=tuple(t.snapshot() for t in tiers), prefill=self.cost.prefill.snapshot(),
+            pools=tuple(s.snapshot() for s in shards), prefill=self.cost.prefill.snapshot(),
             cost_policy_enabled=self.cost.enabled(), boundary=self.boundary.counts(), stream=self._stream())
 
     def _stream(self) -> StreamSnapshot | None:
+        """The first extension's streaming figures (None: no extension reports any)."""
         for ext in self.extensions:
             snap = self._guarded("telemetry (extension)", ext.snapshot, lambda: None)
             if snap is not None:
@@ -332,12 +331,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
         return self.telemetry().cost_inputs()
 
     def close(self) -> None:
-        """Stop every tier's read-ahead and close its store (detach, shutdown, a failed attach): every tier,
-        whatever the others raise. Never raises into SGLang: once all is released, the first failure is
-        counted and logged at the boundary (the later ones as its notes, and logged). Idempotent. The binder
-        first: its streams read the stores. A closed backend holds no host pool (nor, by the no-cycles rule
-        of ``store.lifecycle``, is anything it held kept past its last reference): whoever still holds it
-        keeps no host memory alive."""
+        """Close the extensions, then every host shard (its read-ahead, then its store), each whatever the
+        others raise (detach, shutdown, a failed attach). Never raises into SGLang: once all is released, the
+        first failure is counted and logged at the boundary, the later ones as its notes. Idempotent. A closed
+        backend holds no host pool (and, by the no-cycles rule of ``store.lifecycle``, nothing it held outlives
+        its last reference): whoever still holds it keeps no host memory alive."""
         for ext in self.extensions:  # first: a streamed tail reads the stores
             try:
                 ext.close()
@@ -350,6 +348,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
             self._report_close(handed_on(failures))
 
     def _report_close(self, failures: list[Failure]) -> None:
+        """Count and log the first close failure, the others as its notes; re-raise an interrupt."""
         step, first = failures[0]
         for later, exc in failures[1:]:
             first.add_note(f"{later} also failed: {exc!r}")
@@ -362,14 +361,16 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]  # SGL
 
     # ------------------------------------------------------------------ internals
     def _read_path(self) -> ReadPath | None:
-        tier = self.kv
-        store = None if tier is None else tier.store
+        """The KV host shard's measured read path for the cost policy (None: not open or not measured yet)."""
+        shard = self.kv
+        store = None if shard is None else shard.store
         model = None if store is None else store.read_rates.model()
-        if tier is None or model is None:
+        if shard is None or model is None:
             return None
-        return ReadPath(tier.pages.page_tokens, tier.pages.page_bytes, model)
+        return ReadPath(shard.pages.page_tokens, shard.pages.page_bytes, model)
 
     def _kv(self) -> HostShard:
+        """The KV host shard, opening the host shards if nobody did; ``KVTierError`` when there is none."""
         self.host_shards.ready()
         kv = self.kv
         if kv is None:

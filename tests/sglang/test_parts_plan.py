@@ -141,7 +141,7 @@ def test_round_trip_through_the_adapter_is_byte_exact(tmp_path, kind, layout, re
 @pytest.mark.parametrize(("kind", "layout"), STREAMABLE)
 def test_group_major_read_hands_over_each_layer_group_exactly(tmp_path, kind, layout) -> None:
     with stored_pages(tmp_path, kind, layout, seed=5) as st:
-        pool, tier, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
+        pool, shard, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
         want = {(p, g, r): group_bytes(pool, kind, plan, p * PS, g, r)
                 for p in src for g in range(plan.group_count) for r in range(ranges)}
         assert st.backend.batch_set_v1(keys, slots(src)) == [True] * 6
@@ -157,7 +157,7 @@ def test_group_major_read_hands_over_each_layer_group_exactly(tmp_path, kind, la
                     for later in range(g + 2, plan.group_count):  # not read yet (g + 1 may be in flight)
                         assert group_bytes(pool, kind, plan, d * PS, later, r) == bytes(len(want[(s, later, r)]))
 
-        assert read_layer_groups(tier, parse_keys(keys), slots(dst), on_group) == [True] * 6
+        assert read_layer_groups(shard, parse_keys(keys), slots(dst), on_group) == [True] * 6
         assert seen == list(range(plan.group_count))
         for s, d in zip(src, dst):
             for g in range(plan.group_count):
@@ -190,7 +190,7 @@ def test_a_read_in_merged_groups_hands_over_their_layers_verified(tmp_path, kind
     """Two read groups over the pool's four layer groups, even and uneven: each hands over its layers' bytes,
     exactly; every stored part was still verified (``parts_read``), and a read plan of another pool is refused."""
     with stored_pages(tmp_path, kind, layout, seed=6) as st:
-        pool, tier, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
+        pool, shard, plan, keys, src, dst, ranges = st.pool, st.backend.kv, st.plan, st.keys, st.src, st.dst, st.ranges
         assert plan.group_count == 4
         assert st.backend.batch_set_v1(keys, slots(src)) == [True] * 6
         want = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
@@ -199,18 +199,18 @@ def test_a_read_in_merged_groups_hands_over_their_layers_verified(tmp_path, kind
                               (plan.read_in((0, 1, 4)), [(0, [0, 1]), (1, [2, 3, 4, 5, 6, 7])])):  # uneven
             zero(pool)
             seen: list[tuple[int, list[int]]] = []
-            before = tier.store.own.counters.parts_read
-            assert read_layer_groups(tier, parse_keys(keys), slots(dst), lambda g, layers, ok, seen=seen: seen.append(
+            before = shard.store.own.counters.parts_read
+            assert read_layer_groups(shard, parse_keys(keys), slots(dst), lambda g, layers, ok, seen=seen: seen.append(
                 (g, list(layers))), reads) == [True] * 6
             assert seen == landed
             got = [b"".join(group_bytes(pool, kind, plan, p * PS, g, r) for r in range(ranges) for g in range(4))
                    for p in dst]
             assert got == want
-            assert tier.store.own.counters.parts_read - before == 6 * ranges * 4
+            assert shard.store.own.counters.parts_read - before == 6 * ranges * 4
         other = plan_for(HostPages.of(make_pool(kind, layout, layers=4)))
         assert other is not None
         with pytest.raises(ValueError, match="not of this pool"):
-            read_layer_groups(tier, parse_keys(keys), slots(dst), lambda *a: None, other.reads(2))
+            read_layer_groups(shard, parse_keys(keys), slots(dst), lambda *a: None, other.reads(2))
 
 
 @pytest.mark.parametrize(("kind", "layout"), UNSTREAMABLE)

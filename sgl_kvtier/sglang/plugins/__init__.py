@@ -1,30 +1,27 @@
 """sgl-kvtier's SGLang general plugins: one ``sglang.srt.plugins`` entry point (``kvtier`` -> ``load``), every
 plugin opt-in.
 
-SGLang runs every installed general plugin's entry point early in each of its processes (``load_plugins()``:
-the server's main process, ``Engine``, each spawned scheduler, the detokenizer, the DP controller), whether or
-not that process uses sgl-kvtier. So installing the package must change nothing there: ``load()`` reads the
-environment and, with no switch set, returns; this module imports nothing but the standard library and logs
-nothing. (SGLang's own loader still lists the entry point in its log, as it does every installed plugin.)
+SGLang runs every installed general plugin's entry point early in each of its processes (``load_plugins()``),
+whether or not that process uses sgl-kvtier, so installing the package must change nothing there: ``load()``
+reads the environment and, with no switch set, returns; this module imports only the standard library and
+logs nothing. The switches are environment variables, since ``load()`` runs before any backend config exists
+(``sgl-kvtier launch`` and ``serving.server`` set them from the ``[kvtier]`` keys):
 
-The plugins and their switches (environment variables, since ``load()`` runs before any backend config
-exists in the process; ``sgl-kvtier launch`` and ``serving.server`` set them from the ``[kvtier]`` keys):
-
-====================  ==========================  ================================================  ========
-plugin                switch                      what it does                                      SGLang
-====================  ==========================  ================================================  ========
-``cpu_shims``         ``KVTIER_CPU_SHIMS=1``      SGLang HiCache on a CPU-only machine (``cpu``)    0.5.22-23
-``cost_policy``       ``KVTIER_PREFETCH_POLICY``  the load-or-recompute stop decision (``prefetch``)  0.5.23
-                      ``=cost``
-``layer_loader``      ``KVTIER_LAYER_LOADER=1``   CPU load-backs layer by layer (``layer_loader``)  0.5.23
-``stream``            ``KVTIER_STREAM=1``         streamed L3 tails (``stream``; ``streaming =      0.5.23
-                                                  "on"`` sets it through the launcher)
-====================  ==========================  ================================================  ========
+=================  ===================================  ========================================  =========
+plugin             switch                               module (what it does)                     SGLang
+=================  ===================================  ========================================  =========
+``cpu_shims``      ``KVTIER_CPU_SHIMS=1``               ``plugins.cpu`` (HiCache on a CPU host)   0.5.22-23
+``cost_policy``    ``KVTIER_PREFETCH_POLICY=cost``      ``experiments.cost_policy`` (prefetch     0.5.23
+                                                        stop: load or recompute)
+``layer_loader``   ``KVTIER_LAYER_LOADER=1``            ``experiments.layer_loader`` (CPU         0.5.23
+                                                        load-backs layer by layer)
+``stream``         ``KVTIER_STREAM=1`` (set by          ``experiments.streaming`` (streamed L3    0.5.23
+                   ``streaming = "on"``)                tails)
+=================  ===================================  ========================================  =========
 
 All or nothing (``register_all``): a switched-on plugin registers its hooks only when the running SGLang is a
-release it is tested on and every one of its hook targets resolves; otherwise it registers none and says so
-in one warning naming the release or the missing targets. ``status(name)`` tells the backend which (it logs
-why ``streaming = "on"`` cannot stream).
+release it is tested on and every hook target resolves; otherwise it registers none and says why in one
+warning. ``status`` / ``why_off`` tell the backend which (it logs why ``streaming = "on"`` cannot stream).
 """
 
 from __future__ import annotations

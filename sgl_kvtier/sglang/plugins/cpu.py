@@ -1,29 +1,21 @@
-"""SGLang general plugin that installs the CPU shims (see `cpu_shims`) in every SGLang process.
+"""The ``cpu_shims`` plugin: installs the CPU shims (``cpu_shims``) in every SGLang process.
 
-Declared in pyproject.toml as the `sglang.srt.plugins` entry point `kvtier_cpu_shims`. SGLang 0.5.23
-calls `sglang.srt.plugins.load_plugins()` early in each of its processes: the `launch_server` main
-process, `Engine.__init__`, the spawned scheduler (`run_scheduler_process`), the detokenizer and the
-DP controller. `load_plugins()` runs every plugin's `load()` and then `HookRegistry.apply_hooks()`.
-
-Opt-in and inert on GPUs: `load()` does nothing unless `KVTIER_CPU_SHIMS=1` is set AND
-`torch.cuda.is_available()` is False. The environment variable is read first, so a GPU machine
-without it never even touches torch.cuda here. All or nothing (`plugins.register_all`): on an SGLang
+Loaded by the ``kvtier`` entry point (``plugins.load``), which SGLang's ``load_plugins()`` runs early in each
+of its processes before ``HookRegistry.apply_hooks()``. Opt-in and inert on GPUs: ``load()`` does nothing
+unless ``KVTIER_CPU_SHIMS=1`` is set and ``torch.cuda.is_available()`` is False (the variable is read first,
+so a GPU machine without it never touches torch.cuda here). All or nothing (``plugins.register_all``): on a
 release the shims are not tested on, or one missing a target, nothing is installed (one warning).
 
 How each shim is applied:
-- `HostKVCache.__init__` (force `pin_memory=False`): through SGLang's `HookRegistry`, as a BEFORE hook.
-- torch_native extend attention (new tokens' queries only): through `HookRegistry`, as an AROUND hook.
-  The registry applies it right after all plugins have run and also rebinds stale `from ... import`
-  copies.
-- `vllm._custom_ops` stub: plain `sys.modules` insertion in `load()`. A hook can only wrap an object
-  that exists, and here the whole module is missing.
-- `transfer_kv_direct`: plain `setattr` on `sglang.srt.mem_cache.pool_host.mha` in `load()`. The
-  registry resolves targets with `getattr` first, and on CPU the module never imported that name,
-  so REPLACE fails with AttributeError.
+- ``HostKVCache.__init__`` (``pin_memory=False``) and the torch_native extend attention (new tokens' queries
+  only): ``HookRegistry`` BEFORE and AROUND hooks, applied after all plugins ran (the registry also rebinds
+  stale ``from ... import`` copies);
+- the ``vllm._custom_ops`` stub: a ``sys.modules`` insertion (a hook can only wrap an object that exists);
+- the ``direct`` IO kernels: ``setattr`` on the host-pool modules (the registry resolves targets with
+  ``getattr`` first, and on CPU those names are missing).
 
-`load()` registers the hook but does not apply it. Code that needs the shims outside SGLang's process
-start-up (an in-process test harness) should call `sglang.srt.plugins.load_plugins()`, which runs
-this plugin and applies its hook.
+``load()`` registers the hooks but does not apply them: outside SGLang's process start-up (an in-process
+test harness) call ``sglang.srt.plugins.load_plugins()``, which runs this plugin and applies its hooks.
 """
 
 from __future__ import annotations

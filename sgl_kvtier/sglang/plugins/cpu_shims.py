@@ -1,32 +1,24 @@
-"""The three shims that let SGLang 0.5.23 run HiCache (L1 -> L2 -> L3) on a CPU-only machine.
+"""The shims that let SGLang run HiCache (L1 -> L2 -> L3) on a CPU-only machine.
 
-Why each exists (measured, see shared/reference/sglang-on-cpu.md):
+Why each exists:
 
-1. `vllm._custom_ops.rotary_embedding`: `sglang/srt/layers/rotary_embedding/base.py` imports it when
-   the platform is neither CUDA nor SGLang's own CPU engine. Only the import has to succeed: on this
-   route the rotary layer runs `forward_native`, so the stub raises if it is ever called.
-2. `HostKVCache.__init__(pin_memory=...)`: the host-pool assembler hard-codes the default
-   `pin_memory=True`, which asks CUDA to register the buffer. No server flag turns it off.
-3. `sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct`: imported from `sgl_kernel.kvcacheio`
-   only on CUDA/ROCm/XPU, so on CPU the name is simply missing and `--hicache-io-backend direct`
-   with `layer_first` fails with NameError. A torch stand-in does the same copy: one slice copy per
-   stretch where both index lists count up by one (at most `MAX_RUNS`: a load of pages allocated
-   together), else a gather and a scatter (index ops, two passes and a temporary). Two more, with index
-   ops, serve `page_first_direct` (`transfer_kv_all_layer_direct_lf_pf`, device -> host pages, and
-   `transfer_kv_per_layer_direct_pf_lf`, one layer host -> device), in the MHA and the MLA host modules.
+1. ``vllm._custom_ops.rotary_embedding``: SGLang's rotary embedding layer imports it when the platform is
+   neither CUDA nor SGLang's own CPU engine. Only the import has to succeed: on this route the rotary layer
+   runs ``forward_native``, so the stub raises if it is ever called.
+2. ``HostKVCache.__init__(pin_memory=...)``: the host-pool assembler hard-codes the default ``pin_memory=True``, which
+   asks CUDA to register the buffer; no server flag turns it off.
+3. The ``direct`` IO backend's kernels (``transfer_kv_direct`` for ``layer_first``; for ``page_first_direct``
+   ``transfer_kv_all_layer_direct_lf_pf`` and ``transfer_kv_per_layer_direct_pf_lf``): the MHA and MLA
+   host-pool modules import them from ``sgl_kernel.kvcacheio`` only on CUDA/ROCm/XPU, so on CPU they are
+   missing (NameError). Torch stand-ins do the same copies.
+4. ``TorchNativeAttnBackend._run_sdpa_forward_extend`` runs causal SDPA over the whole sequence, cached
+   prefix included, and keeps only the new tokens' rows, so a prefix hit would not save the attention over
+   the prefix as GPU backends do. ``extend_attention_new_queries_only`` computes only the new rows, with a
+   bottom-right causal mask: the same output, so CPU timings of cache hits are honest. Sliding windows,
+   cross attention, encoder lengths and non-causal calls go to SGLang's own.
 
-A fourth shim is not about running at all but about measuring honestly on CPU:
-
-4. `TorchNativeAttnBackend._run_sdpa_forward_extend` (the CPU attention of `--attention-backend
-   torch_native`) builds a query tensor as long as the *whole* sequence, cached prefix included, runs
-   causal SDPA over all of it, and keeps only the new tokens' rows. A prefix-cache hit then saves the
-   linear layers but not the attention over the prefix, which GPU backends (FlashInfer, FA3, Triton)
-   never recompute. `extend_attention_new_queries_only` computes the new tokens' queries against the
-   whole cached + new key range with a bottom-right causal mask: the same rows, without the discarded
-   work. Sliding windows, cross attention, encoder lengths and non-causal calls go to SGLang's own.
-
-This module only defines the shims; `plugins.cpu.load()` decides whether to install them.
-Importing it pulls in torch but nothing from SGLang.
+This module only defines the shims; ``plugins.cpu.load()`` decides whether to install them. Importing it
+pulls in torch but nothing from SGLang.
 """
 
 from __future__ import annotations
@@ -91,7 +83,7 @@ def install_vllm_custom_ops_stub() -> bool:
 def force_unpinned_host_pool(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """BEFORE hook for `HostKVCache.__init__`: always allocate the host pool unpinned.
 
-    `pin_memory` is keyword-only in 0.5.23, so it is always in kwargs.
+    ``pin_memory`` is keyword-only in 0.5.23, so it is always in kwargs.
     """
     global _unpinned_logged
     kwargs["pin_memory"] = False
@@ -265,6 +257,7 @@ def _new_queries_only(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, scaling: float | None, enable_gqa: bool,
 ) -> torch.Tensor:
+    """Shim 4 proper: each request's new query rows against its cached + new keys, written into ``output``."""
     heads_first = query.dim() - 2
     queries = query.movedim(0, heads_first)  # [heads, tokens, head_dim]
     start = 0
