@@ -16,12 +16,14 @@ import sys
 import pytest
 from test_sharing import ROOT, WORKER, Proc
 
+pytest_plugins = ["sglang_fixtures"]  # fixtures for tests that run SGLang's classes in this process
+
 # Seconds each took serially on a 2-core machine (session 8), longest first.
 SLOW_FIRST = (
     "tests/sglang/test_shared_servers.py",  # ~200 s
     "tests/test_sglang_range.py",  # ~170 s (the wheel, the range tests and two servers on the oldest SGLang)
-    "tests/sglang/test_stream_server.py",  # ~140 s
-    "tests/sglang/test_stream_retract.py",  # ~130 s
+    "tests/experiments/test_stream_server.py",  # ~140 s
+    "tests/experiments/test_stream_retract.py",  # ~130 s
     "tests/sglang/test_server_reliability.py",  # ~120 s
     "tests/test_bench_policy.py",  # ~100 s
     "tests/test_bench_streaming.py",  # ~95 s
@@ -29,7 +31,7 @@ SLOW_FIRST = (
     "tests/sglang/test_cpu_server.py",  # ~90 s
     "tests/test_bench_serving.py",  # ~80 s
     "tests/sglang/test_cluster_servers.py",  # ~65 s
-    "tests/sglang/test_layer_loader.py",  # ~55 s
+    "tests/experiments/test_layer_loader.py",  # ~55 s
     "tests/sglang/test_prometheus.py",  # ~55 s
     "tests/sglang/test_plain_server.py",  # ~45 s
 )

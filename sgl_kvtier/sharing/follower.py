@@ -1,45 +1,25 @@
 """PageReader: a read-only view of one writer's pages of a namespace shard, following that live writer.
 
-Opened without the writer lock and without creating anything: the index comes from the writer directory's
-checkpoint plus its journals (``journal.recover``), and ``refresh()`` replays what the writer appended
-since (``journal.follow``: a stat or two when nothing changed). ``wid`` picks the writer directory
-(``w-<wid>``); without one, the lowest present. Used by ``sharing.pool.SharedPool`` (one per other writer),
-and by ``sgl-kvtier inspect`` / ``fsck``.
+Opened without the writer lock and creating nothing: the index is the writer's checkpoint plus its journals
+(``store.journal.recover``), and ``refresh()`` replays what the writer appended since (``store.journal.follow``).
+``wid`` picks the writer (default: the lowest present). Used by ``sharing.pool.SharedPool`` (one per other
+writer) and by ``sgl-kvtier inspect`` / ``fsck``.
 
-Rules (so that any number of readers can follow a writer, in any processes):
-  * A reader never writes a file and never takes the lock: not the journal, not the checkpoint.
-  * A reader's view may lag its writer. A page the writer dropped since may still be listed; its slot is
-    then either unchanged (the old page's bytes, still good) or rewritten (they fail the old checksum: a
-    miss, and the reader drops the page from its own view). Never wrong KV.
-  * Its capacity is whatever the shard holds: every recovered page is shown, whatever the limit is now.
-  * A reader never evicts or allocates a slot, so its eviction policy need not see the writer's new pages;
-    pins still keep its own reads consistent.
-
-  * A reader of a peer (``follows_peer``, the pool's) re-reads the journal when a read fails its checksum,
-    and counts a page whose mapping changed meanwhile as ``remote_reuse_races``, not as corruption. A
-    writer directory that vanishes (or whose segments go) leaves an empty view: misses, never errors.
-
-``sharing = "cluster"`` (other hosts, a shared filesystem such as NFS whose clients may see each other's
-files stale):
-  * Every refresh reads the writer's ``LEASE`` and replays its journals only as far as the leases announced
-    (``journal.follow_announced``; ``announced`` keeps the most bytes announced per generation); the open
-    too (no lease yet: the checkpoint alone). A lease missing or unreadable replays nothing new; one
-    older than what was seen (a stale cache) can never move the view back, nor can one of an incarnation
-    older than the newest seen. A lease of an incarnation never seen, announcing less than the cursor (a
-    new writer took the directory over), starts over from its checkpoint and that announcement.
-  * A peer's page dropped for failing its checksum may have been a stale read (a client cache serving a
-    slot's old bytes), so the reader keeps it as a *suspect* and puts it back in its view after later
-    beats of the writer (1, 2, 4, 8 beats; then it is dropped for good), unless a replayed record has
-    since named its key or its slot (``Recovered.watch``). Every try is a verified read: never wrong KV.
-  * Every file of the writer's is read through a ``journal.FileView`` (``view`` of ``open``, else the
-    module's default, ``reading_through``; tests inject ``io.stale.StaleFiles``); a writer directory the
-    view does not show is not there yet (``DeviceError``: the pool tries again later).
-
-A writer of a shared raw pool (``host_index``) has no directory: its files are its region's areas, read
-through the layout's ``region_meta.RegionFiles`` (fresh O_DIRECT reads of the device) whatever ``view`` says.
-
-Its state is one followed journal (``recovery``, whose dicts the index shares and replay updates in
-place); the pool keeps one reader per other writer.
+Rules (any number of readers may follow a writer, in any processes):
+  * A reader never writes a file and never takes the lock, never evicts nor allocates a slot.
+  * Its view may lag: a page dropped since may still be listed; its slot then holds the old bytes (good) or
+    new ones (failing the old checksum: a miss, dropped from the view). Never wrong KV.
+  * A peer's reader (``follows_peer``) re-reads the journal when a read fails its checksum and counts a
+    changed mapping as ``remote_reuse_races``; a vanished directory leaves an empty view, never errors.
+``sharing = "cluster"`` (a shared filesystem whose clients may see each other's files stale):
+  * Each refresh reads the LEASE and replays only as far as the leases announced
+    (``store.journal.follow_announced``). A stale lease never moves the view back; a lease of a new incarnation
+    announcing less than the cursor (a new writer in the directory) starts over from its checkpoint.
+  * A page dropped for failing its checksum may have been a stale read, so it is kept as a *suspect* and
+    put back after 1, 2, 4, 8 of its writer's beats (then dropped for good), unless a replayed record named
+    its key or slot since (``Recovered.watch``). Every try is a verified read.
+  * Files are read through an ``io.file_view.FileView`` (``open``'s ``view``, else ``reading_through``'s).
+A shared raw pool's writer is read through its region's ``media.shared_raw.region_meta.RegionFiles``.
 """
 
 from __future__ import annotations
@@ -85,7 +65,7 @@ def reading_through(view: FileView) -> Iterator[FileView]:
 
 
 def read_lease(view: FileView, path: Path) -> dict[str, Any] | None:
-    """``lease.read_lease`` through ``view``: the lease in ``path``, or None (missing, no valid block)."""
+    """``sharing.lease.read_lease`` through ``view``: the lease in ``path``, or None (missing, no valid block)."""
     try:
         return fmt.unpack_lease(view.read(path, 0, 2 * fmt.LEASE_BLOCK_BYTES), str(path))
     except (OSError, CorruptRecordError):
@@ -211,7 +191,8 @@ class PageReader(PageShard):
         if seen is None and len(self._marks) > 1 and cursor < self.recovery.cursor:
             # A new incarnation announcing less than this view holds: a new writer in the directory.
             self.announced = {}
-            self.recovery.__dict__.update(jr.recover(self.layout.meta, self.recovery.parts, view=self.view, announced={}).__dict__)
+            self.recovery.__dict__.update(
+                jr.recover(self.layout.meta, self.recovery.parts, view=self.view, announced={}).__dict__)
         self.lease = lease
         gen, size = cursor
         self.announced[gen] = max(self.announced.get(gen, 0), size)

@@ -1,33 +1,19 @@
-"""A writer's lease: ``LEASE`` in its directory, rewritten every ``heartbeat_s`` (format in ``store.format``).
+"""A writer's lease: ``LEASE`` rewritten every ``heartbeat_s`` (format in ``store.format``; the protocol
+argument in docs/sharing-protocol.md).
 
-The file holds two blocks of ``LEASE_BLOCK_BYTES``; beat ``n`` (``counter = n``) rewrites block ``n % 2``
-with ``pwrite`` + ``fdatasync``, so a beat torn by a crash leaves the other, older block valid
-(``format.unpack_lease`` picks the valid block with the higher counter). A lease opened where one was
-counts on from that one's counter (never back to 0), so its first beat is the lease readers see. Fields:
-the writer's identity (wid, host_id, machine_id, boot_id, pid, a 16-byte ``incarnation`` fresh per open),
-``counter``, ``heartbeat_s``, and what the writer's ``usage`` callable reports at that beat (pages,
-bytes_used, capacity_bytes, journal ``[generation, bytes]``, age_hist).
+Beat ``n`` (``counter = n``) rewrites block ``n % 2`` durably, so a beat torn by a crash leaves the other,
+older block valid. A lease opened where one was counts on from that one's counter, never back to 0.
+Fields: the writer's identity (wid, host_id, machine_id, boot_id, pid, ``incarnation`` fresh per open),
+``counter``, ``heartbeat_s`` and its ``usage`` at that beat (pages, bytes, capacity, journal cursor, ages).
+Where the blocks go (``LeaseBlocks``): the LEASE file (``store.meta.FileBlocks``) or a shared raw region's
+LEASE area (``media.shared_raw.region_meta.AreaBlocks``, which also beats the host lease).
 
-After each good beat, ``after_beat`` (if set: the pool's quota step, ``sharing.quota_loop``) runs on the same
-thread, outside the beat's lock, so the quota plans with exactly what was just published.
-
-Fencing (``sharing = "cluster"``): before each beat's write, ``fence_check`` (if set: the pool's
-``liveness.OwnFence.check``) says whether a live writer of another host retired this one. Once it has, the
-lease is ``fenced``: ``on_fenced`` runs once (on the beating thread, outside the lock; the pool marks its
-store fenced), and from then on a beat writes nothing and runs nothing (its files are being deleted). The
-check comes first, so a LEASE already deleted under it (``ESTALE`` on a network filesystem) cannot hide it.
-
-Threads: ``start`` runs the beats on one daemon thread named ``kvtier-lease``; ``close`` stops it (waits
-for a beat in progress) and closes the file. Nothing raises from that thread: a failed beat is counted
-(``failures``) and logged at a bounded rate, and the next beat tries again. Tests call ``beat()`` directly
-and never wait for the thread; ``interval_s`` and ``clock`` are injectable.
-
-Where the blocks go (``blocks``, a ``LeaseBlocks``): the ``LEASE`` file of a writer directory
-(``FileBlocks``: pwrite + fdatasync), or the LEASE area of a writer's region of a shared raw pool
-(``region_meta.AreaBlocks``: O_DIRECT, synced, then the host lease's beat).
-
-Readers (``read_lease``) only read: a missing, short or torn-in-both-blocks file is ``None``. A path under a
-shared raw pool's device (ENOTDIR: no directory there) is read from that writer's region.
+After each good beat ``after_beat`` (the pool's quota step) runs on the same thread, outside the beat's
+lock. Fencing: before each write ``fence_check`` says whether a live writer of another host retired this
+one; from then on the lease is ``fenced``, ``on_fenced`` runs once, and no beat writes or runs anything.
+The check comes first, so a LEASE deleted under it (``ESTALE``) cannot hide the fence. ``start`` beats on
+the ``kvtier-lease`` daemon thread, which never raises (failures are counted and logged); ``close`` stops
+it and closes the blocks. ``read_lease`` only reads (a shared raw pool's path: from its region).
 """
 
 from __future__ import annotations
@@ -58,7 +44,8 @@ def read_lease(path: Path) -> dict[str, Any] | None:
         with open(path, "rb") as f:
             data = f.read(2 * fmt.LEASE_BLOCK_BYTES)
     except OSError as exc:
-        found = region_read(path, fmt.REGION_LEASE_AT, 2 * fmt.LEASE_BLOCK_BYTES) if exc.errno == errno.ENOTDIR else None
+        found = (region_read(path, fmt.REGION_LEASE_AT, 2 * fmt.LEASE_BLOCK_BYTES)
+                 if exc.errno == errno.ENOTDIR else None)
         if found is None:
             return None
         data = found

@@ -1,32 +1,22 @@
 """The other writers a pool follows (``sharing.pool``), and when a shard may be closed under concurrent calls.
 
-``Peers``: one read-only ``PageReader`` per other writer directory of the namespace, checked against the
-pool's ``liveness.LeaseWatch`` (``LeaseWatch.retired``: the FENCE alone, read under ``sharing = "cluster"``
-only; no LOCK is probed on a refresh, the full verdicts are the quota's and ``SharedPool.verdict``'s; each
-refresh records every lease mark, so the watch times a silent writer from the pool's first refresh on):
-  * Discovered lazily: a directory that appears is opened on the next ``refresh``; one that fails to open
-    (being created, damaged) is tried again after PEER_RETRY_S; one judged ``RETIRED`` is never opened.
-  * Each ``refresh`` reads every peer's lease and checks its fence (the FENCE file itself only when the
-    lease mark moved, the peer is new, or every ``heartbeat_s``: ``LeaseWatch.retired``), then replays its
-    journal, and hands the TOUCHes of own pages it finds to ``touched``. It runs at most every ``follow_interval_s``
-    unless forced (``shortfall``: a lookup that fell short, at most every quarter of that, waiting up to
-    SHORTFALL_WAIT_S for a refresh in flight elsewhere). One at a time; a call finding one in progress
-    goes on without waiting.
-  * Dropped at once from the view (its pages are misses from then on; ``dropped`` counts it) and closed
-    once no call uses it: a peer judged ``RETIRED`` (a live writer of another host retired it,
-    ``sharing.retire``: its files are going), and one whose directory is gone or was made anew (a fresh
-    writer under the same wid: another inode, or a lease of a new incarnation whose journal generation is
-    not past the last one announced; a new incarnation in the SAME directory always starts a new, higher
-    generation, ``PageStore.open``). A directory made anew is opened again in the same refresh.
-  * ``bytes_leased``: the peers' last leased ``bytes_used`` (dead ones' until retired or reclaimed); on a
-    shared raw pool only its own host slot's writers' (the quota there is the host's share).
-  * A region of a shared raw pool stands in for a directory: its identity is (host slot, offset), and it
-    is never made anew (``media.shared_raw.regions``).
+``Peers``: one read-only ``PageReader`` per other writer of the namespace.
+  * Discovered lazily: a new directory is opened on the next ``refresh``; one failing to open is tried again
+    after PEER_RETRY_S; one judged ``RETIRED`` is never opened.
+  * Each ``refresh`` (at most every ``follow_interval_s`` unless forced; ``shortfall``: a lookup that fell
+    short, at most every quarter of that, waiting up to SHORTFALL_WAIT_S for a refresh elsewhere) reads
+    every peer's lease and fence (``LeaseWatch.retired``: the FENCE only, no LOCK probe), replays its
+    journal and hands the TOUCHes of own pages to ``touched``. One at a time; others go on without waiting.
+  * Dropped at once (misses from then on; ``dropped`` counts it) and closed once no call uses it: a peer
+    judged ``RETIRED``, or whose directory is gone or made anew (another inode, or a lease of a new
+    incarnation whose journal generation is not past the last announced); one made anew is reopened in the
+    same refresh. A shared raw region stands in for a directory (identity: host slot and offset).
+  * ``bytes_leased``: the peers' last leased ``bytes_used`` (dead ones' until retired or reclaimed; on a
+    shared raw pool only this host slot's writers').
 
-``InUse``: every IO call the pool makes on a shard runs between ``enter`` and ``exit``. ``retire(shard)``
-closes a shard taken out of the pool at once when no call is in it, else when the last one exits; an
-``enter`` on a retired shard fails (the caller serves a miss). So no shard's descriptors or buffers are
-released under an IO in flight (SGLang calls from several threads).
+``InUse``: every IO call the pool makes on a shard runs between ``enter`` and ``exit``; ``retire(shard)``
+closes a shard taken out of the pool when the last call in it exits, and a later ``enter`` fails (a miss).
+So no shard's descriptors or buffers are released under an IO in flight.
 """
 
 from __future__ import annotations

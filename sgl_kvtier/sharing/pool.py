@@ -1,42 +1,28 @@
 """SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds).
 
-A namespace shard's pool (format 2, ``store.format``) has one directory per writer process, ``w-<wid>``.
-A pool opened as a writer (``open_writer``) claims one of them and opens its ``PageStore`` (``own``); one
-opened as a reader (``open_reader``: MLA ranks that only read) has none. Either way it follows every
-OTHER writer directory through a read-only ``PageReader`` (a *peer*), discovered lazily: directories
-that appear later are picked up on refresh. All shards of a pool share one set of counters, breakers
-and read rates (``shard.SharedTelemetry``): the devices are the same.
+A pool opened as a writer (``open_writer``) opens its own ``PageStore`` through its site
+(``sharing.sites.open_writer``); one opened as a reader (``open_reader``: MLA ranks that only read) has
+none. Either way it follows every OTHER writer through a read-only ``PageReader`` (a *peer*,
+``sharing.peers``), discovered lazily on refresh. All shards share one set of counters, breakers and read
+rates (``store.shard.SharedTelemetry``): the devices are the same.
 
-API (keys, pages and results as ``PageShard``'s):
-    open_writer(config, namespace, *, engine=None) / open_reader(config, namespace, *, engine=None)
-    get(keys, pages) -> [bool]        own pages from own slots; others from the peer holding each key
-    get_parts(keys, pages, on_part, groups=None) -> [bool]   the same, group-major (``sharing.pool_reads``)
-    longest_prefix(keys) -> int       own index, then the peers' (a chain may mix writers)
-    put(keys, pages, parent=None)     keys any peer holds are not stored again (True, counted present)
-    delete / evict / clear / checkpoint      own pages only (a reader pool: nothing to do)
-    contains, slot_of, parent_of, keys, __len__, stats(), refresh(), peers(), leases(), verdict(wid),
-    peer_alive(wid), sharing_stats(), close(), a context manager
-    counters, health, read_rates, layout, writer, wid, own, config, namespace, page_bytes, slot_bytes
+API (keys, pages and results as ``PageShard``'s): get / get_parts (``sharing.pool_reads``), longest_prefix
+(own index, then the peers'), put (keys a peer holds are not stored again: True, counted present), delete /
+evict / clear / checkpoint (own pages only), contains, slot_of, parent_of, keys, stats, refresh, peers,
+leases, verdict, peer_alive, sharing_stats, close; a context manager.
 
 Rules:
-  * Never wrong bytes: a peer's page is read through the same verified ``PageIO`` path as own pages,
-    against the checksum its owner journaled. A stale mapping (the owner reused the slot since) is a
-    miss; the peer re-reads that journal and counts it as ``remote_reuse_races``, not as corruption.
-  * Never an exception from a peer into callers: a peer whose files go ENOENT serves misses; one whose
-    directory vanishes, or that is judged ``RETIRED``, is dropped (``sharing.peers``: closed once no call
-    uses it, never reopened); a peer that fails to open is retried on a later refresh. A SIGKILLed
+  * Never wrong bytes: a peer's page is read through the same verified path, against its owner's journaled
+    checksum; a stale mapping is a miss, counted as ``remote_reuse_races``, not as corruption.
+  * Never an exception from a peer into callers: a peer whose files fail serves misses; one retired or
+    vanished is dropped (closed once no call uses it); one failing to open is retried later. A killed
     writer's pages stay readable (its files are intact) until a live writer reclaims or retires it.
-  * One ``liveness.LeaseWatch`` per pool (on the own store's clock) judges every other writer, for the
-    peers, ``peer_alive`` and the quota alike.
-  * Fencing (``sharing = "cluster"``, ``sharing.fencing``): an own store that another host retired while it
-    was paused refuses puts; the next write call opens a fresh own store in a fresh directory.
-  * Refresh (journal follow of every peer, new directories, the peers' leases; ``sharing.peers``) runs at
-    most every ``follow_interval_s`` from the calls themselves (there is no thread), and again on a
+  * One ``liveness.LeaseWatch`` per pool judges every other writer, for peers, quota and ``verdict`` alike.
+  * Refresh runs from the calls themselves (no thread), at most every ``follow_interval_s``, and again on a
     ``longest_prefix`` shortfall at most every quarter of that.
-  * Pool-wide cap: the own store is told the peers' last leased ``bytes_used`` (``PageStore.peer_bytes``),
-    dead writers' until reclaimed; the quota on top (``quota``, ``sharing.quota_loop``) runs after each beat.
-  * Uses: a hit on a peer's page is journaled as a TOUCH by the own store (once a minute per key); peers'
-    TOUCHes of own pages stamp them used now (eviction order and the quota's page ages).
+  * Pool-wide cap: the own store is told the peers' leased ``bytes_used`` (``PageStore.peer_bytes``); the
+    quota (``sharing.quota_loop``) runs after each beat; a fenced own store is replaced by
+    ``sharing.fencing``. Hits on peers' pages are journaled as TOUCHes; peers' TOUCHes warm own pages.
 """
 
 from __future__ import annotations
@@ -94,7 +80,7 @@ class SharedPool(PoolReads, ClosedOnExit):
         self._shared = shared
         self._watch = LeaseWatch(config, clock if own is None else own.clock)
         self._in_use = InUse()
-        # The parts call back into the pool weakly (``lifecycle.weak_method``): no reference cycles.
+        # The parts call back into the pool weakly (``store.lifecycle.weak_method``): no reference cycles.
         self._followed = Peers(config, namespace, ns_meta, shared, self._watch, self._in_use, clock,
                                weak_method(self._own_wid, None), weak_method(self._touched, None), engine)
         self._closed = False
@@ -115,8 +101,8 @@ class SharedPool(PoolReads, ClosedOnExit):
     @classmethod
     def open_writer(cls, config: StoreConfig, namespace: Namespace, *, engine: IOEngine | None = None,
                     clock: Callable[[], float] | None = None) -> SharedPool:
-        """Claim a writer directory of ``namespace`` (``sharing.writers``), open its ``PageStore`` (``clock``:
-        its page-age clock) and follow the other writers; the quota runs after each lease beat from here on.
+        """Open a writer of ``namespace`` on its site (``sharing.sites.open_writer``; ``clock``: its page-age
+        clock) and follow the other writers; the quota runs after each lease beat from here on.
         Raises what ``PageStore.open`` raises; peers that fail to open are retried later."""
         shared = _telemetry(config)
         own = open_writer(config, namespace, engine=engine, shared=shared, clock=clock)

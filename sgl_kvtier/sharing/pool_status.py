@@ -1,22 +1,13 @@
 """Offline view of one namespace's pool, for ``sgl-kvtier inspect``: every writer, read without writing.
 
-A namespace shard's pool (format 2, ``store.format``) has one ``w-<wid>/`` directory per writer. For each
-one this reads, never writes:
-  * its lease (``LEASE``, ``sharing.lease.read_lease``): host, pid, beat counter, heartbeat, journal cursor,
-    and the ``bytes_used`` the writer last published (what the pool-wide cap counts);
-  * the lease age: seconds since the ``LEASE`` file's mtime (every beat rewrites a block of it, so its
-    mtime is the last beat; the lease itself holds no wall-clock time). Another host's mtime is that
-    host's (or the file server's) clock;
-  * its state: ``live`` / ``dead`` on this host (``writers.writer_alive``: is its ``LOCK`` held), or
-    ``unknown`` for a writer of another host (its lease counter would have to be watched over time);
-    a lease naming this machine (``machine_id``) is this host's whatever ``host_id`` it used;
-  * its pages and bytes: its own index (checkpoint + journals) through a read-only ``PageReader``; where
-    that cannot be opened, its last lease's figures (``source`` says which).
-
-The pool's capacity is the largest ``capacity_bytes`` the writers recorded (``CONFIG``; each writer caps
-the pool's total at its own, so the largest is the bound), else the largest leased capacity; a writer's
-``share_pct`` is its bytes over that capacity. Liveness probes take a shared ``flock`` on ``LOCK`` for an
-instant (``writers.writer_alive``): nothing on disk changes.
+Per writer: its lease (``sharing.lease.read_lease``: host, pid, beats, heartbeat, journal cursor, leased
+``bytes_used``); the lease age from the LEASE file's mtime (the lease holds no wall-clock time; another
+host's mtime is that host's or the file server's clock); its state, ``live`` / ``dead`` on this host
+(``writers.writer_alive``: an instant's shared ``flock`` on its LOCK) or ``unknown`` for another host's (a
+lease naming this ``machine_id`` is this host's whatever ``host_id`` it used); its pages and bytes from its
+own index through a read-only ``PageReader``, else its last lease's figures (``source`` says which). The
+pool's capacity is the largest ``capacity_bytes`` the writers recorded (each caps the pool's total at its
+own), else what the devices hold (a reader's stats); ``share_pct`` is a writer's bytes over it.
 """
 
 from __future__ import annotations

@@ -1,42 +1,23 @@
 """The pool quota, kept by every writer of a namespace shard with no coordinator (``policy.quota``).
 
-Each writer of a ``SharedPool`` (``pool.quota``) runs ``QuotaLoop.step`` right after each of its lease
-beats (the ``kvtier-lease`` thread, through ``Lease.after_beat``, installed by the constructor; tests call
-``step`` or ``Lease.beat`` directly with injected clocks). One step:
-  1. Usages: its own is exactly what the beat just published (``PageStore.published``: ``bytes_used`` and
-     ``age_hist`` at the clock's ``now``); every other ``w-<wid>`` directory of the namespace is read from
-     its LEASE and judged by the pool's ``liveness.LeaseWatch`` (one per pool, on this writer's clock):
-     ``live`` is the verdict (same host: a free LOCK is dead at once; another host: dead once its lease
-     stayed unchanged for ``dead_after_s`` of our watching), ``seen_age_s`` how long its lease has not
-     changed on our clock. A ``RETIRED`` writer counts nothing, nor does a directory with no readable lease.
-  2. ``quota.plan`` over them with ``capacity_bytes`` (None: the layout's capacity) and the config's
-     ``quota_high`` / ``quota_low`` / ``min_share_bytes``. A cutoff evicts the writer's own pages at least
-     that old (``PageStore.evict_older_than``: chain-aware policy order, journaled DELs, then holes punched
-     over the freed slots no reader pins). ``may_grow`` sets the store's growth limit (False: a new page
-     replaces an own one; the hard cap against the peers' leases stays in the reserve path either way).
-  3. Dead writers of this host whose share ``quota.dead_writer_plan`` asks for (so: whenever the pool is
-     over ``quota_high``; dead bytes go before any live writer's): ``reclaim`` opens that directory as a
-     ``PageStore`` by wid (a non-blocking LOCK claim: held means it restarted or another writer is
-     reclaiming it, so skip; warm recovery as any open), evicts its coldest ``evict_bytes`` with holes,
-     beats its lease once (the pool sees its smaller ``bytes_used``), and closes it, releasing the lock
-     last. Its remaining pages stay readable to everyone. A restarted instance claiming the lowest free
-     ``k`` gets its directory back warm; if its claim races a reclaim, it takes the next ``k`` (a cold
-     start: fine, the reclaim is brief and the old directory is reclaimed later like any dead one).
-  4. ``sharing = "cluster"`` only: a dead writer of ANOTHER host is retired (``sharing.retire``: fenced, then
-     its files deleted) when ``quota.dead_writer_plan`` asks for any of its bytes, or once it has been dead
-     for ``reclaim_after_s`` (``LeaseWatch.reclaim_due``). Its lease is read once more just before: one that
-     moved meanwhile is live again and left alone. Every directory judged ``RETIRED`` (a retirement cut
-     short, by anyone) has its deletion continued. Writers of this host are never retired (step 3), and in
-     ``sharing = "host"`` nobody is.
-
-A shared raw pool (``host_index``): the quota is the host's share. Writers of other host slots count
-nothing here and are never retired (a host's share is its own: their pages stay readable until their
-host_index starts again and adopts or reclaims them); dead writers of this host slot are reclaimed as in 3.
-
-Invariants: a writer only ever evicts its own pages (or, holding its LOCK, a dead writer's of this host; or
-deletes every file of a writer of another host that it has fenced, or that is fenced); one step at a
-time per writer (a step finding one in progress returns at once); a step never raises past the lease
-thread (``Lease`` counts a failed beat); every writer computes from the same leases the same cutoff.
+Each writer of a ``SharedPool`` runs ``QuotaLoop.step`` after each of its lease beats (``Lease.after_beat``,
+on the ``kvtier-lease`` thread). One step:
+  1. Usages: its own is what the beat just published (``PageStore.published``); every other writer's comes
+     from its LEASE, judged by the pool's ``liveness.LeaseWatch``. A ``RETIRED`` writer, or one with no
+     readable lease, counts nothing.
+  2. ``quota.plan`` over them: a cutoff evicts own pages at least that old (``PageStore.evict_older_than``:
+     journaled DELs, then holes punched); ``may_grow`` sets the store's ``grow_limit_bytes`` (the hard cap
+     against the peers' leases stays in the reserve path either way).
+  3. A dead writer of this host whose share ``quota.dead_writer_plan`` asks for is reclaimed (``reclaim``):
+     opened by wid (a held LOCK means it restarted or is being reclaimed: skipped), its coldest bytes
+     evicted, its lease beaten once, closed (lock last). Its other pages stay readable to everyone.
+  4. ``sharing = "cluster"`` only: a dead writer of another host is retired (``sharing.retire``) when the
+     plan asks for its bytes or once ``LeaseWatch.reclaim_due``, its lease read once more just before (one
+     that moved is live again); every directory judged ``RETIRED`` has its deletion continued.
+On a shared raw pool (``host_index``) the quota is this host's share: other host slots' writers count
+nothing and are never retired. Invariants: a writer evicts only its own pages (or, holding its LOCK, a dead
+one's of this host; or deletes a fenced writer's files); one step at a time per writer; a step never raises
+past the lease thread; every writer computes the same cutoff from the same leases.
 """
 
 from __future__ import annotations

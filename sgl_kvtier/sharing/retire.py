@@ -1,38 +1,20 @@
-"""Retiring a dead writer of another host (``sharing = "cluster"``): fence it, then delete all of its files.
+"""Retiring a dead writer of another host (``sharing = "cluster"``): fence it, then delete all of its files
+(the protocol argument is in docs/sharing-protocol.md; ``sharing.quota_loop`` decides when).
 
-A writer of another host cannot be adopted (its ``LOCK`` flock means nothing across hosts), so a live
-writer that finds it dead (``sharing.liveness``: its lease unchanged for ``dead_after_s`` on the observer's
-own clock) retires it when the pool quota needs its bytes or once it has been dead for ``reclaim_after_s``
-(``sharing.quota_loop`` decides; this module does it):
-
-  1. ``write_fence``: the ``FENCE`` block (``store.format``) naming the incarnation of the writer's last
-     lease, ``pwrite`` + ``fsync`` (the file is created where absent, and then its directory synced).
-  2. ``delete_writer``: its segments on every directory device (``<dev>/ns-<digest>/w-<wid>/seg-*.dat``,
-     ``store.devices.DirectoryArena``), then its journals and checkpoint, then every other file (CONFIG,
-     tmp leftovers), then LEASE, then LOCK; that pass again while the last one found files (a writer only
-     paused writes on until its next beat reads its fence), at most ``SWEEPS`` passes, after which one
-     still finding files leaves the rest, the fence with it, to a later step; then the directories synced,
-     FENCE last; then the directories (``rmdir``). A shared raw pool retires nobody (a host's share is its
-     own, ``sharing.quota_loop``).
-
-Every step is idempotent (a file already gone, ``ENOENT``, and a directory not empty or gone, ``ENOTEMPTY``
-/ ``ENOENT``, are fine), so a retirer that dies half-way leaves a directory that every observer still judges
-``RETIRED`` (its fence is the last file to go), and any live writer seeing it continues the deletion; two
-deleting at once only find each other's files gone, and a retirer that comes to fence a directory whose
-FENCE and LEASE are gone already (another is at its last steps, or done) writes no fence. A pass finding no
-fence on the directory's lease (no FENCE, an empty one, or one naming another incarnation than the LEASE
-there) only removes the directories, and only once they are empty: the deletion is at its end, or the
-directory was made anew by a writer that re-registered under the same wid (or restarted into it) since it
-was judged, whose files are not to be touched (a live writer's own FENCE is empty). Likewise
-``write_fence`` fences nothing where the LEASE names another incarnation than the one judged dead. A crash
-between FENCE's unlink and the ``rmdir`` leaves an empty directory (no lease, no fence: nobody's, costs
-nothing).
-The crash-ordering choice of each step is at its code.
-
-A zombie (a writer that was only paused, then retired) finds the fence at its next beat
-(``liveness.OwnFence``), stops writing there and re-registers in a fresh directory (``sharing.pool``); what it
-wrote into the deleted files in between is lost to everyone, a miss, never wrong bytes (every read verifies
-its checksum).
+  1. ``write_fence``: the FENCE block (``store.format``) naming the incarnation of the writer's last lease,
+     ``pwrite`` + ``fsync``; nothing is fenced where the LEASE names another incarnation (made anew).
+  2. ``delete_writer``: its segments on every directory device, then its journals and checkpoint, then every
+     other file, then LEASE, then LOCK; that pass again while the last one found files (a writer only
+     paused writes on until its next beat reads its fence), at most ``SWEEPS``; then the directories synced,
+     FENCE last; then the directories removed. The crash-ordering choice of each step is at its code.
+Every step is idempotent and tolerates a concurrent deleter, so a retirer dying half-way leaves a directory
+every observer still judges ``RETIRED`` (its fence is the last file to go), and any live writer continues
+the deletion. A pass finding no fence on the directory's lease only removes the directories once empty:
+the deletion is at its end, or a writer made the directory anew under the same wid (its files are not
+ours); a crash between FENCE's unlink and the ``rmdir`` leaves an empty directory (nobody's, costs
+nothing). A writer retired while only paused finds the fence at its next beat and re-registers elsewhere
+(``sharing.fencing``); what it wrote in between is lost, a miss, never wrong bytes. A shared raw pool
+retires nobody.
 """
 
 from __future__ import annotations
@@ -92,7 +74,7 @@ def write_fence(directory: Path, incarnation: bytes, by: str, by_host: str) -> b
     finally:
         os.close(fd)
     try:
-        fsync_dir(directory)  # a FENCE created just now (a writer of an older build had none) survives a power cut
+        fsync_dir(directory)  # a FENCE created here (its owner made none) survives a power cut
     except OSError as exc:
         if exc.errno not in _GONE:
             raise
@@ -104,9 +86,8 @@ def _open_fence(path: Path) -> int | None:
     """``path`` (a FENCE) opened for writing, never truncated (its owner holds this very file open); None
     when it is not to be written. A deletion unlinks LEASE before FENCE (``delete_writer``): so no FENCE
     beside no LEASE means another retirer is at its last steps, and creating FENCE again would leave a file
-    in a directory that retirer is about to remove (seen: three retirers at once, one finding the directory
-    gone). Only a directory with a LEASE and no FENCE (a writer of an older build, which had none) gets one
-    created."""
+    in a directory that retirer is about to remove. Only a directory with a LEASE and no FENCE (its owner
+    made none) gets one created."""
     try:
         return os.open(path, os.O_WRONLY)
     except OSError as exc:

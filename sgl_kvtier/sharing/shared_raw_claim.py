@@ -1,30 +1,21 @@
 """Claiming a writer's region of a shared raw pool (``sharing = "cluster"`` with ``host_index``), and the host
-lease that says which machine holds a host slot.
+lease that says which machine holds a host slot (the site's claim there, ``sharing.sites.SharedRawSite``).
 
-``claim`` (what ``PageStore.open`` calls there instead of ``sharing.writers.claim_writer``):
-  1. The devices are checked as one pool (``superblock.open_pool``: each pool-formatted, in order,
-     ``host_index`` in range).
-  2. The host slot. Its host lease (``HostLease``: host_id, machine_id, boot_id) names the machine using
-     ``host_index``. One of another boot is watched for up to WATCH_BEATS of its heartbeats (each at most
-     MAX_WATCHED_BEAT_S): if it advances, another machine uses this host_index (``HostIndexInUseError``);
-     if it stays still, that machine is dead or stopped and this one takes the slot over (writing its own
-     host lease under the lease range's lock). An exact claim (``wid``: a reclaim or ``fsck --repair``)
-     skips the watch.
-  3. The region, under the host table's lock (an OFD write lock on its range of the first device): the
-     lowest ``k`` whose region ``(namespace, <host_id>-<k>)`` is in the table with its writer lock free (a
-     restart gets its own region back, warm); where ``k`` has none, a new region is carved after the host's
-     last one (first blocks of its areas and its first slot zeroed, header written, synced, and only then
-     the table naming it). A wid already in another host slot's table is ``DuplicateHostError``. Every other
-     device gets a region of that wid too (slots only), under its own table lock.
-  4. The writer lock: an OFD write lock on the region's first byte of the first device, on a descriptor of
-     its own, held until ``WriterClaim.release`` closes it.
-
-Each lease beat of a writer also beats its host lease (``HostLease.beat``), so its counter advances while
-any writer of the host lives. A beat that finds the slot taken over by another boot writes nothing and
-``taken_over`` says so: the writer is fenced (``sharing.fencing``), writes nothing more, and its
-re-registration is refused while the other machine beats. Between a takeover and the old machine's next
-beat, a writer that was only paused may still write into its region: its pages there read as misses, never
-wrong bytes (NVMe reservations would close that window).
+``claim``:
+  1. The devices are checked as one pool (``media.shared_raw.superblock.open_pool``).
+  2. The host slot: a host lease of another boot is watched for up to WATCH_BEATS of its heartbeats; if it
+     advances another machine uses this ``host_index`` (``HostIndexInUseError``), else this one takes the
+     slot over. An exact claim (``wid``: a reclaim or ``fsck --repair``) skips the watch.
+  3. The region, under the host table's lock (an OFD write lock on its range of the first device): the lowest
+     ``k`` whose region is in the table with its writer lock free (a restart gets its own back, warm), else
+     a new region carved after the host's last one (its areas' first blocks and first slot zeroed, header
+     written and synced, and only then the table naming it). A wid in another host slot's table is
+     ``DuplicateHostError``. Every other device gets a region of that wid too (slots only).
+  4. The writer lock: an OFD write lock on the region's first byte, on its own descriptor, held until
+     ``WriterClaim.release``.
+Each writer's lease beat also beats its host lease (``HostLease.beat``); a beat finding the slot taken over
+writes nothing and ``taken_over`` says why: the writer is fenced (``sharing.fencing``). Until the old
+machine's next beat, a writer only paused may still write into its region: misses, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -264,7 +255,8 @@ def _plan(config: StoreConfig, namespace: Namespace, sb: Superblock, h: int, wid
     else:  # no limit: this host's share split over the model's shards, as a raw device's whole size is
         total = (hi - lo) // namespace.shard_count
         slots = max(1, (total - fmt.REGION_CHECKPOINT_AT - journals * journal) // (slot_bytes + 2 * (56 + 8 * parts)))
-        while slots > 1 and plan_region(h, b"", wid, lo, slot_bytes, slots, ckpt(slots), journal, journals).length > total:
+        while slots > 1 and plan_region(h, b"", wid, lo, slot_bytes, slots, ckpt(slots), journal,
+                                        journals).length > total:
             slots -= max(1, slots // 64)
     region = plan_region(h, namespace.digest(), wid, start, slot_bytes, slots, ckpt(slots), journal, journals)
     if region.offset + region.length > hi:

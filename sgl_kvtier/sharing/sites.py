@@ -1,9 +1,9 @@
-"""The ``WriterSite`` of a config (``site_for``), chosen once at open: ``DirectorySite`` for devices that are
-directories or block devices with a meta directory, ``SharedRawSite`` for the shared raw device
-(``host_index`` set). Both run the sharing mode's storage checks (``cluster_fs.check``) first and beat a
-lease (``sharing.lease``); on the shared raw device each beat also beats this host's lease of its slot.
-``open_writer`` opens a ``PageStore`` on its config's site; ``load_config`` reads a recorded CONFIG from
-either medium.
+"""The ``store.site.WriterSite`` of a config (``site_for``), chosen once at open: ``DirectorySite`` for
+devices that are directories or block devices with a meta directory, ``SharedRawSite`` for the shared raw
+device (``host_index`` set). Both run the sharing mode's storage checks (``sharing.cluster_fs.check``) first
+and beat a lease (``sharing.lease``); on the shared raw device each beat also beats this host's lease of
+its slot. ``open_writer`` opens a ``PageStore`` on its config's site; ``load_config`` reads a recorded
+CONFIG from either medium.
 """
 
 from __future__ import annotations

@@ -1,44 +1,25 @@
 """Writer identity: which ``w-<wid>`` directory of a namespace a writer process owns, and who is alive.
 
-A namespace's meta directory ``<meta>/ns-<digest>/`` holds one directory per writer (format 2, see
-``store.format``): ``w-<wid>/`` with ``wid = <host_id>-<k>``. ``host_id`` is the config's, or the hostname
-with every character outside ``[A-Za-z0-9._]`` replaced by ``_`` (so ``-`` only ever separates ``k``).
+``wid = <host_id>-<k>``; ``host_id`` is the config's, or the hostname with every character outside
+``[A-Za-z0-9._]`` replaced by ``_`` (so ``-`` only ever separates ``k``).
 
 Claim (``claim_writer``): a starting writer takes the LOWEST ``k`` whose ``w-<host_id>-<k>/LOCK`` it can
-``flock(LOCK_EX | LOCK_NB)`` (creating the directory and the file if needed) and holds that descriptor
-until its close. So:
-  * a restarted instance adopts a free directory, usually its own (a warm restart: its journal and pages);
-  * N writers starting at once never fail: the loser of ``k`` moves on to ``k + 1``;
-  * a directory carrying a fence (``FENCE``, ``sharing = "cluster"``: another host retired it and is
-    deleting its files) is skipped, never adopted;
-  * with ``sharing = "off"`` only ``k = 0`` is tried, and a held lock is ``StoreLockedError`` naming the
-    holder's pid (written into ``LOCK`` by the holder).
-A live writer reclaiming a dead one's space (``sharing.quota_loop``) claims that SPECIFIC wid
-(``claim_writer(..., wid=...)``): the same non-blocking ``flock``, a held lock is ``StoreLockedError`` (the
-writer restarted, or another live writer is reclaiming it). The reclaimer holds it only briefly; a
-restarted instance whose claim races a reclaim simply takes the next free ``k`` (a cold start: fine).
-Hosts never contend for a name: claims only touch the host's own directories, and ``flock`` between
-processes of one host is reliable.
+``flock(LOCK_EX | LOCK_NB)`` (making the directory and file if needed) and holds it until its close. So a
+restarted instance adopts a free directory, usually its own (warm); N writers starting at once never fail;
+a directory carrying a fence (being retired) is skipped; with ``sharing = "off"`` only ``k = 0`` is tried
+(held: ``StoreLockedError`` naming the holder's pid). A reclaim (``sharing.quota_loop``) claims one exact
+wid the same way. Hosts never contend for a name: claims touch only the host's own directories.
 
-Duplicate ``host_id`` (every sharing mode): two machines given one ``host_id`` on a shared filesystem would
-write into each other's directories (``flock`` may not reach across hosts). So after a claim (not a reclaim
-of an exact wid), every ``w-<host_id>-<k>`` whose lease names another ``boot_id`` than this boot's and was
-written within ``RECENT_BEATS`` heartbeats of now (the LEASE's mtime; a lease of an earlier boot of this
-host is older, so a restart is never delayed by it) is watched for up to ``WATCH_BEATS`` of its heartbeats:
-one whose mark ``(counter, incarnation)`` changes meanwhile is another machine beating there, and the claim
-is released and ``DuplicateHostError`` raised. A heartbeat over ``MAX_WATCHED_BEAT_S`` counts as that long
-here (no start waits more than 10 s), so a machine beating that rarely, or whose clock lags ours by more
-than the window, is not seen here (``sharing.liveness`` still calls such a writer live). ``ClaimWatch`` injects the clock, the
-sleep and the lease reader (tests).
+Duplicate ``host_id``: after a claim (not a reclaim), each ``w-<host_id>-<k>`` whose lease names another
+``boot_id`` and was written within ``RECENT_BEATS`` heartbeats (its mtime) is watched for ``WATCH_BEATS``
+heartbeats (each at most ``MAX_WATCHED_BEAT_S``); one whose mark changes is another machine beating there:
+the claim is released and ``DuplicateHostError`` raised. ``ClaimWatch`` injects clock, sleep and reader.
 
-Shared raw pool (``host_index``): ``sharing.shared_raw_claim`` claims regions instead; ``writer_dirs`` lists every
-host slot's regions of the namespace and ``writer_alive`` probes a region's OFD lock (``media.shared_raw.superblock``).
-
-Liveness (``writer_alive``, same host only): a ``LOCK`` nobody holds means the writer is dead at once.
-The probe takes a shared ``flock`` for an instant, so a writer starting in that instant may skip that
-``k`` and take the next one: a cold start in a fresh directory, never an error. A lease naming this host
-(``host_id``) with another ``boot_id`` is dead too (its host rebooted since). A writer of another host is
-``None``: unknown (cross-host liveness is the lease counter's job, watched over time).
+Liveness (``writer_alive``, same host only): a ``LOCK`` nobody holds is dead at once (the probe's shared
+``flock`` may make a writer starting in that instant take the next ``k``: a cold start, never an error); a
+lease of this host from another ``boot_id`` is dead; a writer of another host is unknown (``None``).
+A shared raw pool's regions are claimed by ``sharing.shared_raw_claim``; ``writer_dirs`` and
+``writer_alive`` cover them too.
 """
 
 from __future__ import annotations

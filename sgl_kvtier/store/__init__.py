@@ -1,11 +1,10 @@
-"""The flash page store: bytes on disk (``format``), devices, slots, journal and checkpoint, the index.
+"""One writer's shard of a namespace on flash: on-disk format, devices, slots, journal, checkpoint, index.
 
-Entry points (import them from their modules; this package init imports nothing, so that loading a
-bytes-only module such as ``store.format`` does not load the rest):
-    ``sharing.pool.SharedPool.open_writer(config, namespace)`` the merged view over every writer of a
-                                                            namespace, with a writer of its own (what the
-                                                            adapter holds); ``open_reader``: without one
-    ``store.page_store.PageStore.open(config, namespace)``   one writer (claims a ``w-<wid>`` directory)
-    ``sharing.follower.PageReader.open(config, namespace, wid=)`` a read-only view following one writer
-The shards share the verified read path of ``store.shard.PageShard``.
+Entry points (import them from their modules; this init imports nothing, so loading a bytes-only module
+such as ``store.format`` loads nothing else):
+    ``sharing.sites.open_writer(config, namespace)``  one writer, a ``store.page_store.PageStore`` opened
+                                                      on its config's ``store.site.WriterSite``
+    ``sharing.follower.PageReader.open(config, namespace, wid=)``  a read-only view following one writer
+    ``sharing.pool.SharedPool.open_writer`` / ``open_reader``      the merged view over every writer
+All of them share the verified read path of ``store.shard.PageShard``.
 """

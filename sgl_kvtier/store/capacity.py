@@ -2,14 +2,13 @@
 publishes, and what the pool quota and the other writers' uses do to its pages. With no other writer
 (``peer_bytes`` answers 0) the cap is this writer's own.
 
-    usage()                 the lease's fields now (pages, bytes, capacity, journal cursor, age histogram);
-                            kept as ``published`` with the clock's now, so the quota plans with exactly that
+    usage()                 the lease's fields (pages, bytes, capacity, journal cursor, age histogram), kept
+                            as ``published`` with the clock's time, so the quota plans with exactly that
     pool_capacity_bytes()   the pool-wide byte limit the quota keeps
     evict_older_than(age_s, now, limit_bytes) -> (pages, bytes punched)   the quota's eviction
-    touch_own(keys)         other writers used these pages of ours (their TOUCH records)
-    touch_remote(keys)      we used other writers' pages: TOUCH records for their owners
-    _reserve_slot(evicted)  a slot for a put's next page, within the pool-wide cap and the quota's growth
-                            limit (``grow_limit_bytes``), evicting own coldest pages to get there
+    touch_own(keys) / touch_remote(keys)   uses of own pages by others / of others' pages (TOUCH records)
+    _reserve_slot(evicted)  a slot for a put's next page within the cap and the quota's ``grow_limit_bytes``,
+                            evicting own coldest pages to get there (never another writer's)
 
 Everything runs under the store's lock, like the rest of the writer (``store.page_store``).
 """
@@ -92,9 +91,9 @@ class CapacitySide:
         return True
 
     def usage(self) -> dict[str, Any]:
-        """What the lease publishes of this writer now: pages, bytes, its capacity, journal cursor and the
-        bytes per page-age bucket (``index.age_histogram``, trailing empty buckets left out). Kept as
-        ``published`` with the clock's now, so the quota plans with exactly what the lease said."""
+        """What the lease publishes of this writer: pages, bytes, its capacity, journal cursor and the bytes
+        per page-age bucket (``PageIndex.age_histogram``, trailing empty buckets left out). Kept as
+        ``published`` with the clock's time, so the quota plans with exactly what the lease said."""
         with self._lock:
             now = self.clock()
             pages = len(self._index)

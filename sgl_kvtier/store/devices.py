@@ -1,29 +1,19 @@
-"""Devices as slot arenas: where slot ``n`` of one namespace shard lives on one device.
+"""Devices as slot arenas: where local slot ``n`` of one writer's part of a namespace lives on one device.
 
-Directory device (a mounted filesystem, e.g. an NVMe-oF namespace formatted XFS/ext4), format 2::
+``DirectoryArena`` (a mounted filesystem): ``<dir>/ns-<digest>/HEADER`` (made once, ``create_once``) and
+writer ``wid``'s preallocated ``<dir>/ns-<digest>/w-<wid>/seg-NNNNN.dat`` of ``segment_bytes``, created as
+slots are first needed. ``BlockArena`` (a raw block device, or a regular file standing in for one): a region
+table in the first ``BLOCK_HEADER_BYTES`` names each (namespace digest, wid)'s ``[offset, length)``, claimed
+under an exclusive ``flock``. A device whose first MiB is neither zeros nor such a table is refused (never
+formatted over); a shared raw pool's device (``media.shared_raw.superblock``) is refused naming what it needs.
 
-    <dir>/ns-<digest>/HEADER                  header (format.HEADER_MAGIC): namespace, slot size, parts, device
-                                              index/count, store id; made once (``create_once``)
-    <dir>/ns-<digest>/w-<wid>/seg-00000.dat   writer ``wid``'s preallocated segments of ``segment_bytes``,
-                                              created as slots are first needed
-
-Raw block device (or a regular file standing in for one): the first ``BLOCK_HEADER_BYTES`` hold a region
-table (format.REGION_MAGIC) naming, per (namespace digest, wid), its header fields and its
-``[offset, length)``. Writers claim regions under an exclusive ``flock`` on the device. A device whose
-first MiB is neither zeros nor our table is refused, so a disk holding someone's data is never formatted
-over; a shared raw pool's device (``media.shared_raw.superblock``) is refused here naming what it needs.
-
-A read-only arena (``create=False``: a reader of another writer's pages) never creates nor writes a file:
-it opens segments ``O_RDONLY`` as it first needs them; one that is not there (not made yet, or removed)
-is an ``OSError`` for that read, which the read path turns into a miss.
-
-Files and directories are created 0600/0700. O_DIRECT is probed per file: a filesystem that refuses it
-(tmpfs) gets buffered IO and the store fdatasyncs instead, with one warning; under ``sharing = "cluster"``
-(``DIRECT_CLUSTER``) it fails the open instead.
-
-Descriptors: every one an arena opens is closed by its ``close`` (each whatever the others raise, then the
-first error; idempotent: each is detached before it is closed, so none is closed twice) or, when the
-arena's construction fails, before the error leaves the constructor (``store.lifecycle``).
+A read-only arena (``create=False``) never creates nor writes a file: a segment not there is an OSError
+for that read, which the read path turns into a miss. Files are created 0600, directories 0700. O_DIRECT
+is probed per device: a filesystem refusing it gets buffered IO with fdatasync and one warning, except under
+``sharing = "cluster"`` (``DIRECT_CLUSTER``), where it fails the open. Every descriptor an arena opens is
+closed by its idempotent ``close`` or, when its construction fails, before the error leaves
+(``store.lifecycle``). The crash rules of directories and atomic files (``make_dir``, ``create_once``,
+``write_file_atomic``) are in their docstrings.
 """
 
 from __future__ import annotations

@@ -1,21 +1,20 @@
 """On-disk formats, bytes only (no IO policy). FORMAT_VERSION covers everything in this file.
 
-Format 2 is one format for three needs: many writers on one pool (writer identity), an index rebuildable
-from the data alone (slot trailers) and loads verified in layer groups (per-part checksums). A store of
-format 1 is refused at open with a message saying so (never misread); its pages are a cache, recomputed.
+Format 2: writer identity, an index rebuildable from the data alone (slot trailers), per-part checksums. A
+store of another format is refused at open, never misread (its pages are a cache, recomputed).
 
 Where things live (``<meta>`` = ``meta_dir`` or else the first device; ``<wid>`` = ``<host_id>-<k>``):
     <meta>/ns-<digest>/HEADER                namespace header: namespace, slot_bytes, parts, devices, store_id.
-                                             Made once, by whichever writer comes first: written to a private
-                                             tmp name, then hard-linked into place (a link never replaces an
-                                             existing file, so two first writers cannot both win); the loser
-                                             reads and uses the winner's.
+                                             Made once: a private tmp file hard-linked into place (a link never
+                                             replaces a file, so of two first writers one wins, the other
+                                             reads and uses its header).
     <meta>/ns-<digest>/w-<wid>/              one per writer (a process x a namespace shard): LOCK (flock, the
-                                             owner on this host), LEASE, CONFIG, journal-*.log, checkpoint.bin
+                                             owner on this host), LEASE, CONFIG, journal-*.log,
+                                             checkpoint.bin, FENCE (``sharing = "cluster"``)
     <dev>/ns-<digest>/HEADER                 per-device header (as the namespace header, plus device_index)
     <dev>/ns-<digest>/w-<wid>/seg-NNNNN.dat  that writer's preallocated segments
     raw block device: one region per (namespace digest, wid) in the device's region table
-Every file and region has exactly one writer process; readers of other writers' files never write them.
+Every file and region has one writer process (and FENCE its retirer, below); readers never write them.
 
 Headers (namespace, device, region table; payloads are msgpack maps carrying ``format_version``):
     MAGIC (8 bytes) | u32 payload length | u64 xxh3-64 of payload | payload
@@ -31,11 +30,10 @@ Lease ``LEASE`` (in a writer's directory): two blocks of LEASE_BLOCK_BYTES at of
 Fence ``FENCE`` (in a writer's directory; ``sharing = "cluster"``): created empty by the owner at open. A
     live writer of another host that retires this (dead) writer writes ONE block of LEASE_BLOCK_BYTES at
     offset 0, a header (FENCE_MAGIC) zero-padded: incarnation (the retired one, from its last lease), by (the
-    retiring wid), by_host, at (wall-clock seconds, informative only). Written with pwrite + fsync BEFORE any
-    of the writer's files is deleted (crash rule: a directory with files missing always carries its fence).
-    The owner reads it (O_DIRECT where possible: an open file, so no attribute cache hides it) at every
-    beat; a fence naming its own incarnation means it stops writing there. Readers drop a fenced writer.
-    An empty, short or torn fence is no fence.
+    retiring wid), by_host, at (wall-clock seconds, informative only), with pwrite + fsync BEFORE any of the
+    writer's files is deleted (crash rule: a directory with files missing always carries its fence). The
+    owner reads it at every beat (O_DIRECT where possible) and stops writing there once it names its own
+    incarnation; readers drop a fenced writer. An empty, short or torn fence is no fence.
 
 Journal file ``journal-<generation:08d>.log`` (one writer's):
     file header:  JOURNAL_MAGIC (8) | u32 FORMAT_VERSION | u64 generation
@@ -64,9 +62,10 @@ Reads verify every part of the page against the index's checksums (the trailer i
 checksums the page bytes do not match (torn, stale) is skipped; of several good slots of one key the highest
 seq wins.
 
-Shared raw pool (``sharing = "cluster"`` with ``host_index``; ``media.shared_raw.superblock``, ``media.shared_raw.region_meta``): one raw
-device (an NVMe-oF namespace attached to several hosts) formatted once by ``sgl-kvtier pool-format DEV --hosts
-H``. Every byte of it is read and written with O_DIRECT, in whole 4 KiB blocks; nothing lives in a ``meta_dir``.
+Shared raw pool (``sharing = "cluster"`` with ``host_index``; ``media.shared_raw.superblock``,
+``media.shared_raw.region_meta``): one raw device (an NVMe-oF namespace attached to several hosts)
+formatted once by ``sgl-kvtier pool-format DEV --hosts H``. Every byte of it is read and written with
+O_DIRECT, in whole 4 KiB blocks; nothing lives in a ``meta_dir``.
     [0, 4 KiB)        superblock: header (POOL_MAGIC): pool_id, hosts, device_index, device_count,
                       device_bytes, host_slots_at, host_slot_bytes, data_at, share_bytes. Written once.
     host slot h       at host_slots_at + h * HOST_SLOT_BYTES (h = 0..hosts-1), written by host h only:
@@ -95,16 +94,17 @@ H``. Every byte of it is read and written with O_DIRECT, in whole 4 KiB blocks; 
                               stops at the first record that is short, torn or of another generation. A
                               generation may take an area only when the durable checkpoint covers the
                               generation the area held (else the writer checkpoints in place first).
-                              Read through a region view (``region_meta.RegionFiles``), an area is presented as
-                              the journal file ``journal-<g>.log``: JOURNAL_MAGIC header, its valid records with
-                              their unseeded xxh32, the same offsets; an area holding another generation is no
-                              such file.
+                              Read through a region view (``media.shared_raw.region_meta.RegionFiles``), an
+                              area is presented as the journal file ``journal-<g>.log``: JOURNAL_MAGIC header,
+                              its valid records with their unseeded xxh32, the same offsets; an area holding
+                              another generation is no such file.
         data_at               ``slots`` slots of slot_bytes, as a segment's.
 
 Parts: the namespace header's ``parts`` lists the byte length of each checksummed range of a page, in
-order (default: one part, the whole page); they are the namespace's (``Namespace.parts``, part of its digest
-when there are several), and a header with other ones is refused. A part is verified as soon as its bytes
-land (``store.part_reads``: group-major reads); a page is a hit only if all its parts pass (``store.parts``).
+order (default: one part, the whole page); they are the namespace's (``Namespace.part_sizes()``, part of its
+digest when there are several), and a header with other ones is refused. A part is verified as soon as its
+bytes land (``store.part_reads``: group-major reads); a page is a hit only if all its parts pass
+(``store.parts``).
 """
 
 from __future__ import annotations
@@ -294,7 +294,8 @@ def unpack_checkpoint(data: bytes, what: str) -> dict[str, Any]:
         raise CorruptRecordError(f"{what}: checkpoint fails its checksum")
     fields: dict[str, Any] = msgpack.unpackb(payload)
     if fields.get("version") != FORMAT_VERSION:
-        raise CorruptRecordError(f"{what}: checkpoint format {fields.get('version')}, this build reads {FORMAT_VERSION}")
+        raise CorruptRecordError(
+            f"{what}: checkpoint format {fields.get('version')}, this build reads {FORMAT_VERSION}")
     return fields
 
 

@@ -1,17 +1,15 @@
 """Give evicted slots' space back to the filesystem: ``fallocate(PUNCH_HOLE | KEEP_SIZE)`` over free slots.
 
-A segment is preallocated (``posix_fallocate``) so that writing a page never needs new blocks. Under a
-pool quota a writer that evicts cold pages punches holes over the freed slot runs, so other writers on the
-same filesystem can use the space. Invariants and caveats:
-  * The file keeps its size (KEEP_SIZE): slot offsets never move; a punched range reads back as zeros, so
-    a stale reader's mapping of a punched slot fails its checksum (never served).
-  * A later write into a punched slot allocates blocks again: it can fail with ENOSPC (the device-full
-    path handles that like any other write), and the slot is no longer preallocated.
+Segments are preallocated (``posix_fallocate``) so that writing a page never needs new blocks; under a pool
+quota a writer punches holes over the slot runs it freed, so other writers on the filesystem can use the
+space. Invariants:
+  * The file keeps its size (KEEP_SIZE): slot offsets never move; a punched range reads back as zeros, so a
+    stale mapping of a punched slot fails its checksum (never served).
+  * A later write into a punched slot allocates blocks again and can fail with ENOSPC (the device-full path
+    handles it like any other write).
   * Only a slot that is free (released, and pinned by no reader) may be punched: the caller's job.
-  * ``punch`` never raises: where hole punching is unsupported (non-Linux, EOPNOTSUPP on the filesystem,
-    ENOSYS, a descriptor that refuses it) or fails, it returns False and the space simply stays allocated.
-    Offsets and lengths should be multiples of the filesystem block size (slots are 4 KiB-aligned);
-    partial blocks at either end are zeroed rather than freed.
+  * ``punch`` never raises: where holes are unsupported or refused it returns False and the space stays
+    allocated. Slots are 4 KiB-aligned; partial filesystem blocks at either end are zeroed, not freed.
 """
 
 from __future__ import annotations

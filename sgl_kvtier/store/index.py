@@ -1,20 +1,17 @@
-"""The in-memory index of one shard: key <-> slot, page checksums, last-use times, and the eviction policy,
-kept in step. A page's checksum is a ``store.parts.Checksum`` (an int for one part, packed u64s for several;
-recovery guarantees each has the shard's number of parts, ``Recovered.parts``).
-
-Built from ``journal.Recovered`` (its dicts are taken over, not copied: a million pages load in well
-under a second). Not thread-safe: the page store's lock guards every call.
+"""The in-memory index of one shard: key <-> slot, page checksums (``store.parts.Checksum``, each with the
+shard's number of parts, ``Recovered.parts``), last-use times and the eviction policy, kept in step.
+Built from ``store.journal.Recovered``, whose dicts it takes over (not copied). Not thread-safe: the
+store's lock guards every call.
 
 Last-use times (for the pool quota, ``policy.quota``) are a float64 array by slot on the injected clock
 (``time.monotonic``: one clock for every process of a host), NaN where no page is stored. Invariants:
-  * ``add`` and ``touch`` stamp their pages with the clock's now; ``remove`` clears the slot.
+  * ``add`` and ``touch`` stamp their pages with the clock's time; ``remove`` clears the slot.
   * Ages are not persisted: ``load`` stamps every recovered page with the load time, so a reopened store's
-    pages start young and age from there (never evicted for an age they may not have).
+    pages start young (never evicted for an age they may not have).
   * Chain policy: a page's time is at least its youngest stored descendant's, less ``_LINK_SLACK_S``
-    (stamping a page lends its recency up its chain, stopping at the first ancestor already that fresh).
-    A page the policy cannot drop before its descendants thus never looks older than they do, so the
-    pages ``victims_older_than`` may take are exactly the old ones ``age_histogram`` counts. Removing a
-    descendant leaves the recency it lent (an ancestor may look a little warmer than it is, never colder).
+    (stamping a page lends its recency up its chain, stopping at the first ancestor already that fresh),
+    so a page the policy cannot drop before its descendants never looks older than they do. Removing a
+    descendant leaves the recency it lent (an ancestor may look warmer than it is, never colder).
   * ``age_histogram`` and ``victims_older_than`` read ages as ``now - time`` the same way, so a page counted
     in a bucket at or past the cutoff is a page ``victims_older_than`` may take.
 """

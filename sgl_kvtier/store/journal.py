@@ -1,38 +1,28 @@
-"""The durable index: an append-only journal plus periodic checkpoints (formats in ``store.format``).
+"""The durable index: an append-only journal plus periodic checkpoints, and their replay (formats in
+``store.format``; the writer's side in ``store.journal_write``).
 
 Crash rules:
   * A PUT record is appended only after the page's data is written (and, unless durability is ``none``,
-    fdatasync'd); so a record never points at bytes that were not written.
-  * A writer never appends to a journal it did not create: on open it starts generation ``max + 1``, so a
-    torn tail of an earlier run is simply where that file's replay stops.
-  * Checkpoint: snapshot + rotate to a new generation under the store lock, write ``checkpoint.bin.tmp``,
-    fsync, rename over ``checkpoint.bin``, fsync the directory, and only then delete the journals the
-    checkpoint covers. A crash anywhere leaves either the old checkpoint with all its journals, or the new.
-  * Replay order is checkpoint, then journals by generation; a PUT of a slot takes it from whichever key
-    held it before (that key's bytes are gone). A TOUCH record (this writer read another writer's page)
-    changes nothing in the index: its key goes to ``Recovered.touched``, which the page's owner, tailing
-    this journal, drains to count the use (``drain_touched``); one's own replay ignores it.
-  * Replay reads a journal with ``pread`` from its cursor, so following a live writer costs what it
-    appended since, not its whole file. A follower reads every file through a ``FileView`` (``POSIX``:
-    each read opens the file afresh, close-to-open consistency on NFS; ``io.stale`` injects staleness).
-  * Replay never moves a cursor past a record it did not read whole: a tail that is torn, short or zeros
-    in what a follower sees is where it stops, and where it starts again on its next follow.
-  * ``sharing = "cluster"`` (``follow_announced``): only as far as the writer's leases announced
-    (generation -> bytes), by exact names, never a name past the announced generation (no negative lookup
-    cached before the file exists). Lower generations are read whole and left only when read cleanly to
-    at least what was announced of them. Stuck (a journal missing, a generation it cannot leave): the
-    checkpoint, once per announcement; one past the cursor is a fresh start, else it is lag (view kept).
-  * Parts (``store.parts``): recovery is told the shard's number of parts. A checkpoint whose checksum
-    column is not ``n * parts`` long is unreadable (journals are replayed instead); a PUT record carrying
-    another number of checksums indexes nothing (its slot is still taken from the key that held it) and
-    is reported in ``problems``. So every indexed page has exactly ``parts`` checksums.
-  * Where files are (``store.meta``): a writer directory (``journal_write``: ``Journal``,
-    ``replace_checkpoint``), or a shared raw pool's region (``media.shared_raw.region_meta``: journal areas, checkpoint A/B), read back as these files through
-    its view: recovery and following are the same code for both.
-  * A checkpoint that fails (ENOSPC, EIO, the directory gone) at any step leaves a recoverable shard: the
-    old checkpoint still covers exactly the journals it covered, and every journal it does not cover is
-    still there (journals are deleted only after the new checkpoint is durable). A ``journal_write.Journal`` whose
-    header cannot be written closes its descriptor and removes its file before the error leaves it.
+    fdatasync'd), so a record never points at bytes that were not written.
+  * A writer never appends to a journal it did not create: each open starts generation ``max + 1``, so a
+    torn tail of an earlier run is where that file's replay stops.
+  * Checkpoint: snapshot + rotate under the store lock, replace ``checkpoint.bin`` atomically, and only
+    then delete the journals it covers. A crash, or a checkpoint failing at any step (ENOSPC, EIO), leaves
+    either the old checkpoint with all its journals or the new one.
+Replay: the checkpoint, then the journals by generation, each up to its first torn or corrupt record. A PUT
+of a slot takes it from whichever key held it (that key's bytes are gone). A TOUCH changes nothing here: its
+key goes to ``Recovered.touched`` for the page's owner, tailing this journal (``drain_touched``). Parts:
+a checkpoint whose checksum column is not ``n * parts`` long is unreadable (journals are replayed instead)
+and a PUT with another number of checksums indexes nothing (reported in ``problems``), so every indexed
+page has exactly ``parts`` checksums.
+Following a live writer (``follow``): ``pread`` from the cursor, never past a record not read whole, every
+file read through an ``io.file_view.FileView`` (``POSIX``: a fresh open per read, close-to-open consistency
+on NFS). ``sharing = "cluster"`` (``follow_announced``): only as far as the writer's leases announced
+(generation -> bytes), by exact names, never a name past the announced generation (no negative lookup
+cached before the file exists); lower generations are left only once read cleanly to what was announced.
+Stuck (a journal missing, a generation it cannot leave): the checkpoint, once per announcement, is a fresh
+start when past the cursor, else lag (view kept). A shared raw pool's region
+(``media.shared_raw.region_meta``) is read back as these same files through its view.
 """
 
 from __future__ import annotations
@@ -319,7 +309,8 @@ def _walk(meta: Path, state: Recovered, announced: Mapping[int, int], view: File
     gen, offset = state.cursor
     while gen <= top:
         try:
-            end, seen = _replay_seen(journal_path(meta, gen), state, offset, view, announced[top] if gen == top else None)
+            end, seen = _replay_seen(journal_path(meta, gen), state, offset, view,
+                                     announced[top] if gen == top else None)
         except FileNotFoundError:
             return False
         state.cursor = (gen, end)

@@ -1,28 +1,18 @@
-"""Resolve a config + namespace + writer id into the pieces of one writer's part of a namespace (format 2).
+"""Resolve a config + namespace + writer id into one writer's part of a namespace on directory or raw devices.
 
-Paths (``store.format``): the namespace directory ``<meta_dir or first device>/ns-<digest>/`` holds
-``HEADER`` (which devices, in which order, the slot size and parts, the store id) and one directory per
-writer, ``w-<wid>/`` (LOCK, LEASE, CONFIG, journals, checkpoint: ``Layout.meta``). Every device carries
-``ns-<digest>/HEADER`` of its own (the same store id and its index; on the first device, when it holds the
-meta directory too, the two are one file), and the writer's segments under ``ns-<digest>/w-<wid>/``; a raw
-block device one region per (namespace digest, wid). A device list that was reordered, shortened or mixed
-with another store's devices is refused at open.
+Paths (``store.format``): ``<meta_dir or first device>/ns-<digest>/`` holds ``HEADER`` (devices in order,
+slot size, parts, store id) and one directory per writer, ``w-<wid>/`` (``Layout.meta``). Every device
+carries its own ``ns-<digest>/HEADER`` (same store id, its index) and the writer's segments under
+``ns-<digest>/w-<wid>/``; a raw block device one region per (namespace digest, wid). Headers are made once,
+by whichever writer comes first (``devices.create_once``), so two writers opening a new namespace at once
+get one store id; a device list reordered, shortened or mixed with another store's is refused at open.
 
-Headers are made once, by whichever writer comes first (``devices.create_once``: a private tmp file
-hard-linked into place), so two writers opening a new namespace at the same moment get one store id.
-
-Refusals (``StoreFormatError``): a format-1 store (its pages are a cache: remove them), a header whose
-``parts`` are not the namespace's (``Namespace.part_sizes()``), and a writer directory whose metadata is gone (segments holding data
-(or, on a raw device, a region whose first slot holds a page) but neither ``checkpoint.bin`` nor any
-journal: only ``sgl-kvtier fsck --rebuild`` can index them again;
-a new writer would otherwise overwrite pages it does not know about). The writer lock itself is
-``sharing.writers``. Under ``sharing = "cluster"`` every data file is opened with O_DIRECT or not at all
-(``direct_mode``); what the storage must be is checked before this, by ``sharing.cluster_fs.check``.
-
-A shared raw pool (``host_index`` set; ``media.shared_raw.superblock``): no meta directory and no namespace HEADER file.
-The writer's path is ``<first device>/ns-<digest>/w-<wid>`` (no directory: ``media.shared_raw.regions``), its
-arenas are its regions' slots and ``Layout.files`` its meta areas (``region_meta.open_regions``, each region's
-header checked as a device header, the store id being the pool id); ``load_config`` reads a region's CONFIG.
+Refusals (``StoreFormatError``): another format, ``parts`` other than ``Namespace.part_sizes()``, and a
+writer whose journal and checkpoint are gone while its segments (or raw region) hold pages
+(``check_meta_present``: a new writer would overwrite pages it does not know; ``sgl-kvtier fsck --rebuild``
+indexes them again). Under ``sharing = "cluster"`` every data file is opened with O_DIRECT or not at all
+(``direct_mode``). The writer lock and the storage checks are the site's (``store.site.WriterSite``); a
+shared raw pool's layout is ``media.shared_raw.layout``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,22 @@
 """Releasing what a shard holds: every step attempted whatever the others raise, the first error kept.
 
-An open shard holds, newest first: (writer) its lease (file and ``kvtier-lease`` thread) and journal file;
-its IO engine (threads or io_uring rings) and bounce buffers; its layout (segment files or device fds);
-(writer) its writer-directory lock fd. ``open`` takes them
-in the opposite order under an ``Acquired`` stack; ``close``, and an ``open`` that fails half-way, give
-them back through the helpers here.
+An open shard holds, newest first: (writer) its lease and journal; its IO engine and bounce buffers; its
+layout (segment files or device fds); (writer) its writer lock. ``open`` takes them in the opposite order
+under an ``Acquired`` stack; ``close``, and an ``open`` that fails half-way, give them back through here.
 
 Invariants:
-  * Every release step runs, in order, even when an earlier one raised. Each runs at most once: a
-    resource is detached from its owner before it is released, so a failed release is reported, never
-    retried (on Linux ``close(2)`` frees the descriptor even when it reports an error, and closing the
-    number again could close a file someone else opened since).
-  * ``close_all`` (a shard's ``close``) raises, after every step ran, ``StoreCloseError`` chained
-    (``__cause__``) to the first failure, with every ``(step, error)`` in ``failures``; the later ones are
-    also logged. The shard is released and closed all the same: a second ``close`` does nothing, and a
-    re-open in the same process works.
-  * A ``KeyboardInterrupt``/``SystemExit`` (anything not an ``Exception``) raised by a step is never
-    wrapped nor swallowed: the remaining steps still run, then the first such one is re-raised as it is.
-  * ``release_all`` (the parts below a shard: a layout's arenas, an arena's fds, the IO engine and its
-    buffers) re-raises the first failure itself, the later ones attached as its notes; only the shard's
-    close wraps it, so a caller sees one typed error naming the step.
-  * An open that fails re-raises its own error: what it held is released newest first (``Acquired``),
-    and a release that fails too becomes a note on that error (and a log line), never masking it.
-  * No reference cycles: a closed owner and all it held (IO engine, buffers, the host memory it was
-    registered with) go by reference counting alone, the moment its last user reference does, never
-    waiting for the cyclic garbage collector. So a part never holds its owner strongly (a callback into
-    the owner that a part keeps holds it weakly: ``weak_method``), and no error a step raised is kept by a
-    frame of its own traceback, which holds every caller's frame and locals (the caller's ``self``
-    included): the helpers here hand failures on (``handed_on``) and raise what a helper made of them.
+  * Every release step runs, in order, even when an earlier one raised, and at most once: a resource is
+    detached from its owner before it is released, so a failed release is reported, never retried (Linux's
+    ``close(2)`` frees the descriptor even when it reports an error).
+  * ``close_all`` (a shard's ``close``) raises, after every step ran, ``StoreCloseError`` from the first
+    failure, every ``(step, error)`` in ``failures``; the shard is closed all the same. ``release_all``
+    (the parts below a shard) re-raises the first failure itself, the later ones as its notes.
+  * An interrupt (anything not an ``Exception``) raised by a step is never wrapped nor swallowed: the
+    remaining steps still run, then it is re-raised as it is.
+  * An open that fails re-raises its own error; a release failing too becomes a note on it, never masking it.
+  * No reference cycles, so a closed owner and all it held go by reference counting alone: a part calls
+    back into its owner only weakly (``weak_method``), and no failure is kept by a frame of its own
+    traceback (the helpers hand failures on, ``handed_on``, and raise what a helper made of them).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
-"""A writer's meta directory, as what a writer needs of it: where its journal generations, checkpoint,
-lease and config go, and how it reads them back.
+"""A writer's meta, as what a writer needs of it: where its journal generations, checkpoint, lease and config
+go, and how they are read back. Also the ``LEASE`` name and its blocks (``FileBlocks``) and ``save_config``.
 
 Two kinds (``writer_meta`` picks the layout's):
-  * ``DirMeta``: a writer directory ``w-<wid>/`` on a filesystem (``store.format``): ``journal_write.Journal``
-    files, the checkpoint replaced by tmp + rename (``journal_write.replace_checkpoint``, which deletes the
-    journals it covers), ``LEASE`` / ``CONFIG`` files; read back with plain syscalls (``io.file_view.POSIX``).
-  * ``region_meta.RegionFiles``: a writer's region of a shared raw pool (its areas on the device, O_DIRECT);
-    it is its own ``view``.
-``PageStore`` writes its meta only through one (``open_journal``, ``may_rotate``, ``write_checkpoint``,
-``lease_blocks``, ``save_config``) and recovers through its ``view``; readers of other writers read
-through the same views, so ``journal``'s recovery and following never know which kind they read.
+  * ``DirMeta``: a writer directory ``w-<wid>/`` (``store.format``): ``journal_write.Journal`` files, the
+    checkpoint replaced by tmp + rename (``journal_write.replace_checkpoint``, which deletes the journals
+    it covers), ``LEASE`` / ``CONFIG`` files; read back with plain syscalls (``io.file_view.POSIX``).
+  * ``media.shared_raw.region_meta.RegionFiles``: a writer's region of a shared raw pool (its areas on the
+    device, O_DIRECT); it is its own ``view``.
+A writer writes its meta only through one (``open_journal``, ``may_rotate``, ``write_checkpoint``,
+``lease_blocks``, ``save_config``) and recovers through its ``view``; readers of other writers read through
+the same views, so ``store.journal`` never knows which kind it reads.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class FileBlocks:
 
 
 class WriterJournal(Protocol):
-    """One journal generation a writer appends to (``journal_write.Journal``, ``region_meta.AreaJournal``)."""
+    """One journal generation a writer appends to (``journal_write.Journal``,
+    ``media.shared_raw.region_meta.AreaJournal``)."""
 
     generation: int
     path: Path
@@ -71,7 +72,7 @@ class WriterJournal(Protocol):
 
 
 class WriterMeta(Protocol):
-    """A writer's meta directory (see the module docstring)."""
+    """A writer's meta: a directory or a shared raw region's areas (see the module docstring)."""
 
     path: Path
 

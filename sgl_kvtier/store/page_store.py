@@ -1,54 +1,44 @@
-"""PageStore: one writer of a namespace shard (fixed-size KV pages on one or more flash devices).
+"""PageStore: the one writer of a namespace shard's directory (or shared raw region) and its pages.
 
-It is a ``PageShard`` (``store.shard``: get / longest_prefix / stats, the pinned verified read path) that
-also holds its writer directory (``sharing.writers``: the lowest free ``w-<host_id>-<k>``, so several writer
-processes share one namespace's pool, each in its own directory and segments), its journal and its lease
-(``sharing.lease``, beaten every ``heartbeat_s`` on the ``kvtier-lease`` thread). Read-only views are
-``sharing.follower.PageReader``; the merged view over every writer of a namespace is ``sharing.pool.SharedPool``.
+A ``store.shard.PageShard`` (the verified read path) that also holds what its ``store.site.WriterSite``
+claimed and started: the writer directory and its lock, the journal, and the lease beaten every
+``heartbeat_s`` on the ``kvtier-lease`` thread. It imports neither the medium nor the sharing protocol:
+callers open it through ``sharing.sites.open_writer``, and ``sharing.pool.SharedPool`` merges it with the
+other writers' ``sharing.follower.PageReader``s.
 
-Pool-wide cap: ``capacity_bytes`` limits the namespace shard over all its writers. Before taking a slot
-for a new page (``store.capacity``), a writer checks its own pages (stored and being stored) plus the
-other writers' last leased ``bytes_used`` (``peer_bytes``, set by the pool) against it; at the cap it
-evicts its own coldest pages instead (a writer never frees another's space). Leases lag by up to ``heartbeat_s``, so writers
-growing at once may overshoot by what they store in that time. On top of that hard cap the pool quota
-(``sharing.quota_loop``, run after each lease beat) sets ``grow_limit_bytes`` (None: grow to the cap; a
-number: at it, a new page replaces an own one) and evicts the writer's old pages with
-``evict_older_than``, which punches holes (``store.holes``) over the slots it frees.
-
-API (used by the SGLang adapter; pages are lists of ``(address, length)`` runs in caller memory; keys are
-valid ``PageKey``s):
+API (pages are ``(address, length)`` runs in caller memory; keys are valid ``PageKey``s):
     put(keys, pages, parent=None) -> [bool]   True: stored, already stored, or declined by admission
-    delete(keys) -> int, evict(keys) -> int, clear() -> int, checkpoint(), close()
-    usage() (what the lease publishes; ``published`` keeps the last), evict_older_than(age_s, now, bytes)
-    touch_remote(keys), touch_own(keys)     uses of other writers' pages (TOUCH records) / of own ones
-    (those of the pool side: ``store.capacity``; and everything a PageShard serves)
+    delete(keys) / evict(keys) / clear() -> int, checkpoint(), close()
+    usage(), evict_older_than(), touch_remote(keys), touch_own(keys)   (``store.capacity.CapacitySide``)
+    and everything a PageShard serves
 
-Write order for a put batch, one named phase each (the crash rule each step relies on is at its code):
-    1. reserve   under the lock: admit each page, take a free slot (evicting as needed; the victims'
-                 DEL records are appended to the journal before their slots are overwritten)
-    2. write     no lock: write the page data; fdatasync the data files (durability ``batch``/``always``)
-    3. publish   under the lock: append the PUT records and make the pages visible, in the same section
+Pool-wide cap: ``capacity_bytes`` bounds the namespace shard over all its writers. A slot for a new page is
+taken only while own pages (stored and in flight) plus the other writers' leased ``bytes_used``
+(``peer_bytes``) stay within it; at the cap a writer evicts its own coldest pages, never another's. Leases
+lag by up to ``heartbeat_s``, so writers growing at once may overshoot by what they store in that time.
+The pool quota (``sharing.quota_loop``) sets ``grow_limit_bytes`` and evicts old pages on top of it.
+
+Write order of a put batch (the crash rule each phase relies on is at its code):
+    1. reserve   under the lock: admit each page, take a slot and a ``seq`` (evicting as needed: the
+                 victims' DEL records are appended before their slots are overwritten)
+    2. write     no lock: page and trailer in one IO per slot; fdatasync (durability ``batch``/``always``)
+    3. publish   under the lock: append the PUT records and make the pages visible, in one section
     4. persist   fsync the journal (unless durability is ``none``; always under ``sharing = "cluster"``,
-                 where other hosts see only what was synced): only then is the batch acknowledged;
+                 where other hosts see only synced records): only then is the batch acknowledged;
                  checkpoint when enough records piled up
-A page is visible only once its bytes are fully written; a record never points at bytes not written.
-Each reserved page gets its ``seq`` in phase 1; its slot trailer (phase 2) and its PUT record (phase 3)
-carry the same one. Under ``always`` each page is its own batch. Open order (``store.writer_open``): the
-storage checks of ``sharing = "cluster"`` -> writer directory (claim + lock) -> layout -> CONFIG -> engine ->
-recover -> a new journal generation -> fold what was replayed -> lease; a failed open releases what it
-took, the lock last.
+A record never points at bytes not written, and a page is visible only once written; its trailer and its
+PUT record carry the same ``seq``. Under ``always`` each page is its own batch.
 
-Meta (``store.meta``): a writer directory, or on a shared raw pool (``host_index``) its region's areas
-(``media.shared_raw.region_meta``: claimed by ``sharing.shared_raw_claim``, lease beats also beat the host lease, whose
-takeover by another machine fences the store). There a journal area is bounded: a batch that would not
-fit is refused (``put_no_space``), a checkpoint is due at half full, and a generation whose area the
-durable checkpoint does not cover yet is preceded by a checkpoint in place (``checkpoint``).
+On a shared raw pool (``host_index``) the meta lives in the region's areas
+(``media.shared_raw.region_meta``) and each lease beat also beats the host lease, whose takeover by another
+machine fences the store. A journal area is bounded: a batch that would not fit is refused
+(``put_no_space``), a checkpoint is due at half full, and a generation whose area the durable checkpoint
+does not cover yet is preceded by a checkpoint in place (``checkpoint``).
 
-Close order: checkpoint -> lease (its thread ends) -> journal -> engine (its threads end) -> devices ->
-writer lock, each step
-attempted whatever an earlier one raised; the first failure is raised after as ``StoreCloseError``
-(``store.lifecycle``). A failed checkpoint never loses an acknowledged page: the next open replays the
-journals that the last good checkpoint does not cover.
+Open order: ``store.writer_open``. Close order: checkpoint -> lease (its thread ends) -> host lease ->
+journal -> engine (its threads end) -> devices -> writer lock, each step attempted whatever an earlier one
+raised; the first failure is raised after as ``StoreCloseError`` (``store.lifecycle``). A failed checkpoint
+never loses an acknowledged page: the next open replays the journals the last good checkpoint does not cover.
 """
 
 from __future__ import annotations
@@ -129,11 +119,12 @@ class PageStore(PageShard, CapacitySide):
              shared: SharedTelemetry | None = None, wid: str | None = None,
              clock: Callable[[], float] | None = None) -> PageStore:
         """Open (creating if needed) the shard of ``namespace`` on ``config.devices`` as one of its writers,
-        in the lowest free writer directory of this host (``sharing.writers``). ``engine`` (tests): the base
-        engine to run IO on, the store's from this call on (closed by ``close``, or here if this fails).
-        ``shared``: counters, breakers and read rates shared with a pool's other shards. ``wid``: open that
-        existing writer directory of this host only (a dead writer's, to reclaim its space; StoreLockedError
-        if its lock is held). ``clock``: the clock of page ages (tests inject one; default monotonic).
+        in the place ``site`` claims (a directory medium: the lowest free writer directory of this host).
+        Callers use ``sharing.sites.open_writer``. ``engine`` (tests): the base engine to run IO on, the
+        store's from this call on (closed by ``close``, or here if this fails). ``shared``: counters,
+        breakers and read rates shared with a pool's other shards. ``wid``: open that existing writer place
+        of this host only (a dead writer's, to reclaim its space; StoreLockedError if its lock is held).
+        ``clock``: the clock of page ages (tests inject one; default monotonic).
 
         Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError (``sharing = "off"`` and the
         directory is held), OSError (the fold below). A failed open has released everything it took, the
@@ -161,7 +152,7 @@ class PageStore(PageShard, CapacitySide):
     def _close_steps(self) -> list[Step]:
         # The checkpoint is attempted first, so the next open replays nothing; when it fails, the journal
         # (synced by every acknowledged put) still holds everything, and the release steps run regardless.
-        # A fenced store writes no checkpoint: its directory is being deleted (a file made now would outlive it).
+        # A fenced store writes no checkpoint: its directory is being deleted (a file made then would outlive it).
         return [*([] if self.fenced else [("checkpoint", self.checkpoint)]), *self._release_steps()]
 
     def _release_steps(self) -> list[Step]:

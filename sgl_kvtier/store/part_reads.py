@@ -1,50 +1,29 @@
 """Group-major reads of a batch of pages: part group 0 of every page, verified and handed over, then group 1...
 
-``PageShard.get_parts`` and ``SharedPool.get_parts`` (the API; parts and groups: ``store.parts``) make one
+``PageShard.get_parts`` and ``SharedPool.get_parts`` (parts and groups: ``store.parts``) make one
 ``PartRead`` per shard holding pages of the batch (``PageShard.part_read``) and run them in lock step
 (``drive``):
 
     start(0) on every shard; then for each group g:
-        start(g + 1) on every shard  sent at once, on another part-read thread, for the pages still hits
-                                     as far as the caller knows (groups up to g - 1 landed), so the device
-                                     has g + 1's IO queued behind g's and never idles between groups
+        start(g + 1) on every shard  sent at once, on a part-read thread, for the pages still hits, so the
+                                     device has g + 1's IO queued behind g's and never idles between groups
         finish(g) on every shard     wait for g's IO: a page whose parts of g all verified stays a hit
-        on_part(g, ok)               the caller's work on group g (copies, a gate) while g + 1 is read
+        on_part(g, ok)               the caller's work on group g while g + 1 is read
     close() on every shard           (also when on_part raises) wait for the IO in flight, unpin, settle
 
-Order: a group hands its IO to the engine only after the group before it did (``_take_turn``): the two
-tasks run on different threads and build their ops at once, and whichever gets the GIL first would reach
-the device first; g + 1 ahead of g would make the forward wait a whole group longer for g. (A group whose
-predecessor has not handed over within ``TURN_WAIT_S`` goes anyway: order is a speed rule, never a wait
-without end.)
+Order: a group hands its IO to the engine only after the group before it did (``_take_turn``; after
+``TURN_WAIT_S`` it goes anyway: order is a speed rule, never a wait without end). At most two groups are in
+flight; a page failing a part in group g gets no IO from g + 2 on; an error raised by ``on_part`` stops
+every later group. IO: one op per (page, span of consecutive parts of a group), a ``preadv`` straight into
+the runs covering them (``PartMap.split``), each part checked against its own xxh3-64; with O_DIRECT a part
+not 4 KiB aligned (offset, length or runs) is a span of its own, read through a bounce buffer.
 
-So at most two groups of a read are in flight (g landing, g + 1), a page failing a part in group g gets
-no IO from group g + 2 on (g + 1 was sent before g's verdicts were known; its bytes land in the failed
-page's runs, which hold bytes that must not be used either way), and a group is sent only after
-``on_part`` returned for the group two before it: an error raised there stops every later group.
-
-IO: one op per (page, span of a group's parts), a ``preadv`` of the span's bytes at ``slot offset + its first
-part's offset`` straight into the runs covering them (``PartMap.split``). A span is a run of consecutive
-part indices of the group (adjacent in the slot: parts are in page order), so a group of parts ``[2g,
-2g + 1]`` is one IO per page, not two (measured on this project's 2-core VM: ~0.05 ms of CPU per op,
-kernel and Python, which a CPU engine's forward pays); each part of the span is still checked against its
-own recorded xxh3-64 (the op's ``digest_ranges``; a one-part span: the op's digest). With O_DIRECT, a
-part whose offset, length or runs are not 4 KiB aligned is a span of its own, read through a bounce buffer
-(its range rounded out to the alignment; the engine digests the part's bytes in it, ``digest_ranges``;
-one memcpy once it verified). A group's ops are one engine batch
-(``io_depth`` in flight; ops needing bounce buffers in chunks of the bounce pool), run on the shard's
-part-read threads (``PageIO.submit``): the caller's thread is free meanwhile.
-
-Safety, as ``get``'s: every page's slot is pinned from ``PageShard.part_read`` until ``close``, so no
-writer reuses a slot under the read; bounce buffers are taken and given back inside one group's task;
-``close`` waits for every task in flight before anything is unpinned, so no IO lands in caller memory after
-``get_parts`` returns or raises. Verdicts (``ReadVerdict``): a part short or failing its checksum makes
-its page ``CORRUPT`` (dropped at settle, as ``get`` drops it); a failed IO ``IO_ERROR`` and an open
-breaker ``SKIPPED`` (misses, the page kept); a page not read whole because ``on_part`` raised, ``SKIPPED``.
-Counters: ``parts_read`` (parts verified into caller memory), ``parts_failed`` (parts whose IO failed,
-came short or failed the checksum; every part of a span whose IO failed or came short). The read's
-seconds (the store's read rates) are the wall time with a group of it in flight: two overlapping groups
-count their shared stretch once, and each device's busy time is scaled by the same factor.
+Safety, as ``get``'s: every page's slot is pinned from ``PageShard.part_read`` until ``close``, and ``close``
+waits for every task in flight before anything is unpinned, so no IO lands in caller memory after
+``get_parts`` returns or raises. Verdicts: a part short or failing its checksum makes its page ``CORRUPT``;
+a failed IO ``IO_ERROR``, an open breaker or a page not read whole ``SKIPPED`` (misses, the page kept).
+The read's seconds are the wall time with a group in flight (overlaps counted once); each device's busy
+time is scaled by the same factor.
 """
 
 from __future__ import annotations
@@ -252,7 +231,8 @@ class PartRead:
                     placed.append((k, span, op, buf, at - low))
                 else:
                     buffers = [view(a, n) for p in span for a, n in self._pieces[k][p]]
-                    ranges = None if len(span) == 1 else tuple((io.parts.offsets[p] - at, io.parts.sizes[p]) for p in span)
+                    ranges = None if len(span) == 1 else tuple((io.parts.offsets[p] - at, io.parts.sizes[p])
+                                                               for p in span)
                     op = IOOp(OpKind.READ, fd, base + at, buffers, checksum=ranges is None, device=device,
                               digest_ranges=ranges, group=group.index)
                     placed.append((k, span, op, None, 0))

@@ -1,23 +1,17 @@
-"""Parts of a page: the checksummed byte ranges of format 2 (``store.format``, "Parts"), for reads verified
-layer group by layer group. Pure helpers, no IO.
+"""Parts of a page: its checksummed byte ranges (``store.format``, "Parts"), so reads verify layer group by
+layer group. Pure helpers, no IO.
 
-A namespace's ``parts`` (``Namespace.part_sizes()``) lists the byte length of each range of a page, in
-order; they add up to the page. One part (the default) is the whole page. Each part has its own xxh3-64,
-taken at write time over the part's bytes (the slot trailer and the PUT record carry them all, the
-checkpoint ``n * parts`` of them) and checked on every read: a page is a hit only if all its parts pass.
+A namespace's ``parts`` (``Namespace.part_sizes()``) lists each range's byte length, in page order; they add
+up to the page (default: one part, the whole page). Each part has its own xxh3-64, taken at write time
+(the slot trailer and the PUT record carry them all, the checkpoint ``n * parts`` of them) and checked on
+every read: a page is a hit only if all its parts pass.
 
-A ``Checksum`` in memory (the index, ``transfer.ReadItem``) is the page's xxh3-64 as an int when the shard
-has one part (the fast path, as before parts existed), else every part's u64 packed little-endian into one
-``bytes`` of ``8 * parts`` (a fifth of a tuple of ints, and exactly a row of the checkpoint's column).
-
-Caller memory: a page is given as runs (``io.buffers.Run``, as ``get`` and ``put`` take it);
-``PartMap.split`` cuts them at the parts' boundaries, so part ``p`` is the runs (or pieces of runs)
-covering bytes ``[offsets[p], offsets[p] + sizes[p])`` of the page, in order.
-
-Groups (``PartMap.plan``): a group-major read (``store.part_reads``) reads the parts in groups, each a
-set of part indices read and verified together; the groups cover every part exactly once. Default: one
-group per part, in order. E.g. a ``layer_first`` page (K of every layer, then V) with G layer groups has
-2G parts (G K ranges, then G V ranges) and reads them as ``[[g, G + g] for g in range(G)]``.
+A ``Checksum`` in memory (the index, ``store.transfer.ReadItem``) is the page's xxh3-64 as an int when the shard
+has one part, else every part's u64 packed little-endian into ``8 * parts`` bytes (a row of the
+checkpoint's column). ``PartMap.split`` cuts a page's caller runs at the parts' boundaries. Groups
+(``PartMap.plan``): a group-major read (``store.part_reads``) reads and verifies the parts in groups that
+cover every part exactly once (default: one per part, in order); e.g. a ``layer_first`` page with G layer
+groups has 2G parts (G K ranges, then G V ranges), read as ``[[g, G + g] for g in range(G)]``.
 """
 
 from __future__ import annotations

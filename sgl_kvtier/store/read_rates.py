@@ -1,16 +1,13 @@
-"""The store's measured read path: bandwidth and per-batch latency, fitted over its real ``get`` batches.
+"""A shard's measured read path: bandwidth and per-batch latency, fitted over its real ``get`` batches.
 
-``TransferEstimator`` (``sgl_kvtier.estimation``, shared with the stream bind rule) fits ``seconds ~= batch_latency + bytes / bandwidth`` (moving least squares, weights
-halving every ``half_life`` samples) and publishes an immutable ``DeviceModel`` after every sample.
-``ReadRates`` keeps one for all devices of a shard together and one per device:
-
-- ``total`` is fitted on each batch's wall clock: that is what a load waits for.
-- a device's estimator is fitted on the bytes it delivered and the seconds *it* was busy with them (its
-  own ops' timings, ``transfer.busy_seconds``), so a slow device reads slower than a fast one in the same
-  batch; where its ops were not timed (an engine that measures nothing), on the batch's wall clock.
-
-Thread-safe: each estimator has its own lock. The cost model (``policy.cost_model``) consumes the
-``DeviceModel``; neither side imports the other (both import ``sgl_kvtier.estimation``).
+Each ``TransferEstimator`` (``sgl_kvtier.estimation``) fits ``seconds ~= batch_latency + bytes / bandwidth``
+by moving least squares (weights halving every ``half_life`` samples) and publishes an immutable
+``DeviceModel`` after every sample. ``ReadRates`` keeps one for all devices of a shard together (``total``,
+fitted on each batch's wall clock: what a load waits for) and one per device (fitted on the bytes it
+delivered and the seconds its own ops were busy, ``store.transfer.busy_seconds``, so a slow device reads slower
+than a fast one in the same batch; the batch's wall clock where its ops were not timed). Thread-safe: each
+estimator has its own lock. The cost model (``policy.cost_model``) consumes the ``DeviceModel``; neither
+side imports the other.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
-"""PageShard: one open namespace shard's pages and its verified read path, shared by reader and writer.
+"""PageShard: an open namespace shard's index, slots and devices, and its verified read path.
 
-``PageReader`` (``sharing.follower``: a follower of a live writer, or an offline view) and ``PageStore``
-(``store.page_store``: the shard's one writer) both derive from it. It holds what every open shard has:
-the layout (arenas on the devices), the in-memory index (key -> slot, checksums, eviction policy) and slot
-table, the IO engine behind ``PageIO``, the devices' circuit breakers, counters and measured read rates.
+Base of ``store.page_store.PageStore`` (the shard's one writer) and ``sharing.follower.PageReader`` (a
+follower of a live writer, or an offline view). It holds the layout, the in-memory index and slot table, the
+IO engine behind ``PageIO``, the devices' circuit breakers, counters and measured read rates.
 
-API (pages are lists of ``(address, length)`` runs in caller memory; keys are valid ``PageKey``s):
+API (pages are ``(address, length)`` runs in caller memory; keys are valid ``PageKey``s):
     get(keys, pages) -> [bool]        True: the page's bytes, verified, are in the caller's runs
-    get_parts(keys, pages, on_part, groups=None) -> [bool]
-                                      the same, group-major: group 0 of every page verified, then
-                                      ``on_part(0, ok)``, then group 1, ... (``store.part_reads``)
-    longest_prefix(keys) -> int       how many leading keys are readable now
+    get_parts(keys, pages, on_part, groups=None) -> [bool]   the same, group-major (``store.part_reads``)
+    longest_prefix(keys) -> int       how many leading keys are readable
     contains / slot_of / parent_of / keys / len, stats(), close()
 
 Read path of a batch: pin (under the lock: look each key up, pin its slot, touch the policy) -> read (no
-lock: one vectored IO per page, checked against the xxh3-64 of each part taken at write time) -> unpin ->
-settle (under the lock: count, and drop every ``CORRUPT`` page through ``_dropped``, which a writer also
-journals). A pinned slot is never handed to a writer, so an eviction racing a read cannot put another
-page's bytes under it; a stale index (a follower behind its writer) can only read bytes that fail their
-checksum: a miss, never wrong KV.
-
-Every instance owns all of its state (the collector pause below is the one shared thing, and it counts),
-so any number of readers and one writer per shard can be open at once, in one process or many; nothing on
-this read path writes a file. Thread safety: one lock per instance guards the index, slots and policy; IO
-runs outside it, so SGLang's exists / get / set threads proceed in parallel.
-
-Lifecycle (``store.lifecycle``): ``open`` takes the shard's resources one at a time under an ``Acquired``
-stack (an injected engine is the shard's from the call on), so an open failing at any point releases all
-it took and re-raises its own error. ``close`` runs ``_close_steps`` (each whatever the others raise; then
-``StoreCloseError`` from the first failure) and is idempotent. The engine's threads (``kvtier-io_*``) and
-rings end in its ``io engine`` step; read-ahead threads belong to ``prefetch``, which stops them first.
+lock: one vectored IO per page, each part checked against its xxh3-64 taken at write time) -> unpin ->
+settle (under the lock: count, drop every ``CORRUPT`` page through ``_dropped``). A pinned slot is never
+handed to a writer, and a stale index can only read bytes that fail their checksum: a miss, never wrong KV.
+Nothing on this path writes a file. One lock per instance guards index, slots and policy; IO runs outside
+it. Every instance owns its state (the collector pause is the one shared thing), so any number of readers
+and one writer per shard may be open at once, in one process or many. Open and close: ``store.lifecycle``.
 """
 
 from __future__ import annotations
@@ -65,8 +52,8 @@ Pinned = list[tuple[int, tuple[int, Checksum]]]  # (page index in the batch, (sl
 
 
 class _CollectorPause:
-    """Keeps Python's cyclic collector off while any shard loads its index (a million fresh objects it
-    would rescan again and again); overlapping loads on several threads re-enable it after the last."""
+    """Keeps Python's cyclic collector off while any shard loads its index (many fresh objects it would
+    rescan again and again); overlapping loads on several threads re-enable it after the last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -123,7 +110,7 @@ class SharedTelemetry:
 
 class PageShard(ClosedOnExit, abc.ABC):
     """An open namespace shard: its index, slots and devices, and the verified read path (see the module
-    docstring). Open one through ``PageReader.open`` or ``PageStore.open``."""
+    docstring). Open one through ``PageReader.open`` or ``sharing.sites.open_writer``."""
 
     CLOSING = "the shard"
 
@@ -143,8 +130,9 @@ class PageShard(ClosedOnExit, abc.ABC):
         self._engine = engine  # the whole stack (``open_shard_engine``); the shard owns and closes it
         self._ndev = len(layout.arenas)
         if shared is None:
-            shared = SharedTelemetry(self.counters, DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
-                                                                 config.breaker_cooldown_s, config.slow_io_s),
+            shared = SharedTelemetry(self.counters,
+                                     DeviceHealth([a.path for a in layout.arenas], config.breaker_failures,
+                                                  config.breaker_cooldown_s, config.slow_io_s),
                                      ReadRates(self._ndev))
         self.health = shared.health
         self.read_rates = shared.read_rates  # moving-average read bandwidth / batch latency (cost model)
@@ -357,6 +345,7 @@ class PageShard(ClosedOnExit, abc.ABC):
         total = sum(n for _, n in runs)
         if total != self.page_bytes:
             self.counters.bad_requests += 1
-            self._errlog.error("%s: page runs add up to %d bytes, this store's pages are %d", op, total, self.page_bytes)
+            self._errlog.error("%s: page runs add up to %d bytes, this store's pages are %d", op, total,
+                               self.page_bytes)
             return False
         return True

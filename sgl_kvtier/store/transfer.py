@@ -1,36 +1,22 @@
 """PageIO: moves whole pages between caller memory and device slots, many IOs in flight, verified.
 
-It builds one vectored IO per page (the caller's runs straight to the slot with O_DIRECT when they are
-aligned, else through a bounce buffer: one memcpy), skips devices whose circuit is open, feeds the
-breakers, checksums every page (xxh3-64 taken before a write, checked after a read) and fdatasyncs the
+One vectored IO per page: the caller's runs straight to the slot with O_DIRECT when aligned, else through a
+bounce buffer (one memcpy). It skips devices whose circuit is open, feeds the breakers, and fdatasyncs the
 data files of a write batch unless durability is ``none``. It knows slots, not the index.
 
-Writes (format 2, ``store.format`` "Slot"): each page write is ONE IO covering its whole slot: the page at
-offset 0, its trailer (``fmt.pack_trailer``: namespace digest, key, parent key, writer incarnation, seq,
-the xxh3-64 of each of the page's parts, ``store.parts``) at ``page_bytes``, zeros up to ``slot_bytes``.
-So a torn write leaves a trailer whose checksums the page bytes fail, and ``admin.rebuild`` can skip it.
-An aligned page (runs aligned, page_bytes a multiple of 4 KiB) goes out as its runs plus one aligned tail
-buffer from a slab pool; any other page is copied into one bounce buffer, its tail after it. Only a PageIO
-given a ``SlotIdentity`` (the writer) writes; one without (a reader) raises.
+Writes (``store.format``, "Slot"): ONE IO per page covering its whole slot: the page, its trailer
+(``format.pack_trailer``, with each part's xxh3-64, ``store.parts``) at ``page_bytes``, zeros to
+``slot_bytes``; so a torn write leaves a trailer whose checksums the page fails, and ``admin.rebuild``
+skips it. Only a PageIO given a ``SlotIdentity`` (the writer's) writes.
+Checksums are taken by the engine inside each page's IO (``io.ops`` range digests): a write op names the
+page's parts as ``digest_ranges`` and its ``before_write`` packs the trailer from their digests before any
+byte is sent, so the checksums the journal records (``IOResult.part_digests``) are the trailer's. Reads move
+the page's bytes only (not the trailer), verified against the checksums the index recorded; a page is a
+hit only if every part passes. Group-major reads are ``store.part_reads``, on ``locate``/``submit``.
 
-Checksums are taken by the engine, inside each page's IO (``io.ops``, range digests): a write op names
-the page's parts as its ``digest_ranges``, and its ``before_write`` packs the trailer from their digests
-into the op's tail, after the digests and before any byte of the IO is sent; so the trailer still goes
-out in the page's own IO, and the checksums the journal records are the ones ``IOResult.part_digests``
-returns (the ones the trailer carries). A read op of an aligned one-part page asks for the op's whole
-digest (the fast path, as before parts); any other read names the parts as ranges (through a bounce
-buffer, their offsets in it). The engine hashes on its IO threads (io_uring: while other ops are in
-flight), not the calling thread after the batch. Reads move the page's bytes only (the trailer is not
-read), one IO per page, verified against the checksums the index recorded; a page is a hit only if every
-part passes. Group-major reads of parts are ``store.part_reads``, on this PageIO's ``locate``/``submit``.
-
-Each page read gets a ``ReadVerdict``: ``HIT`` (verified bytes are in the caller's runs), ``CORRUPT``
-(short or failing its checksum: the caller drops the page), ``IO_ERROR`` (the IO failed; the page may
-be fine and is kept) or ``SKIPPED`` (its device's circuit is open: no IO was sent). Only ``HIT`` puts
-bytes in the caller's runs that it may use.
-
-``read_timed`` also reports each device's busy time in the batch, estimated from that device's own ops
-(``busy_seconds``), so a slow device shows up as slow even when a fast one shares the batch and its clock.
+Each page read gets a ``ReadVerdict``; only ``HIT`` leaves bytes in the caller's runs that it may use.
+``read_timed`` also reports each device's busy time in the batch from its own ops (``busy_seconds``), so a
+slow device shows up as slow even when a fast one shares the batch.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""What a writer's ``PageStore`` is built on, taken in the open order (``PageStore.open``).
+"""Taking what a writer's ``PageStore`` is built on, in the open order, each piece through its ``WriterSite``.
 
-Open order: the storage checks of ``sharing = "cluster"`` (``sharing.cluster_fs.check``, nothing made yet) -> writer
-directory (claim + lock: ``sharing.writers``; on a shared raw pool a region of this host's share,
-``sharing.shared_raw_claim``) -> layout (created if needed) -> CONFIG -> engine -> recover -> a new journal
-generation (never appending to an old one) -> the store, built on them; then ``PageStore.open`` folds what
-was replayed and starts the lease. Each resource is pushed on the open's ``Acquired`` stack
-(``store.lifecycle``) as soon as it is taken, so an open failing at any step releases what it took, newest
-first: the writer lock last. The crash rule each step relies on is at its code.
+Open order: the sharing mode's storage checks (nothing made yet) -> claim (a writer directory or shared raw
+region, with its lock) -> the meta-present check -> layout (created if needed) -> CONFIG -> engine ->
+recover -> a new journal generation (never appending to an old one) -> the store built on them; then
+``PageStore.open`` folds what was replayed and starts the lease. Each resource is pushed on the open's
+``Acquired`` stack (``store.lifecycle``) as soon as it is taken, so an open failing at any step releases
+what it took, newest first, the writer lock last. The crash rule each step relies on is at its code.
 """
 
 from __future__ import annotations

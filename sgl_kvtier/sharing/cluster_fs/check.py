@@ -1,14 +1,14 @@
-"""The storage checks ``PageStore.open`` makes under ``sharing = "cluster"`` before any file is made.
+"""The storage checks a writer's site makes under ``sharing = "cluster"`` before any file is made
+(``store.site.WriterSite.check_storage``; a no-op in any other mode).
 
-Open rules (``check_cluster_open``; a no-op unless ``sharing = "cluster"``): raw block devices must be one
-shared raw pool (``pool_dev.check_pool_open``: formatted by ``sgl-kvtier pool-format``, ``host_index`` set,
-no ``meta_dir``; else ``devices[i]`` / ``host_index`` / ``meta_dir``), and ``host_index`` is refused for
-directories; a device or the ``meta_dir`` on a LOCAL_ONLY filesystem (``sharing.cluster_fs.detect``) is refused
-(``devices[i]`` / ``meta_dir``) unless ``allow_local_fs``; UNKNOWN logs one warning per mount; O_DIRECT must
-write and read back a block in every device directory (``fs_probes.probe_direct_io``; ``direct_io``: "auto"
-means "on" here, see ``layout.direct_mode``). All ``ConfigError``s naming the field, but a directory the
-probe cannot write in (``DeviceError``). Paths are checked in config order, devices before the meta_dir;
-the first refusal is raised.
+Open rules (``check_cluster_open``): raw block devices must be one shared raw pool
+(``media.shared_raw.superblock.check_pool_open``), and ``host_index`` is refused for directories; a device
+or the ``meta_dir`` on a LOCAL_ONLY filesystem (``sharing.cluster_fs.detect``) is refused unless
+``allow_local_fs`` (UNKNOWN logs one warning per mount); O_DIRECT must write and read back a block in every
+device directory (``sharing.cluster_fs.probes.probe_direct_io``; "auto" ``direct_io`` means "on" here,
+``store.layout.direct_mode``). Every refusal is a ``ConfigError`` naming the field, but a directory the
+probe cannot write in (``DeviceError``). Paths go in config order, devices before the meta_dir; the first
+refusal is raised.
 """
 
 from __future__ import annotations

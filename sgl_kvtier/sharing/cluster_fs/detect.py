@@ -1,18 +1,15 @@
 """Which filesystem is under a path, and whether several hosts may mount it (``sharing = "cluster"``).
 
-Detection (``detect``): ``os.statvfs`` (the path is there; read-only mounts) plus ``/proc/self/mountinfo``:
-the mount whose mount point is the longest prefix of the path's real path (preferring mounts of the path's
-own ``st_dev``, so an over-mount that hides a deeper one is seen through; the last line wins a tie), and its
-fstype, which names FUSE filesystems by subtype (``fuse.hf3fs``). Classes (``FsClass``):
-  * LOCAL_ONLY: a filesystem one host mounts (ext2/3/4, XFS, btrfs, tmpfs, overlay, ZFS, f2fs, vfat, a
-    block-backed FUSE, ...). Two hosts mounting one read-write corrupt it: cluster mode is refused there.
-  * SHARED: made for several clients (NFS, Lustre, GPFS, CephFS, BeeGFS, Weka, SMB, 9p, GFS2/OCFS2, and
-    ``fuse.*`` such as 3FS's ``fuse.hf3fs``, except a few known local FUSE helpers).
+``detect``: ``os.statvfs`` (read-only mounts) plus ``/proc/self/mountinfo``: the mount whose mount point is
+the longest prefix of the path's real path (preferring the path's own ``st_dev``, so an over-mount is seen
+through; the last line wins a tie), and its fstype (FUSE by subtype, ``fuse.hf3fs``). Classes (``FsClass``):
+  * LOCAL_ONLY: one host mounts it (ext4, XFS, btrfs, tmpfs, overlay, a block-backed FUSE, ...); two hosts
+    mounting it read-write corrupt it, so cluster mode is refused there.
+  * SHARED: made for several clients (NFS, Lustre, GPFS, CephFS, BeeGFS, SMB, GFS2/OCFS2, ``fuse.*`` except
+    a few known local helpers).
   * UNKNOWN: anything else (plain ``fuse``, virtiofs, no mountinfo): cluster mode proceeds with a warning.
-A LOCAL_ONLY filesystem exported by mistake, or a SHARED class that each host mounts apart, is not
-visible from one host: ``check-shared --peer-wait`` run on two hosts at once shows that they see one
-directory (``sharing.cluster_fs.probes``). Nothing here writes or refuses anything: the open rules that act on a
-class are ``sharing.cluster_fs.check``'s.
+Whether hosts really see one directory is ``check-shared --peer-wait``'s job (``sharing.cluster_fs.probes``).
+Nothing here refuses anything: the open rules are ``sharing.cluster_fs.check``'s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared fixtures for tests that run SGLang's classes in this process."""
+"""Fixtures for the tests that run SGLang's classes in this process (tests/sglang, tests/experiments); a
+pytest plugin of the suite (``tests/conftest.py``)."""
 
 from __future__ import annotations
 
