@@ -195,7 +195,6 @@ def test_another_hosts_writer_is_watched_then_dead_then_retired(tmp_path, monkey
 def test_a_fenced_writer_whose_lease_is_still_there_lists_no_pages(tmp_path, monkeypatch):
     """A retirer writes the FENCE first and deletes the LEASE after: in between, the writer is ``retired``
     with none of its lease's pages (they are no longer read), not with the lease's figures."""
-    from sgl_kvtier.sharing.lease import Lease
     from sgl_kvtier.sharing.retire import write_fence
 
     monkeypatch.delenv(ENV_POLICY, raising=False)
@@ -207,9 +206,10 @@ def test_a_fenced_writer_whose_lease_is_still_there_lists_no_pages(tmp_path, mon
         b_wid = b.kv.store.wid
         wait_for("B's lease announces 4 pages", lambda: (store.refresh(force=True), store.leases().get(b_wid, {}))[1]
                  .get("pages") == 4)
-        # B beats every 0.1 s: at its next beat it would find the fence and start over elsewhere, and A's refresh
-        # would no longer list it. Beats paused from here: B is a writer that has not beaten since the fence.
-        monkeypatch.setattr(Lease, "_safe_beat", lambda self: None)
+        # B beats every 0.1 s: at its next beat it would find the fence and start over elsewhere, and a beat in
+        # flight when the fence lands could run its quota step over the retired directory: A's refresh would no
+        # longer list it. B's beats end here (a beat in progress first): a writer not beaten since the fence.
+        b.kv.store.own.lease.close()
         assert write_fence(store.ns_meta / f"w-{b_wid}", b.kv.store.own.incarnation, "hc-0", "hc")
         store.refresh(force=True)
         row = next(w for w in a.telemetry().pool("kv").store.writers if w.wid == b_wid)
