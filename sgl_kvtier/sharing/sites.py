@@ -60,8 +60,7 @@ class DirectorySite:
 
     def start_lease(self, store: Writer) -> StartedLease:
         lease = Lease(store.claim.path / LEASE, _identity(store), store.usage, self.config.heartbeat_s)
-        lease.start()
-        return lease, None, None
+        return _started(lease), None, None
 
 
 class SharedRawSite(DirectorySite):
@@ -88,12 +87,22 @@ class SharedRawSite(DirectorySite):
         try:  # each beat also beats the host lease, whose table names this machine
             blocks: LeaseBlocks = files.lease_blocks(host.beat)
             identity = {**_identity(store), "host_index": self.config.host_index}
-            lease = Lease(store.claim.path / LEASE, identity, store.usage, self.config.heartbeat_s, blocks=blocks)
-            lease.start()
+            lease = _started(Lease(store.claim.path / LEASE, identity, store.usage, self.config.heartbeat_s,
+                                   blocks=blocks))
         except BaseException:
             host.close()
             raise
         return lease, host, host.taken_over
+
+
+def _started(lease: Lease) -> Lease:
+    """``lease`` with its beat thread started; closed (its blocks released) when the start fails."""
+    try:
+        lease.start()
+    except BaseException:
+        lease.close()
+        raise
+    return lease
 
 
 def _identity(store: Writer) -> dict[str, Any]:

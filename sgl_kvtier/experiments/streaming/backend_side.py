@@ -40,11 +40,10 @@ class StreamingSide:
     """One backend's streamed hits (an ``sgl_kvtier.sglang.storage.Extension``)."""
 
     def __init__(self, backend: KVTierStorage) -> None:
-        me = weakref.ref(backend)
-        pools = backend.host_shards
-        self._backend = me
+        shards, me = backend.host_shards, weakref.ref(self)  # weakly: no reference cycle through the binder
+        self._backend = weakref.ref(backend)
         self.stream_costs = StreamCosts()  # the bind rule's learned figures (``rules.bind``)
-        self.binder = StreamBinder(lambda: pools.kv, lambda: bool((b := me()) and side_enabled(b)), backend.boundary)
+        self.binder = StreamBinder(lambda: shards.kv, lambda: bool((side := me()) and side.enabled), backend.boundary)
         self._hooks: Callable[[], StreamHookSnapshot] | None = None
         self._said = False
 
@@ -81,12 +80,11 @@ class StreamingSide:
         backend = self._backend()
         if backend is None:
             return
-
         try:
-            tier = backend.kv
-            if not self.enabled or tier is None:
+            shard = backend.kv
+            if not self.enabled or shard is None:
                 return
-            pages = host_indices.numel() // tier.pages.page_tokens
+            pages = host_indices.numel() // shard.pages.page_tokens
             keys = keys_until_invalid(hashes[:pages])
             if pages and len(keys) == pages:
                 self.binder.bind(keys, host_indices, cuts)
