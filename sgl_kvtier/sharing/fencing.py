@@ -1,5 +1,5 @@
 """A pool's own writer (``sharing.pool``): its store, its quota loop, its fence, and its re-registration
-(the protocol argument is in docs/sharing-protocol.md).
+(the protocol argument is in docs/design/sharing.md).
 
 ``RejoiningWriter`` holds the pool's current own ``PageStore`` and the ``QuotaLoop`` on it. Under
 ``sharing = "cluster"`` it arms each own store's fence:

@@ -1,5 +1,5 @@
 """A writer's lease: ``LEASE`` rewritten every ``heartbeat_s`` (format in ``store.format``; the protocol
-argument in docs/sharing-protocol.md).
+argument in docs/design/sharing.md).
 
 Beat ``n`` (``counter = n``) rewrites block ``n % 2`` durably, so a beat torn by a crash leaves the other,
 older block valid. A lease opened where one was counts on from that one's counter, never back to 0.

@@ -1,5 +1,5 @@
 """Who is alive: one verdict per writer directory of a namespace, for the pool, the quota and ``inspect``
-(the protocol argument is in docs/sharing-protocol.md).
+(the protocol argument is in docs/design/sharing.md).
 
 A ``LeaseWatch`` belongs to one observer and remembers when each writer's lease mark ``(counter,
 incarnation)`` last changed ON THE OBSERVER'S OWN MONOTONIC CLOCK; no other host's clock, file mtime or

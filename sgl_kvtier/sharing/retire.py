@@ -1,5 +1,5 @@
 """Retiring a dead writer of another host (``sharing = "cluster"``): fence it, then delete all of its files
-(the protocol argument is in docs/sharing-protocol.md; ``sharing.quota_loop`` decides when).
+(the protocol argument is in docs/design/sharing.md; ``sharing.quota_loop`` decides when).
 
   1. ``write_fence``: the FENCE block (``store.format``) naming the incarnation of the writer's last lease,
      ``pwrite`` + ``fsync``; nothing is fenced where the LEASE names another incarnation (made anew).
