@@ -1,7 +1,8 @@
 """sgl-kvtier's benchmark scripts, run from the repository root as ``python -m benchmarks.<name>``.
 
-Scripts: ``bench_store``, ``bench_backends``, ``bench_serving``, ``bench_policy``, ``reliability``, ``soak``
-(the manual: ``benchmarks/README.md``; measured results: ``benchmarks/RESULTS.md``). Scripts never import
+Scripts: ``bench_store``, ``bench_backends``, ``bench_serving``, ``bench_policy``, ``bench_sharing``,
+``bench_streaming``, ``bench_landing``, ``gpu_stream``, ``reliability``, ``powerloss``, ``soak``, ``kit_memory``
+(the manual and the current results: ``docs/benchmarks/``). Scripts never import
 each other: what they share lives in ``common`` (paths, page cache, scratch directories, progress, JSON),
 ``machine`` (the machine facts every result records), ``store/`` (store-level helpers) and ``serving/``
 (real-server helpers).

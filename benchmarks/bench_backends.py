@@ -10,7 +10,7 @@ Regenerate benchmarks/results/bench_backends.json (as root, so the page cache ca
     python -m benchmarks.bench_backends --page-mib 2 8 --total-gib 2 --rounds 3 \
         --io-depth 32 --layout page_first_direct --dir ./.bench-store --readahead
 
-Rows and how to read them: benchmarks/README.md (section bench_backends).
+Rows and how to read them: docs/benchmarks/backends.md.
 """
 
 from __future__ import annotations

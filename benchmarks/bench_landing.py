@@ -1,4 +1,4 @@
-"""What landing one L3 hit costs this machine's CPU: read whole vs streamed in N read groups (issue #13).
+"""What landing one L3 hit costs the CPU: read whole vs streamed in N read groups.
 
     python -m benchmarks.bench_landing                              # kvheavy float32 geometry, 96 pages (201 MB)
     python -m benchmarks.bench_landing --read-groups 8 4 2 --rounds 5
@@ -64,7 +64,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--read-groups", type=int, nargs="+", default=[8, 4, 2], help="read-group counts streamed")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--io-engine", default=IOEngineName.AUTO.value, choices=[e.value for e in IOEngineName],
-                   help="the store's io_engine (uring only where its probe passes on this machine)")
+                   help="the store's io_engine (uring only where its probe passes on the machine)")
     p.add_argument("--dir", type=Path, default=Path(".bench-landing"), help="scratch parent (the store)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_landing.json")
     return p.parse_args(argv)

@@ -8,7 +8,7 @@ L3 directory) serving the same prompts: a write round puts D long document prefi
 later round flushes L1 + L2 (after the L3 write-back has drained) and drops the page cache, and asks one new
 question per document, so each prefix is in L3 only when its request arrives. The first of those rounds
 is unmeasured (it primes the cost model's read-speed estimate); the rest are measured at each
-concurrency level. See benchmarks/README.md, section bench_policy.
+concurrency level. See docs/benchmarks/policy.md.
 
     python -m benchmarks.bench_policy --devices fast slow:4 --concurrency 1 4
     python -m benchmarks.bench_policy --smoke

@@ -10,7 +10,7 @@ prompts (a different token salt), so it starts cold in every tier.
     python -m benchmarks.bench_serving --help
 
 Writes <out>/results.json (every request, every /metrics delta, the exact server commands),
-<out>/report.md and <out>/ttft_vs_concurrency.png, <out>/hit_tokens_by_tier.png. See benchmarks/README.md.
+<out>/report.md and <out>/ttft_vs_concurrency.png, <out>/hit_tokens_by_tier.png. See docs/benchmarks/serving.md.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Every request's instance is read back from the instances' request logs.
     python -m benchmarks.bench_sharing --help
 
 Writes <out>/results.json (every request with its instance, every server and router command, the machine),
-<out>/report.md (table, targets) and <out>/sharing.png. See benchmarks/README.md, "bench_sharing".
+<out>/report.md (table, targets) and <out>/sharing.png. See docs/benchmarks/sharing.md.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ INSTANCES = 2
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="bench", help="tiny | bench | kvheavy (random models made offline) or a model path")
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)], help="model and KV dtype (see README, Dtype)")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)],
+                   help="model and KV dtype (see docs/benchmarks/index.md, Dtype)")
     p.add_argument("--configs", nargs="+", default=list(sharing.DEFAULT),
                    help=f"subset of {list(sharing.CONFIGS)} (aliases: {sorted(sharing.ALIASES)})")
     p.add_argument("--out", type=Path, help="default benchmarks/results/sharing-<timestamp>/")

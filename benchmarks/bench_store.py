@@ -5,7 +5,7 @@ Regenerate benchmarks/results/bench_store.json (as root, so the page cache can b
     python -m benchmarks.bench_store --page-mib 2 8 --total-gib 2 --rounds 3 \
         --engines threads uring --io-depth 32 --index-pages 1000000 --dir ./.bench-store
 
-Rows and how to read them: benchmarks/README.md. To add a system (e.g. SGLang's ``file`` backend), add a
+Rows and how to read them: docs/benchmarks/store.md. To add a system (e.g. SGLang's ``file`` backend), add a
 ``(ctx, page_bytes) -> list[Row]`` function to ``throughput_systems`` (``ratio_rows`` builds its put/get rows);
 index-level measurements go in ``benchmarks.store.index.INDEX_MEASURES``.
 """

@@ -1,5 +1,5 @@
-"""L3-hit TTFT with the tail of each hit streamed in layer groups (``streaming = "on"``) vs today's path
-(``streaming = "off"``), on real SGLang servers, on a fast and a break-even device (issue #13).
+"""L3-hit TTFT with the tail of each hit streamed in layer groups (``streaming = "on"``) vs the hit loaded
+whole before admission (``streaming = "off"``), on real SGLang servers, on a fast and a break-even device.
 
 Each (device setting, streaming mode) pair gets its own real ``sglang.launch_server`` (HiCache + sgl-kvtier L3,
 a fresh L3 directory, ``streaming`` set in the L3 config) serving the same prompts: a write round puts D
@@ -12,7 +12,7 @@ first is the noise floor of those comparisons (``--twin on --twin-env K=V``: a s
 more environment, measured against the first in the same turns). The first server also measures the
 references: device (L1/L2) hits and recompute. Its device-hit TTFT is the suffix's compute time, from which
 the break-even device's read rate is derived (prefix KV bytes / compute seconds) before the break-even
-servers start. See benchmarks/README.md, section bench_streaming.
+servers start. See docs/benchmarks/streaming.md.
 
     python -m benchmarks.bench_streaming                    # kvheavy, fast + breakeven, C = 1 2 4, off vs on
     python -m benchmarks.bench_streaming --smoke            # tiny model, 1 document, 2 requests per server
@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--devices", nargs="+", default=["fast", plan.BREAKEVEN],
                    help="device settings: 'fast', 'breakeven' (reads throttled to prefix bytes / suffix compute "
                         "time) or 'slow:READ_MBPS[:WRITE_MBPS]'")
-    p.add_argument("--streaming", nargs="+", default=[m.value for m in plan.MODES], help="modes: off (today) and on")
+    p.add_argument("--streaming", nargs="+", default=[m.value for m in plan.MODES],
+                   help="modes: off (hits loaded whole) and on (tails streamed)")
     p.add_argument("--twin", nargs="?", const=plan.Streaming.OFF.value, choices=[m.value for m in plan.MODES],
                    help="a second server of this mode (default off) per device, interleaved with the others: "
                         "off-twin / off is the run's noise floor; with --twin-env, twin / its mode measures that "
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"pool {base_plan.host_tokens(kvbpt)} tokens; page cache {cache_policy}")
     if short:
         console.print(f"[bold red]WARNING: {short}[/]")
-    console.print("Targets (issue #13):\n" + "\n".join(f"  {t.words}" for t in stream_report.TARGETS)
+    console.print("Targets:\n" + "\n".join(f"  {t.words}" for t in stream_report.TARGETS)
                   + "\n  outputs identical on/off")
     run: dict[str, Any] = {
         "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu,

@@ -1,5 +1,5 @@
 """The GPU mode of bench_streaming for a machine with torch but no SGLang: sgl-kvtier's store -> pinned host
-memory -> GPU, per layer group, overlapped with a stand-in prefill of the suffix (issue #13).
+memory -> GPU, per layer group, overlapped with a stand-in prefill of the suffix.
 
 For each page geometry (``kvheavy``; ``480b-tp8``: one TP8 rank of Qwen3-Coder-480B FP8), host layout and
 G in ``--groups``, the prefix's pages are written once to a ``SharedPool`` whose checksummed parts are the
@@ -15,7 +15,7 @@ skipped). Without a GPU, ``--cpu-check`` runs the same code on CPU tensors with 
     python -m benchmarks.gpu_stream --cpu-check --out /tmp/x
     python -m benchmarks.gpu_stream --help
 
-Writes <out>/gpu_stream.json, <out>/gpu_stream.md and <out>/gpu_stream.png. See benchmarks/README.md,
+Writes <out>/gpu_stream.json, <out>/gpu_stream.md and <out>/gpu_stream.png. See docs/benchmarks/streaming.md,
 section gpu_stream.
 """
 

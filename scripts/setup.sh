@@ -46,8 +46,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-# Keep pip's byte-compile (no --no-compile): where PYTHONDONTWRITEBYTECODE=1 is set (these machines set it)
-# nothing is cached at import, so every SGLang process would compile its imports from source (tried, reverted).
+# Keep pip's byte-compile (no --no-compile): where PYTHONDONTWRITEBYTECODE=1 is set nothing is cached at
+# import, so without it every SGLang process would compile its imports from source.
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if [ "${KVTIER_UNLOCKED:-0}" != 1 ]; then
   PIP+=(-c "$LOCK")

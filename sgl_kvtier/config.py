@@ -8,6 +8,10 @@ The two tables ``throttle`` and ``fault_injection`` are kept as the operator wro
 round-trips through ``to_mapping``) and parsed into frozen ``ThrottleSpec`` / ``FaultSpec`` here, where
 their errors name ``throttle.<key>`` / ``fault_injection.<key>``; the IO wrappers take the specs. This
 module is a foundation: it imports only ``errors``, never the IO layer.
+
+Every key documents itself where it is declared: a field's text is its ``metadata["doc"]`` (``doc``), an
+enum member's meaning its ``__doc__`` (``DocumentedEnum``). The configuration reference of the
+documentation site is generated from them, and a test fails on a key or member without one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from sgl_kvtier.errors import ConfigError
 
@@ -27,128 +31,166 @@ _HOST_ID = re.compile(r"[A-Za-z0-9._]{1,64}")
 GiB = 1 << 30
 
 
-class Durability(str, enum.Enum):
+DOC = "doc"  # the metadata key of a field's documentation (``doc``; the configuration reference prints it)
+_T = TypeVar("_T")
+
+
+def doc(default: _T, text: str) -> _T:
+    """A dataclass field with ``default`` and its documentation ``text`` (``field.metadata["doc"]``)."""
+    return dataclasses.field(default=default, metadata={DOC: text})
+
+
+class DocumentedEnum(str, enum.Enum):
+    """A str-valued enum whose members are declared ``NAME = value, meaning``: the value is the config
+    string, the meaning the member's ``__doc__`` (the configuration reference prints it)."""
+
+    _value_: str
+
+    if TYPE_CHECKING:  # as callers see them: looked up by the string alone, valued by it
+        def __new__(cls, value: str) -> Self: ...
+
+        @property
+        def value(self) -> str: ...
+    else:
+        def __new__(cls, value: str, meaning: str) -> Self:
+            member = str.__new__(cls, value)
+            member._value_ = value
+            member.__doc__ = meaning
+            return member
+
+
+class Durability(DocumentedEnum):
     """When written pages are forced to stable storage."""
 
-    BATCH = "batch"  # one data fdatasync + one journal fsync per put batch (default)
-    ALWAYS = "always"  # both after every single page
-    NONE = "none"  # never forced: a crash may lose recent pages (checksums still keep them from being served wrong)
+    BATCH = "batch", "One data fdatasync and one journal fsync per put batch (the default)."
+    ALWAYS = "always", "Both after every single page."
+    NONE = "none", ("Never forced: a crash may lose recent pages (their checksums still keep them from being "
+                    "served wrong).")
 
 
-class EvictionPolicyName(str, enum.Enum):
+class EvictionPolicyName(DocumentedEnum):
     """Which pages go first when the shard is full."""
 
-    LRU = "lru"
-    CHAIN = "chain"  # deepest pages of a prefix chain go before their ancestors
+    LRU = "lru", "The least recently used page goes first."
+    CHAIN = "chain", "The deepest pages of a prefix chain go before their ancestors (the default)."
 
 
-class IOEngineName(str, enum.Enum):
+class IOEngineName(DocumentedEnum):
     """Which IO engine moves the bytes (see sgl_kvtier.io.factory)."""
 
-    AUTO = "auto"  # the thread pool (as fast as io_uring for large pages, steadier under GIL load)
-    THREADS = "threads"
-    URING = "uring"  # io_uring; start-up fails naming io_engine where its probe says it cannot run here
+    AUTO = "auto", ("The thread pool (as fast as io_uring for large pages, steadier when the GIL is busy; the "
+                    "default).")
+    THREADS = "threads", "A pool of IO threads making blocking positional reads and writes."
+    URING = "uring", "io_uring; start-up fails naming io_engine where its probe says it cannot run on this host."
 
 
-class Sharing(str, enum.Enum):
+class Sharing(DocumentedEnum):
     """Whether several writer processes may share one namespace's pool."""
 
-    HOST = "host"  # any number of writers on this host (servers, DP replicas): each its own segments and journal
-    # Writers on several hosts over one shared filesystem (NFSv4.1+, Lustre, GPFS, CephFS, 3FS): as "host",
-    # plus liveness of other hosts' writers by their lease counters on the observer's clock, retirement of
-    # dead ones, journal reads bounded by what each lease announced, O_DIRECT data (see sharing.liveness).
-    CLUSTER = "cluster"
-    OFF = "off"  # one writer per namespace shard; a second one fails at start-up naming the holder
+    HOST = "host", ("Any number of writers on one host (servers, DP replicas), each with its own segments and "
+                    "journal (the default).")
+    CLUSTER = "cluster", (
+        "Writers on several hosts over one shared filesystem (NFSv4.1+, Lustre, GPFS, CephFS, 3FS) or a shared raw "
+        "pool: as host, plus liveness of other hosts' writers by their lease counters on the observer's clock, "
+        "retirement of dead ones, journal reads bounded by what each lease announced, O_DIRECT data "
+        "(see sgl_kvtier.sharing.liveness).")
+    OFF = "off", "One writer per namespace shard; a second one fails at start-up naming the holder."
 
 
-class Streaming(str, enum.Enum):
+class Streaming(DocumentedEnum):
     """Whether an L3 hit's not-yet-landed tail streams into the request's own prefill (an experiment)."""
 
-    OFF = "off"  # a hit is loaded (or cut by the cost model) before its request is admitted, as SGLang does
-    # The part of a hit still in flight at admission is loaded layer group by layer group into device slots
-    # private to the request while its forward runs; a group that fails to read or verify is zeros and the
-    # request is retracted and recomputed (see sgl_kvtier.experiments.streaming). CPU engines, cache mode only.
-    ON = "on"
+    OFF = "off", "A hit is loaded (or cut by the cost model) before its request is admitted, as SGLang does (the default)."
+    ON = "on", (
+        "The part of a hit still in flight at admission is loaded layer group by layer group into device slots "
+        "private to the request while its forward runs; a group that fails to read or verify is zeros and the "
+        "request is retracted and recomputed (see sgl_kvtier.experiments.streaming). CPU engines, cache mode only.")
 
 
-class DirectIO(str, enum.Enum):
+class DirectIO(DocumentedEnum):
     """Whether devices are opened with O_DIRECT."""
 
-    AUTO = "auto"  # O_DIRECT when the filesystem accepts it, else buffered IO + fdatasync (one warning)
-    ON = "on"  # O_DIRECT or fail at open
-    OFF = "off"
+    AUTO = "auto", ("O_DIRECT where the filesystem accepts it, else buffered IO and fdatasync (one warning; the "
+                    "default).")
+    ON = "on", "O_DIRECT, or fail at open."
+    OFF = "off", "Buffered IO and fdatasync (refused with sharing = \"cluster\")."
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything the page store needs besides the namespace (which comes from the engine)."""
 
-    # Directories on mounted filesystems (segment files are created there) or raw block devices / regular
-    # files used directly as slot arenas. Pages are striped over them in order. Required.
-    devices: tuple[str, ...]
-    # Byte limit of this namespace shard over all devices and all of its writers (one pool-wide quota that
-    # every writer keeps from the others' leases; no coordinator). None: most of the devices' free space,
-    # divided by the number of rank shards sharing them.
-    capacity_bytes: int | None = None
-    # Where the journal, checkpoint and lock live. None: the first device (must then be a directory).
-    meta_dir: str | None = None
-    durability: Durability = Durability.BATCH
-    eviction: EvictionPolicyName = EvictionPolicyName.CHAIN
-    # Store a page only once it has been offered this many times (1 = store on first offer).
-    admission_threshold: int = 1
-    io_engine: IOEngineName = IOEngineName.AUTO
-    # IOs in flight per batch.
-    io_depth: int = 32
-    direct_io: DirectIO = DirectIO.AUTO
-    # Size of each preallocated segment file on a directory device.
-    segment_bytes: int = 1 * GiB
-    # Write a checkpoint (and start a new journal) after this many journal records.
-    checkpoint_interval: int = 262_144
-    # Circuit breaker per device: open after this many consecutive failed (or slow) IOs...
-    breaker_failures: int = 3
-    # ...for this long (doubling while probes fail, up to 60 s), answering misses without IO meanwhile.
-    breaker_cooldown_s: float = 5.0
-    # An IO slower than this counts as a failure for the breaker.
-    slow_io_s: float = 2.0
-    # Many writers on one pool: "host" (default), "cluster" (several hosts on a shared filesystem) or "off"
-    # (see ``Sharing``).
-    sharing: Sharing = Sharing.HOST
-    # This host's name in writer ids (``w-<host_id>-<k>``); unique per host. None: the hostname.
-    host_id: str | None = None
-    # sharing = "cluster" on a shared raw pool (``sgl-kvtier pool-format``): this host's slot, 0..hosts-1,
-    # distinct per host (checked against the pool's superblock at open). None: not a shared raw pool.
-    host_index: int | None = None
-    # A writer rewrites its lease (liveness, usage, page ages for the quota) this often.
-    heartbeat_s: float = 2.0
-    # Other writers' journals and leases are re-read at most this often (and on a lookup that falls short).
-    follow_interval_s: float = 0.2
-    # sharing = "cluster": a writer of another host whose lease has not advanced for this long, on the
-    # observer's own clock, is dead (its pages stay readable; its bytes stop counting as live).
-    dead_after_s: float = 60.0
-    # sharing = "cluster": a writer of another host dead this long is retired by a live writer (fenced, its
-    # files deleted), or sooner when the pool quota needs its bytes.
-    reclaim_after_s: float = 900.0
-    # sharing = "cluster" on a filesystem that only one host may mount (ext4, XFS, btrfs, tmpfs, ...) is
-    # refused at open unless this is true (one host trying cluster mode out; never for two hosts).
-    allow_local_fs: bool = False
-    # Pool quota (``policy.quota``): once every writer's bytes together pass ``quota_high * capacity_bytes``,
-    # the writers evict their oldest pages (dead writers' first) down to ``quota_low * capacity_bytes``;
-    # each live writer keeps its youngest ``min_share_bytes`` (a newcomer may grow to it).
-    quota_high: float = 0.95
-    quota_low: float = 0.90
-    min_share_bytes: int = 0
-    # Identity of the model's weights in the namespace. None: a fingerprint of the model files, computed
-    # at start-up (config, tokenizer, weight index, sizes and sampled bytes); a string: used as is.
-    model_fingerprint: str | None = None
-    # Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging
-    # area at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off.
-    readahead_bytes: int = 0  # off by default
-    # "on": admit a request while the tail of its L3 hit still streams in layer groups (``Streaming``).
-    streaming: Streaming = Streaming.OFF
-    # Testing only: inject IO faults (a ``FaultSpec`` table, see sgl_kvtier.io.faulty). None in production.
-    fault_injection: dict[str, Any] | None = None
-    # Benchmarks only: emulate a slower device (a ``ThrottleSpec`` table, see sgl_kvtier.io.throttle).
-    throttle: dict[str, Any] | None = None
+    devices: tuple[str, ...] = dataclasses.field(metadata={DOC: (
+        "Directories on mounted filesystems (segment files are created there) or raw block devices / regular files "
+        "used directly as slot arenas. Pages are striped over them in order. Required.")})
+    capacity_bytes: int | None = doc(None, (
+        "Byte limit of this namespace shard over all devices and all of its writers (one pool-wide quota that every "
+        "writer keeps from the others' leases; no coordinator). At least 4096. Absent: most of the devices' free "
+        "space, divided by the number of rank shards sharing them."))
+    meta_dir: str | None = doc(None, (
+        "Where the journal, checkpoint and writer lock live. Absent: the first device (which must then be a "
+        "directory)."))
+    durability: Durability = doc(Durability.BATCH, "When written pages are forced to stable storage.")
+    eviction: EvictionPolicyName = doc(EvictionPolicyName.CHAIN, "Which pages go first when the shard is full.")
+    admission_threshold: int = doc(1, (
+        "Store a page only once it has been offered this many times, 1..1000 (1: store on first offer; 2 or more "
+        "spares flash the writes of prefixes seen once)."))
+    io_engine: IOEngineName = doc(IOEngineName.AUTO, "Which IO engine moves the bytes.")
+    io_depth: int = doc(32, "IOs in flight per batch, 1..1024.")
+    direct_io: DirectIO = doc(DirectIO.AUTO, "Whether devices are opened with O_DIRECT.")
+    segment_bytes: int = doc(1 * GiB, (
+        "Size of each preallocated segment file on a directory device: a multiple of 4096, at least 1 MiB."))
+    checkpoint_interval: int = doc(262_144, (
+        "Write a checkpoint (and start a new journal) after this many journal records."))
+    breaker_failures: int = doc(3, (
+        "Circuit breaker per device: open after this many consecutive failed (or slow) IOs, 1..10000."))
+    breaker_cooldown_s: float = doc(5.0, (
+        "How long an open breaker answers its device's pages as misses without IO before a probe, in (0, 3600] "
+        "seconds (doubling while probes fail, up to 60 s)."))
+    slow_io_s: float = doc(2.0, "An IO slower than this counts as a failure for the breaker, in (0, 3600] seconds.")
+    sharing: Sharing = doc(Sharing.HOST, "Whether several writer processes may share one namespace's pool.")
+    host_id: str | None = doc(None, (
+        "This host's name in writer ids (w-<host_id>-<k>); unique per host, 1-64 of [A-Za-z0-9._]. Absent: the "
+        "hostname."))
+    host_index: int | None = doc(None, (
+        "With sharing = \"cluster\" on a shared raw pool (sgl-kvtier pool-format): this host's slot, 0..hosts-1, "
+        "distinct per host (checked against the pool's superblock at open). Absent: not a shared raw pool."))
+    heartbeat_s: float = doc(2.0, (
+        "A writer rewrites its lease (liveness, usage, page ages for the quota) this often, in [0.05, 600] seconds."))
+    follow_interval_s: float = doc(0.2, (
+        "Other writers' journals and leases are re-read at most this often (and on a lookup that falls short), in "
+        "[0, 600] seconds."))
+    dead_after_s: float = doc(60.0, (
+        "With sharing = \"cluster\": a writer of another host whose lease has not advanced for this long, on the "
+        "observer's own clock, is dead (its pages stay readable; its bytes stop counting as live). At least 3 "
+        "heartbeats (with sharing = \"cluster\"), at most a day."))
+    reclaim_after_s: float = doc(900.0, (
+        "With sharing = \"cluster\": a writer of another host dead this long is retired by a live writer (fenced, "
+        "its files deleted), or sooner when the pool quota needs its bytes. In [dead_after_s, 30 days] seconds."))
+    allow_local_fs: bool = doc(False, (
+        "With sharing = \"cluster\", a filesystem that only one host may mount (ext4, XFS, btrfs, tmpfs, ...) is "
+        "refused at open unless this is true (one host trying cluster mode out; never for two hosts)."))
+    quota_high: float = doc(0.95, (
+        "Pool quota: once every writer's bytes together pass quota_high x capacity_bytes, the writers evict their "
+        "oldest pages (dead writers' first) down to quota_low x capacity_bytes. In (0, 1]."))
+    quota_low: float = doc(0.90, "Pool quota: where eviction stops, as a fraction of capacity_bytes, in (0, quota_high].")
+    min_share_bytes: int = doc(0, (
+        "Pool quota: each live writer keeps its youngest pages up to this many bytes (a newcomer may grow to it)."))
+    model_fingerprint: str | None = doc(None, (
+        "Identity of the model's weights in the namespace. Absent: a fingerprint of the model files, computed at "
+        "start-up (config, tokenizer, weight index, sizes and sampled bytes); a string: used as is."))
+    readahead_bytes: int = doc(0, (
+        "Bytes of host memory for read-ahead: pages found by an exists query start loading into this staging area "
+        "at once, before SGLang's IO thread asks for them (see sgl_kvtier.prefetch.readahead). 0: off."))
+    streaming: Streaming = doc(Streaming.OFF, (
+        "Whether an L3 hit's tail still in flight at admission streams into the request's prefill, layer group by "
+        "layer group (an experiment). \"on\" needs KVTIER_STREAM=1 in the server's environment, which sgl-kvtier "
+        "launch sets."))
+    fault_injection: dict[str, Any] | None = doc(None, (
+        "Testing only: inject IO faults (a table of FaultSpec keys, see sgl_kvtier.io.faulty). Absent in "
+        "production."))
+    throttle: dict[str, Any] | None = doc(None, (
+        "Benchmarks only: emulate a slower device (a table of ThrottleSpec keys, see sgl_kvtier.io.throttle)."))
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -290,9 +332,9 @@ FAULT_KEYS = ("seed", "control_file", *FAULT_KNOBS)
 class ThrottleSpec:
     """The ``throttle`` table: the emulated slower device (sgl_kvtier.io.throttle). Absent rates: uncapped."""
 
-    read_bytes_per_s: float = math.inf  # > 0
-    write_bytes_per_s: float = math.inf  # > 0
-    latency_s: float = 0.0  # added to every op, in [0, 60]
+    read_bytes_per_s: float = doc(math.inf, "Read rate cap of each device, bytes per second (> 0; absent: uncapped).")
+    write_bytes_per_s: float = doc(math.inf, "Write rate cap of each device, bytes per second (> 0; absent: uncapped).")
+    latency_s: float = doc(0.0, "Seconds added to every op, in [0, 60].")
 
     def __post_init__(self) -> None:
         for key in ("read_bytes_per_s", "write_bytes_per_s"):
@@ -312,16 +354,21 @@ class ThrottleSpec:
 class FaultSpec:
     """The ``fault_injection`` table (testing only; what each knob does: sgl_kvtier.io.faulty)."""
 
-    seed: int = 0
-    control_file: str | None = None  # a JSON file of knobs, re-read when it changes
-    read_error_rate: float = 0.0  # rates are probabilities per op, in [0, 1]
-    write_error_rate: float = 0.0
-    enospc_rate: float = 0.0
-    stall_rate: float = 0.0
-    torn_write_rate: float = 0.0
-    stall_s: float = 0.0  # in [0, 3600]
-    down: tuple[int, ...] = ()  # device indices whose every op fails
-    from_group: int = 0  # > 0: faults strike only reads of a group-major read's group >= this (io.faulty)
+    seed: int = doc(0, "Seed of the one random generator every fault decision comes from (logged at start).")
+    control_file: str | None = doc(None, (
+        "A JSON file with any of the knobs below, re-read when it changes (a device can vanish and come back under "
+        "a running server); a half-written or invalid one leaves the previous knobs in force."))
+    read_error_rate: float = doc(0.0, "Probability per read op that it fails with EIO, in [0, 1].")
+    write_error_rate: float = doc(0.0, "Probability per write op that it fails with EIO, in [0, 1].")
+    enospc_rate: float = doc(0.0, "Probability per write op that it fails with ENOSPC, in [0, 1].")
+    stall_rate: float = doc(0.0, "Probability per op that it completes stall_s seconds late, in [0, 1].")
+    torn_write_rate: float = doc(0.0, (
+        "Probability per write op that only its first half reaches the device while it is reported done, in [0, 1]."))
+    stall_s: float = doc(0.0, "How late a stalled op completes, in [0, 3600] seconds.")
+    down: tuple[int, ...] = doc((), "Device indices (in devices order) whose every op fails with EIO: the device is gone.")
+    from_group: int = doc(0, (
+        "0: the knobs strike every op. Above 0: only reads of a group-major read's layer group >= this; every other "
+        "op runs untouched."))
 
     def __post_init__(self) -> None:
         for key in FAULT_RATES:
@@ -382,5 +429,6 @@ def _fault_fields(table: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["StoreConfig", "Durability", "EvictionPolicyName", "IOEngineName", "DirectIO", "Sharing", "MiB", "GiB",
+__all__ = ["StoreConfig", "Durability", "EvictionPolicyName", "IOEngineName", "DirectIO", "Sharing", "Streaming",
+           "DocumentedEnum", "doc", "DOC", "MiB", "GiB",
            "ThrottleSpec", "FaultSpec", "THROTTLE_KEYS", "FAULT_KEYS", "FAULT_KNOBS", "FAULT_RATES"]

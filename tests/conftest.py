@@ -18,7 +18,7 @@ from test_sharing import ROOT, WORKER, Proc
 
 pytest_plugins = ["sglang_fixtures"]  # fixtures for tests that run SGLang's classes in this process
 
-# Seconds each took serially on a 2-core machine (session 8), longest first.
+# Seconds each took serially on a 2-vCPU VM, longest first.
 SLOW_FIRST = (
     "tests/sglang/test_shared_servers.py",  # ~200 s
     "tests/test_sglang_range.py",  # ~170 s (the wheel, the range tests and two servers on the oldest SGLang)

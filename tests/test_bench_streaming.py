@@ -446,8 +446,8 @@ def test_memory_short_warns_where_the_servers_up_at_once_do_not_fit(tmp_path: Pa
     from sglang.srt.mem_cache.pool_host import base
 
     assert plan.SGLANG_HOST_RESERVE_BYTES == base.HICACHE_HOST_MEMORY_RESERVE_BYTES
-    kv, weights, available = 128 << 10, 226 << 20, int(22.8e9)  # kvheavy; this machine with the bench running
-    # Session 21: C = 2 4, three servers (device pool 8,048 tokens): --host-ratio 5 and 2.5 both lost the third
+    kv, weights, available = 128 << 10, 226 << 20, int(22.8e9)  # kvheavy; a 23 GB VM with the bench running
+    # On that VM, C = 2 4, three servers (device pool 8,048 tokens): --host-ratio 5 and 2.5 both lost the third
     # server to SGLang's host check; C = 1, --host-ratio 5 (2,016 + 10,080 tokens) started all three.
     for host in (40240, 20120):
         short = plan.memory_short(3, (8048 + host) * kv, weights, available)

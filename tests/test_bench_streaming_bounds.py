@@ -10,7 +10,7 @@ from benchmarks.serving.client import PHASES
 from benchmarks.streaming import bounds
 from benchmarks.streaming import report as stream_report
 
-# session 21's fast run, C = 1 (s21-fast): off waited 0.130 s of 0.79 s; the rule learned k = 0.34 ms/MB
+# Figures of a benchmark run (fast device, C = 1): off waited 0.130 s of 0.79 s; the rule learned k = 0.34 ms/MB
 OFF = {"ttft_p50_s": 0.79, "phases_p50_s": {"prefetch_wait_s": 0.13, "forward_s": 0.654}}
 ON = {"bind": {"bind_interference_seconds_per_megabyte": 0.34e-3}}
 HIT_MB = 1536 * 131072 / 1e6

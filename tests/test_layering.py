@@ -1,4 +1,4 @@
-"""The architecture as the README draws it, checked from the source (AST, every import, lazy ones too).
+"""The architecture as docs/design/architecture.md draws it, checked from the source (AST, every import, lazy ones too).
 
 Layers, lowest first; a module imports only from its own package or from packages of a lower layer:
 
@@ -139,7 +139,7 @@ MODULES = find_modules(ROOT)
 
 
 def test_every_package_has_a_layer():
-    assert not unlayered(MODULES), f"packages with no layer here (and in the README): {unlayered(MODULES)}"
+    assert not unlayered(MODULES), f"packages with no layer here (and in docs/design/architecture.md): {unlayered(MODULES)}"
 
 
 def test_no_upward_or_sideways_imports():

@@ -88,7 +88,7 @@ class HostKV:
         self.data.zero_()
 
     def load_chunks(self, plan: LayerPlan) -> list[range]:
-        """The layer runs today's path (load-all) copies one at a time, each followed by an event: one layer in
+        """The layer runs the load-all path copies one at a time, each followed by an event: one layer in
         ``layer_first`` (one copy per layer and K|V), one layer group of ``plan`` in ``page_first_direct``
         (a copy per page, group and K|V: per layer it would be P x 2L copies)."""
         if self.layout == "layer_first":

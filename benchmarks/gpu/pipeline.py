@@ -2,7 +2,7 @@
 and the suffix's stand-in prefill that reads it, layer by layer.
 
 - ``compute_only``: the prefix KV already on the device (a device hit): the layers alone.
-- ``load_all`` (today's path, (a)): ``SharedPool.get`` reads every page whole (every part verified), then
+- ``load_all`` (the hit loaded whole, (a)): ``SharedPool.get`` reads every page whole (every part verified), then
   the host -> device copies are queued on the load stream chunk by chunk (``HostKV.load_chunks``: per layer,
   or per layer group where a copy per layer would be per page too), each followed by an event, and layer
   l's compute waits on its chunk's event (the layer-pipelined load-back SGLang does on a GPU). TTFT-like =

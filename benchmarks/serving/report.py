@@ -99,7 +99,7 @@ def table(run: dict[str, Any], workload: str) -> str:
 
 
 def targets(run: dict[str, Any]) -> list[str]:
-    """The issue's targets, judged on this run (reported only)."""
+    """The targets, judged on this run (reported only)."""
     cells = _cells(run, "multiturn")
     out = []
     kvheavy = run["model"]["name"] == "kvheavy"

@@ -1,6 +1,6 @@
-"""bench_sharing's summaries, the issue's targets judged on one run, the markdown report and the PNG.
+"""bench_sharing's summaries, the targets judged on one run, the markdown report and the PNG.
 
-Targets (issue #12), on the measured phases (rounds 2..R; round 1 is the warm-up):
+Targets, on the measured phases (rounds 2..R; round 1 is the warm-up):
 - ``kvtier-shared`` serves >= 1.5x the cached prompt tokens of ``kvtier-per-instance``;
 - ``kvtier-shared``'s TTFT p50 is >= 25% lower than ``kvtier-per-instance``'s;
 - ``kvtier-shared``'s TTFT p50 is lower than ``file-shared``'s.

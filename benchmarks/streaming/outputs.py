@@ -8,8 +8,8 @@ them the floating-point sums of a CPU forward: a difference there is not necessa
 
 The control: the write round, where each server computes every document from scratch (no L3 read,
 streaming plays no part). Each server stores the KV it computed itself, so a document whose write-round
-output already differs between the two servers (their processes' own bf16 arithmetic: measured 2 of 8
-documents on this CPU) has different KV in each server's L3, and a measured difference on it is not
+output already differs between the two servers (their processes' own bf16 arithmetic: 2 of 8
+documents in one measured run) has different KV in each server's L3, and a measured difference on it is not
 streaming's. ``attributable`` lists the measured differences at C = 1 (alone: the same batches on both
 servers) on documents whose control was identical.
 """

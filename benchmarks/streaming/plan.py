@@ -1,7 +1,7 @@
 """The servers of one bench_streaming run, in the order they run, and the break-even device.
 
-A run crosses device settings with the two values of the L3 config key ``streaming`` (``off``: today's path,
-a hit loaded whole before its request is admitted; ``on``: its tail streams in layer groups into the
+A run crosses device settings with the two values of the L3 config key ``streaming`` (``off``: a hit loaded
+whole before its request is admitted; ``on``: its tail streams in layer groups into the
 request's own prefill). Each (device, streaming) pair is one real server with a fresh L3 directory. Devices
 (``--devices``):
 
@@ -18,7 +18,7 @@ Ordering rules (``plan_servers``):
   server has measured the device hit;
 - the reference server (L3 rounds plus the device-hit and recompute rounds) is the first server of the run;
   it must not be a ``breakeven`` one whose rate is still unknown (that would be circular);
-- within a device, ``off`` runs before ``on`` (today's path first, as a baseline for the same device);
+- within a device, ``off`` runs before ``on`` (the whole-load path first, as a baseline for the same device);
 - with ``twin`` (``--twin [MODE]``), each device also gets a second server of that mode after its others
   (key ``off-twin`` or ``on-twin``), interleaved with them. With the same settings, ``off-twin / off``
   measures the run's noise floor, what an on/off ratio of a server on the same path would read by chance;
@@ -130,7 +130,7 @@ def prefix_bytes(doc_tokens: int, page_size: int, kv_bytes_per_token: int) -> in
 
 
 # Beside its KV pools and weights, a CPU server's three processes (HTTP, scheduler, detokenizer: torch loaded in
-# each) hold ~2.1 GB (measured, session 21: two kvheavy servers with 3.7 GB of pools each took 12.1 GB).
+# each) hold ~2.1 GB (measured: two kvheavy servers with 3.7 GB of pools each take 12.1 GB).
 SERVER_OVERHEAD_BYTES = 2_100_000_000
 # SGLang refuses a host pool larger than the memory available less 10 GiB (HICACHE_HOST_MEMORY_RESERVE_BYTES,
 # sglang/srt/mem_cache/pool_host/base.py): the last server to start must find its pool and the reserve free.

@@ -1,6 +1,6 @@
 """bench_streaming's tables and targets: per device, the L3-hit TTFT with streaming off and on at each
 concurrency, their ratio, whether the outputs were identical, and the streaming counters; the reference
-cells (device hit, recompute); the issue's targets judged on the run (reported, never asserted).
+cells (device hit, recompute); the targets judged on the run (reported, never asserted).
 
 Cells are ``serving.report.summarize`` summaries plus ``stream`` (the phases' summed streaming counters):
 ``run["servers"][device][mode]["levels"][level][str(C)]``, level ``l3`` / ``device`` / ``recompute``.
@@ -353,7 +353,7 @@ def markdown(run: Mapping[str, Any]) -> str:
                   "measured rounds; `kvtier-*`: sgl-kvtier's named threads; a process's name: its other threads, "
                   "the forward and its OpenMP team among them):", "", cpu, ""] if cpu else []
     parts += ["## References (device hit, recompute)", "", reference_table(run), "",
-              "## Targets (issue #13)", "", *targets(run), "", "## Server commands", ""]
+              "## Targets", "", *targets(run), "", "## Server commands", ""]
     for device in run["device_order"]:
         for mode, res in run["servers"].get(device, {}).items():
             env = " ".join(f"{k}={v}" for k, v in res.get("env", {}).items())

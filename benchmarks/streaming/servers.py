@@ -11,16 +11,15 @@ Schedules (``--schedule``), for the servers of one device (``off`` and ``on``):
   alternating with i (``off`` first at even i, ``on`` first at odd i); after its round a server's own L3
   write-back is waited for, so the peer is quiet while the other measures (its CPU seconds during each
   phase are recorded as ``peer_cpu_s``). A shared machine's drift (up to 25% between servers measured
-  minutes apart, benchmarks/RESULTS.md) then hits both modes alike, round by round, and each measured round
+  minutes apart) then hits both modes alike, round by round, and each measured round
   is one paired on/off comparison (``streaming.paired``). With ``--twin`` a third server (a second ``off``
   or ``on``, with ``--twin-env`` over the environment) takes its turn too: the order rotates with i, so
-  each server takes each turn alike (until session 20 it reversed at odd i, which left the ``on`` server
-  always in the middle turn, right after another server's round: measured, an ``on`` server that streamed
-  nothing read 1.06 paired against its ``off`` while the twin read 0.93, RESULTS session 20).
-- ``sequential``: one server at a time, each serving all its rounds (the session 7-8 runs).
+  each server takes each turn alike (a fixed or reversing order would leave one server always in the middle
+  turn, right after another server's round).
+- ``sequential``: one server at a time, each serving all its rounds.
 
 Every server runs with ``--sleep-on-idle``: an idle SGLang scheduler otherwise polls its sockets in a busy
-loop (measured on this 2-vCPU machine, kvheavy: 1.02 CPU-s/s idle, 0.03 with the flag), which would take a
+loop (measured on a 2-vCPU VM, kvheavy: 1.02 CPU-s/s idle, 0.03 with the flag), which would take a
 core from the peer's measurement. The flag changes nothing while a request is queued or running.
 """
 

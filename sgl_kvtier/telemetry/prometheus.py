@@ -9,7 +9,9 @@ writers by state, sharing counters, and per ``wid``/``host`` pages, bytes, lease
 exceptions by kind, and, only when the backend streams, its ``kvtier_stream_*`` counters (``_s`` fields as
 ``_seconds``) and learned bind figures. Per-writer series carry no state label, so a dying writer leaves no
 stale series in the multiprocess files; a writer gone from the pool shows ``retired`` (live 0, no pages)
-for a minute, then keeps those values until the process restarts.
+for a minute, then keeps those values until the process restarts. Every gauge's help says what it measures (a
+running total's from a meaning per field: ``STORE_HELP``, ``READAHEAD_HELP``, ``STREAM_HELP``) and ``LABEL_HELP``
+what each label means; the metrics reference of the documentation site is generated from these definitions.
 
 ``PrometheusFeed.refresh`` is called from ``KVTierStorage.get_stats`` (every scheduler step with
 ``--enable-metrics``, from SGLang's ``check_hicache_events``) and refreshes at most once per
@@ -59,6 +61,21 @@ COUNTERS = tuple(f.name for f in dataclasses.fields(StoreCounters))
 # The fields of ``prefetch.ReadAheadCounters`` (a higher layer: named here, checked equal by the tests).
 READAHEAD = ("staged", "served", "joined", "failed", "dropped", "skipped_full")
 REASON = (*RANKS, "reason")
+# What each label means (the metrics reference prints it; a label without one fails the tests).
+LABEL_HELP = {
+    "pool": "The host pool the store serves: kv (the KV cache), or a side pool of a hybrid model by its SGLang name",
+    "tp_rank": "Tensor-parallel rank of the SGLang process",
+    "pp_rank": "Pipeline-parallel rank of the SGLang process",
+    "dp_rank": "Data-parallel rank of the SGLang process",
+    "device": "Index of the device in the devices list (striping order)",
+    "path": "The device's path, as configured",
+    "namespace": "The namespace shard's digest (hex): its ns-<digest> directory",
+    "state": "A writer's state as this process judges it: live, dead, retired or unknown",
+    "wid": "A writer's id, <host_id>-<k> (its directory is w-<wid>)",
+    "host": "The host a writer runs on (its host_id)",
+    "kind": "How a caught exception is classed: expected (an IO fault, bad input) or unexpected (a bug)",
+    "reason": "Why the stream plugin gave a tail up or did not stream a hit, as it names it",
+}
 
 
 def _stream_gauge(field: str) -> str:
@@ -93,6 +110,68 @@ STREAM_BIND = {
 }
 STREAM_HOOKS = tuple(f.name for f in dataclasses.fields(StreamHookSnapshot) if f.name not in ("dropped", "not_streamed"))
 
+# What each running-total field means: the help of its gauge (a field without one fails at import, and in the tests).
+STORE_HELP = {
+    "put_pages": "Pages written",
+    "put_present": "Offered pages already stored (or being stored): skipped",
+    "put_declined": "Offered pages the admission filter turned away (admission_threshold)",
+    "put_no_space": "Pages refused because nothing could be evicted",
+    "get_hits": "Pages asked for, found and read back verified",
+    "get_misses": "Pages asked for and not served (not stored, unreadable, corrupt, or their device's breaker open)",
+    "corrupt_pages": "Pages that failed their checksum or came back short: dropped, served as misses",
+    "remote_reuse_races": "Another writer's pages whose slot its owner reused under the read: served as misses",
+    "io_errors": "Failed IOs: reads, writes, fdatasyncs and segment growths that the devices refused",
+    "evictions": "Pages evicted to make room (capacity or pool quota)",
+    "bad_requests": "Requests with a wrong key length or page size: refused",
+    "bytes_written": "Page bytes written (the pages' own size, per page stored)",
+    "bytes_read": "Page bytes read back for hits (the pages' own size, per hit)",
+    "parts_read": "Parts of pages read group-major (layer group by layer group) and verified",
+    "parts_failed": "Parts read group-major whose IO failed, came short or failed their checksum",
+}
+READAHEAD_HELP = {
+    "staged": "Pages whose read an exists query started into the read-ahead staging area",
+    "served": "Pages a get took from the staging area",
+    "joined": "Pages a get took from the staging area while their read was still in flight",
+    "failed": "Staged reads that failed (read again on demand)",
+    "dropped": "Staged pages never asked for (stale, or at close)",
+    "skipped_full": "Pages not staged because the staging budget (readahead_bytes) was in use",
+}
+STREAM_HELP = {
+    # the backend's tail streams (StreamSnapshot)
+    "bound_hits": "L3 hits bound to a tail stream",
+    "read_groups": "Read groups of the bound hits, summed",
+    "head_pages": "Pages answered present to SGLang's IO thread from a stream (inserted as usual)",
+    "streamed_pages": "Pages tail streams landed whole and verified",
+    "staged_pages": "Streamed pages copied from the read-ahead staging area",
+    "failed_pages": "Pages of streams that did not land (cancelled streams not counted)",
+    "failed_groups": "(stream, layer group) reads that did not land on every page of the stream",
+    "cancelled": "Streams cancelled (released slots, a dropped tail, close)",
+    "read_errors": "Streams whose read raised",
+    "withheld_pages": "Released pages kept back until their stream ended (then freed)",
+    "mismatches": "Answers or binds that found a stream where none was expected (bugs)",
+    # the stream plugin in this process (StreamHookSnapshot)
+    "bind_calls": "Hits handed to the backend to bind to a stream (it may decline)",
+    "tails": "Tails registered: the part of a hit not landed at its admission",
+    "ready": "Tails the admission gate let through",
+    "admitted": "Tails loaded back into private device slots with their request",
+    "gate_waits": "Admission polls the gate answered not yet",
+    "gate_wait_s": "Seconds from registration to ready, summed over the tails let through",
+    "withheld_registered_slots": "Slots of registered tails SGLang tried to release (kept back; a bug)",
+    "loads": "Forward batches with streamed tails",
+    "loaded_tails": "Streamed tails loaded by forward batches",
+    "copied_layers": "(tail, layer) copies of verified bytes",
+    "zeroed_layers": "(tail, layer) zero fills",
+    "zero_filled_groups": "Layer groups the loader filled with zeros (failed, late, a failed copy, injected)",
+    "timeouts": "Zero-filled layer groups whose deadline passed",
+    "landed": "Tails whose rank-agreed verdict was landed: kept",
+    "poisoned": "Tails whose verdict was a failure: their request retracted (or aborted)",
+    "stalls": "Forward reads that waited for a tail layer still loading",
+    "stall_s": "Seconds forward reads waited for tail layers still loading",
+    "retracts": "Requests retracted after a forward (output dropped, KV released, recomputed)",
+    "requeued": "Retracted requests put back in the waiting queue",
+    "aborted": "Requests that could not be retracted and were aborted instead (503)",
+}
+
 # name, help, labels
 _GAUGES = (
     ("read_bandwidth_bytes_per_second", "Read bandwidth of the pool's store, all devices (batch wall clock)", POOL),
@@ -105,8 +184,8 @@ _GAUGES = (
     ("store_pages", "Pages stored in the pool's shard", POOL),
     ("store_bytes_used", "Bytes of device slots holding pages", POOL),
     ("store_capacity_bytes", "Byte limit of the pool's shard", POOL),
-    *((f"store_{c}", f"StoreCounters.{c}: running total since the store opened", POOL) for c in COUNTERS),
-    *((f"readahead_{c}", f"ReadAheadCounters.{c}: pages, running total since the store opened", POOL)
+    *((f"store_{c}", f"{STORE_HELP[c]} (running total since the store opened)", POOL) for c in COUNTERS),
+    *((f"readahead_{c}", f"Read-ahead: {READAHEAD_HELP[c]} (running total since the store opened)", POOL)
       for c in READAHEAD),
     ("pool_bytes_used", "Bytes the shared pool's cap counts: own pages + the other writers' leased bytes", SHARED),
     ("pool_capacity_bytes", "Pool-wide byte cap of the namespace shard, over all its writers", SHARED),
@@ -138,8 +217,9 @@ _GAUGES = (
      "unexpected (bugs, logged with a traceback)", (*RANKS, "kind")),
     ("streaming_enabled", "1 when the backend streams its L3 hits' tails (streaming = \"on\" on a layout that "
      "streams)", RANKS),
-    *((_stream_gauge(f), f"StreamSnapshot.{f}: the backend's tail streams, running total", RANKS) for f in STREAM_READS),
-    *((_stream_gauge(f), f"StreamHookSnapshot.{f}: the stream plugin in this process, running total", RANKS)
+    *((_stream_gauge(f), f"Streamed tails, the backend's reads: {STREAM_HELP[f]} (running total)", RANKS)
+      for f in STREAM_READS),
+    *((_stream_gauge(f), f"Streamed tails, the stream plugin in this process: {STREAM_HELP[f]} (running total)", RANKS)
       for f in STREAM_HOOKS),
     *((gauge, text, RANKS) for gauge, text in STREAM_BIND.values()),
     ("stream_dropped", "Streamed tails given up before their forward (the request computed them), by reason: "

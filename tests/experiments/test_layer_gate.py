@@ -1,4 +1,4 @@
-"""The per-layer gate and the layer-by-layer load (issue #13's machinery): pure threading, no SGLang.
+"""The per-layer gate and the layer-by-layer load (the streaming machinery): pure threading, no SGLang.
 
 No test sleeps to synchronise: waiters are known to be parked through the gate's ``on_block`` hook, and a
 copy is held in flight on a ``threading.Event``. Timeouts only bound a failure.

@@ -1,4 +1,4 @@
-"""The layer loader (issue #13, F1): a gated load through SGLang's own classes, and a real CPU server whose
+"""The layer loader: a gated load through SGLang's own classes, and a real CPU server whose
 load-backs run on the loader thread (the gate itself: ``tests/experiments/test_layer_gate.py``).
 
 No test sleeps to synchronise: waiters are known to be parked through the gate's ``on_block`` hook, and a

@@ -9,7 +9,7 @@
 
 Every test restores SGLang's classes and the hook registry. Synchronisation is by the controller's own
 queues (blocking gets), never by sleeping; the read path and prefill speed are set from synthetic samples,
-so no verdict depends on how fast this machine is.
+so no verdict depends on how fast the machine running the tests is.
 """
 
 from __future__ import annotations

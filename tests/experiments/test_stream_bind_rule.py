@@ -31,14 +31,15 @@ def inputs(read_s: float | None, c: float | None = 0.5, whole: float | None = No
     return BindInputs(HIT, groups, read_s, c, whole, None if k_per_mb is None else k_per_mb / MB)
 
 
-def test_unmeasured_inputs_stream_as_before_the_rule():
+def test_unmeasured_inputs_stream():
     assert decide(inputs(None)).verdict is BindVerdict.STREAM
     assert decide(inputs(0.5, c=None)).verdict is BindVerdict.STREAM
     assert decide(inputs(0.5, k_per_mb=None)).reason == "calibrating: streamed"  # how k gets measured
 
 
 def test_a_slow_device_streams_and_a_fast_one_on_a_busy_cpu_loads_whole():
-    # the benchmark's two devices, k as measured on the 2-core CPU (~1.6 ms of forward per MB of tail)
+    # the two devices of benchmarks/bench_streaming, k as measured with it on a 2-vCPU VM (~1.6 ms of forward
+    # per MB of tail)
     # (k x 200 MB = 0.32 s lengthens the forward the read hides under: (1 - 1/4) x (0.5 + 0.32) = 0.615 s > R)
     slow = decide(inputs(0.54, whole=0.77, k_per_mb=1.6e-3))
     fast = decide(inputs(0.15, whole=0.36, k_per_mb=1.6e-3))
@@ -173,8 +174,9 @@ def timed(costs: StreamCosts, path: BindVerdict, excess_s: float, n: int = 2, nb
 
 
 def test_measured_excess_decides_once_both_paths_have_it():
-    """Session 10's fast device: the model said stream (W + X 0.54 s vs gate + k 0.31 s); timed end to end a
-    whole load cost 0.40 s over a device hit and a streamed one 0.47 s: measured, the hit loads whole."""
+    """bench_streaming's fast device on a 2-vCPU VM: the model said stream (W + X 0.54 s vs gate + k 0.31 s);
+    timed end to end a whole load cost 0.40 s over a device hit and a streamed one 0.47 s: measured, the hit
+    loads whole."""
     costs = StreamCosts(explore_every=0)
     costs.record_whole(100 * MB, 0.25)
     costs.record_whole(HIT, 0.49)

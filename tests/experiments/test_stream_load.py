@@ -1,4 +1,4 @@
-"""The forward side of a streamed tail (issue #13): start, per-layer gate, zero-fill, verdict.
+"""The forward side of a streamed tail: start, per-layer gate, zero-fill, verdict.
 
 Driven through SGLang's real classes on the CPU: a ``UnifiedRadixCache`` with HiCache from SGLang's own kit
 (``HybridCacheController``, MHA device pool, ``layer_first`` host pool, ``direct`` IO), its real layer

@@ -1,4 +1,4 @@
-"""Retracting a request after a forward whose KV must not count (issue #13, design §3), and requeuing it.
+"""Retracting a request after a forward whose KV must not count (``hooks.retract``), and requeuing it.
 
 1. The bookkeeping, with SGLang's real ``Req``: which requests can be retracted, the last-resort abort, and
    the requeue order (filtered out of ``last_batch`` / ``running_batch`` at once, requeued with

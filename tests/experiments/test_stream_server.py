@@ -1,4 +1,4 @@
-"""Streamed L3 tails on real CPU servers (issue #13, "Tests"): one server per streaming host layout, every
+"""Streamed L3 tails on real CPU servers: one server per streaming host layout, every
 scenario on it, faults switched live through the store's fault control file (``stream_server_kit``).
 
 The server: the tiny model (2 layers: 2 layer groups per page), HiCache with our backend, ``streaming =
@@ -8,8 +8,8 @@ its maximum), so each scenario sees its own fault and not the previous one's ope
 memory checks are on (a leaked device slot or request row raises in the scheduler).
 
 Requests: a stored prefix of ``PREFIX`` tokens (20 pages) and a suffix of ``SUFFIX`` tokens to compute, as
-in the design (a tail hides under the suffix's compute: the T_hide gate admits the request once the
-rest of its read is predicted to fit under that compute). Here the read and the compute are of one size, so
+in the design (``sgl_kvtier.experiments.streaming``): a tail hides under the suffix's compute, the T_hide gate
+admitting the request once the rest of its read is predicted to fit under that compute. Here the read and the compute are of one size, so
 that rule would decide by the machine's load: the server runs the gate's safe minimum instead (admitted once
 group 0 landed, ``KVTIER_TEST_STREAM_GATE=group0``; the rule itself is ``test_stream_gate``'s and
 ``test_stream_admit``'s, and ``bench_streaming``'s on real servers). Each scenario

@@ -1,4 +1,4 @@
-"""Streamed tails for the operator (issue #13): their figures in ``KVTierStorage.telemetry()`` and as
+"""Streamed tails for the operator: their figures in ``KVTierStorage.telemetry()`` and as
 ``kvtier_stream_*`` gauges, and the prefill samples that feed the T_hide gate's model.
 
 - The backend's reads: a real backend with ``streaming = "on"`` on SGLang's real host pool and a real store

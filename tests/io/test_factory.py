@@ -1,4 +1,4 @@
-"""factory: the engine stack, and io_engine = "uring" where io_uring cannot run (issue #10).
+"""factory: the engine stack, and io_engine = "uring" where io_uring cannot run.
 
 A store asked for an engine whose probe dies by SIGILL must fail to open with one ConfigError naming
 ``io_engine`` and the reason, never run the engine's native code in-process, and never probe for

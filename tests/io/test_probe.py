@@ -1,7 +1,7 @@
 """probe: a child process proves optional native code before the asking process runs any of it.
 
-The regression tests for issue #10 (a liburing wheel with AVX-512 instructions killed the test process
-with SIGILL at collection): fake engines whose probe dies by a signal are reported unavailable with the
+Regression tests for a liburing wheel with AVX-512 instructions that killed the test process with SIGILL
+at collection on a CPU without AVX-512: fake engines whose probe dies by a signal are reported unavailable with the
 signal named, the asking process goes on, and the verdict is cached (no second child).
 """
 
@@ -67,7 +67,7 @@ def test_the_real_uring_probe_answers_a_verdict_here(probe_cache, runner):
     fp = probes.fingerprint(probes.URING)
     suitable = ("avx512f" in probes.proc_text("/proc/cpuinfo", "flags") and fp["io_uring_disabled"] in ("0", "")
                 and fp["seccomp"] in ("0", "") and fp["packages"] != "liburing=absent")
-    if suitable:  # this machine (AVX-512, io_uring on, no seccomp filter, liburing installed)
+    if suitable:  # a machine with AVX-512, io_uring on, no seccomp filter and liburing installed
         assert verdict.available, verdict.reason
     assert entries(probe_cache)  # written either way: a property of this machine
 

@@ -36,14 +36,31 @@ def test_shipped_configs_are_valid(path):
             assert "#" in line, f"{path.name}: uncommented line {line!r}"
 
 
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_each_config_opens_with_when_to_pick_it_and_the_flags_it_needs(path):
+    """The header's first line says when to pick the file; the flags it lists are the ones the launch
+    command sets, its host layout included."""
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("# Pick this "), lines[0]
+    header = " ".join(line.lstrip("#").strip() for line in lines[:lines.index("[sglang]")])
+    cmd, _ = build_command(load(path), [], gpu=True, make_model=False)
+    extra = extra_of(cmd)
+    assert extra["hicache_storage_pass_prefix_keys"] is True and extra["interface_v1"] == 1
+    for flag in ("--enable-hierarchical-cache", "--hicache-storage-backend dynamic",
+                 '"hicache_storage_pass_prefix_keys": true', '"interface_v1": 1',
+                 f"--hicache-mem-layout {cmd[cmd.index('--hicache-mem-layout') + 1]}",
+                 f"--hicache-io-backend {cmd[cmd.index('--hicache-io-backend') + 1]}"):
+        assert flag in header, f"{path.name}: {flag} not in its header"
+
 def test_expected_configs_exist():
     assert {p.name for p in CONFIGS} >= {"cpu-demo.toml", "nvme-local.toml", "nvmeof-4ns.toml",
-                                          "qwen3-coder-480b-tp8.toml", "shared-host.toml"}
+                                          "qwen3-coder-480b-tp8.toml", "shared-host.toml", "shared-nfs.toml",
+                                          "raw-shared.toml"}
 
 
 def test_the_shared_host_example_launches_two_servers_on_one_pool():
-    """Both command lines of its comment: one store, one pool-wide cap, sharing on; the two-hosts note says
-    that case needs a shared filesystem or a shared raw pool."""
+    """Both command lines of its comment: one store, one pool-wide cap, sharing on."""
     path = ROOT / "configs" / "shared-host.toml"
     text = path.read_text()
     cmds = [line.split("#", 1)[1].strip() for line in text.splitlines() if "sgl-kvtier launch" in line]
@@ -53,8 +70,8 @@ def test_the_shared_host_example_launches_two_servers_on_one_pool():
     assert extras[0] == extras[1] and extras[0]["sharing"] == "host" and extras[0]["capacity_bytes"] > 0
 
 def test_the_shared_nfs_example_runs_cluster_mode_with_direct_io():
-    """Both command lines of its comment give one store in cluster mode with O_DIRECT; the two-hosts note
-    points at it, and at the shared raw pool's example."""
+    """Both command lines of its comment give one store in cluster mode with O_DIRECT; the deployment
+    guide for several hosts on a shared filesystem starts from it."""
     path = ROOT / "configs" / "shared-nfs.toml"
     cmds = [line.split("$ ", 1)[1].strip() for line in path.read_text().splitlines() if "$ sgl-kvtier launch" in line]
     assert len(cmds) == 2
@@ -62,20 +79,21 @@ def test_the_shared_nfs_example_runs_cluster_mode_with_direct_io():
     extras = [extra_of(build_command(doc, c.split(" -- ", 1)[1].split(), gpu=True, make_model=False)[0]) for c in cmds]
     assert extras[0] == extras[1]
     assert extras[0]["sharing"] == "cluster" and extras[0]["direct_io"] == "on" and not extras[0].get("allow_local_fs")
-    note = (ROOT / "configs" / "two-hosts.md").read_text()
-    assert "shared-nfs.toml" in note and "raw NVMe-oF namespace: supported" in note and "raw-shared.toml" in note
+    guide = (ROOT / "docs" / "deploy" / "several-hosts.md").read_text()
+    assert "configs/shared-nfs.toml" in guide and "shared-raw.md" in guide
 
 
 def test_the_raw_shared_example_is_a_host_slot_of_a_shared_raw_pool():
     """Its command line gives cluster mode on a raw namespace with this host's host_index, O_DIRECT and no
-    meta_dir; its comment formats the namespace once, as the two-hosts note does."""
+    meta_dir; its comment formats the namespace once, as the shared raw deployment guide does."""
     path = ROOT / "configs" / "raw-shared.toml"
     text = path.read_text()
     assert "sgl-kvtier pool-format /dev/nvme1n1 --hosts 2 --yes" in text
     extra = extra_of(build_command(load(path), ["--port", "30000"], gpu=True, make_model=False)[0])
     assert extra["sharing"] == "cluster" and extra["host_index"] == 0 and extra["direct_io"] == "on"
     assert "meta_dir" not in extra and extra["devices"] == ["/dev/nvme1n1"]
-    assert "pool-format /dev/nvme1n1 --hosts 2 --yes" in (ROOT / "configs" / "two-hosts.md").read_text()
+    guide = (ROOT / "docs" / "deploy" / "shared-raw.md").read_text()
+    assert "configs/raw-shared.toml" in guide and "pool-format /dev/nvme1n1 --hosts 2 --yes" in guide
 
 
 def test_cpu_flags_and_flag_spelling(tmp_path):

@@ -10,16 +10,17 @@ backend: every kit helper that opens an L3 cache (``_l3_produce``, ``_l3_consume
 ours, on the kit's storage directory, through SGLang's real ``UnifiedRadixCache.init_hicache`` ->
 ``HybridCacheController`` -> ``dynamic`` backend factory.
 
-What the CPU needs (sglang-on-cpu.md): host pools with ``pin_memory=False`` and the ``transfer_kv_direct``
-stand-in (the ``cpu_shims`` fixture), ``io_backend="direct"`` with the ``layer_first`` host layout (the
-kit's own ``kernel`` copy engine needs a GPU), and the kit's ``get_device`` pointed at ``"cpu"``.
+What the CPU needs (``sgl_kvtier.sglang.plugins.cpu_shims`` says why): host pools with ``pin_memory=False``
+and the ``transfer_kv_direct`` stand-in (the ``cpu_shims`` fixture), ``io_backend="direct"`` with the
+``layer_first`` host layout (the kit's own ``kernel`` copy engine needs a GPU), and the kit's ``get_device``
+pointed at ``"cpu"``.
 
-One writer per shard: a second cache opening our backend on a directory a first cache still holds gets
-``StoreLockedError`` (``test_kit_l3`` shows it; several engines on one store are a later issue). So,
-as a producer process would exit before its consumer starts, opening an L3 cache on a directory first
-detaches the cache that had it (``_hand_over``); the kit's produce-then-consume flows are sequential and
-run unchanged. Every test ends with nothing of ours left: no descriptor under its storage directories,
-no ``kvtier-*`` thread (``_assert_released``, the last clean-up).
+One cache per directory at a time: the kit's flows model a producer process that exits before its consumer
+starts (with ``sharing = "off"`` a second cache on a directory a first one still holds gets
+``StoreLockedError``, as ``test_kit_l3`` shows; by default it would join the pool as a second writer). So
+opening an L3 cache on a directory first detaches the cache that had it (``_hand_over``); the kit's
+produce-then-consume flows are sequential and run unchanged. Every test ends with nothing of ours left: no
+descriptor under its storage directories, no ``kvtier-*`` thread (``_assert_released``, the last clean-up).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ Two tests, each the full trip device (L1) -> host (L2) -> our store (L3) -> host
 
 Both wait only on the controllers' own acks and queues (blocking gets or polls under a deadline).
 
-What the CPU needs (shared/reference/sglang-on-cpu.md): ``io_backend="direct"`` with ``layer_first``
-host layout, and the sgl_kvtier CPU shims. They are installed in-process exactly as SGLang's plugin
+What the CPU needs (``sgl_kvtier.sglang.plugins.cpu_shims`` says why): ``io_backend="direct"`` with the
+``layer_first`` host layout, and the sgl_kvtier CPU shims. They are installed in-process exactly as SGLang's plugin
 loader would (``plugins.cpu.load()`` + ``HookRegistry.apply_hooks()``), which adds the torch
 ``transfer_kv_direct`` stand-in (``sgl_kernel`` is absent) and forces ``pin_memory=False`` on
 ``HostKVCache`` (the hybrid pool assembler hard-codes pinned memory). The kit's ``build_fixture``

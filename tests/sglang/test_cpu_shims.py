@@ -1,4 +1,4 @@
-"""Shim 4: the new-queries-only extend attention gives SGLang's own torch_native rows, for every prefix."""
+"""The CPU extend-attention shim (new queries only) gives SGLang's own torch_native rows, for every prefix."""
 
 from __future__ import annotations
 

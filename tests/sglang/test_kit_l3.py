@@ -236,7 +236,7 @@ config_classes(L3Scenarios, globals())
 
 
 class TestOneWriterPerShard(KVTierKit, unittest.TestCase):
-    """Why the kit's flows run one L3 cache per directory at a time (multi-instance is a later issue)."""
+    """One L3 cache per directory with ``sharing = "off"``: a second one is refused (the kit's hand-over)."""
 
     cfg = RUNNABLE[1]
 

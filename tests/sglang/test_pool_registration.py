@@ -213,8 +213,8 @@ def raw_device(tmp_path, size: int):
 
 
 def test_pools_on_a_raw_block_device_share_it(tmp_path):
-    """Each pool claims a region of the device: by default they share its size, where the first used to
-    claim it all and the next one found no room."""
+    """Each pool claims a region of the device: by default they share its size, so the first cannot claim it
+    all and leave the next one no room."""
     size = 40 << 20
     device, meta = raw_device(tmp_path, size)
     backend = new_backend([device], capacity_bytes=None, meta_dir=meta)

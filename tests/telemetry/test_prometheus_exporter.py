@@ -39,7 +39,7 @@ from sgl_kvtier.telemetry.snapshot import (
 PAGE = 16384
 RANKS = {"tp_rank": "2", "pp_rank": "0", "dp_rank": "1"}
 KV = {"pool": "kv", **RANKS}
-# Every gauge name dashboards may rely on (before the snapshot refactor), plus the boundary's.
+# Every gauge name dashboards may rely on, plus the boundary's.
 NAMES = {
     "read_bandwidth_bytes_per_second", "read_batch_latency_seconds", "read_samples",
     "device_read_bandwidth_bytes_per_second", "device_read_batch_latency_seconds", "device_breaker_state",
@@ -50,13 +50,13 @@ NAMES = {
     *(f"readahead_{c}" for c in ("staged", "served", "joined", "failed", "dropped", "skipped_full")),
     "readahead_buffers_in_use", "prefill_per_token_seconds", "prefill_per_token_kctx_seconds",
     "prefill_fixed_seconds", "prefill_samples", "cost_policy_enabled", "boundary_errors",
-    # the shared pool (#12)
+    # the shared pool
     "pool_bytes_used", "pool_capacity_bytes", "pool_writers", "writer_pages", "writer_bytes_used",
     "writer_lease_age_seconds", "writer_live",
-    # sharing = "cluster" (#13)
+    # sharing = "cluster"
     "pool_peers_dropped", "pool_writers_retired", "pool_fenced_pages", "pool_reregistrations",
     "writer_lease_unchanged_seconds",
-    # streamed L3 tails (issue #13)
+    # streamed L3 tails
     "streaming_enabled", "stream_dropped", "stream_not_streamed",
     "stream_bind_whole_wait_fixed_seconds", "stream_bind_whole_wait_seconds_per_megabyte", "stream_bind_whole_samples",
     "stream_bind_interference_seconds_per_megabyte", "stream_bind_interference_samples",

@@ -233,7 +233,8 @@ def extend_attention_new_queries_only(
     scaling: float | None = None, enable_gqa: bool = False, causal: bool = False, is_cross_attn: bool = False,
     sliding_window_size: int | None = None,
 ) -> torch.Tensor:
-    """AROUND hook: SGLang's extend attention, computing only the new tokens' query rows (shim 4).
+    """AROUND hook: SGLang's extend attention, computing only the new tokens' query rows (shim 4 of
+    the module docstring).
 
     Calls SGLang's own for what the shim does not cover, and whenever the shim itself fails (counted and
     logged with its traceback by ``BOUNDARY``): the forward never sees our exception.
@@ -257,7 +258,8 @@ def _new_queries_only(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
     extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, scaling: float | None, enable_gqa: bool,
 ) -> torch.Tensor:
-    """Shim 4 proper: each request's new query rows against its cached + new keys, written into ``output``."""
+    """The extend-attention shim proper: each request's new query rows against its cached + new keys, into
+    ``output``."""
     heads_first = query.dim() - 2
     queries = query.movedim(0, heads_first)  # [heads, tokens, head_dim]
     start = 0
