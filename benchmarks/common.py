@@ -24,6 +24,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"  # git-ignored: raw runs go here
+# The Mooncake FAST'25 conversation trace (github.com/kvcache-ai/Mooncake, FAST25-release/traces/
+# conversation_trace.jsonl: one hour of a chat service, prefix-block hash ids only, no text), kept out of the
+# repository in a data directory beside the checkout; every benchmark that replays it takes --trace.
 TRACE = REPO.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 

@@ -3,8 +3,8 @@
     python -m benchmarks.soak --minutes 30          # the long run (results in benchmarks/results/soak/)
     python -m benchmarks.soak --minutes 2           # a quick look
 
-The Mooncake conversation trace (../shared/data) is replayed closed-loop at --concurrency: each 512-token
-prefix block id becomes a deterministic block of --block-tokens token ids (seeded by the id), so requests
+The Mooncake FAST'25 conversation trace (--trace; see benchmarks.common.TRACE) is replayed closed-loop at
+--concurrency: each 512-token prefix block id becomes a deterministic block of --block-tokens token ids (seeded by the id), so requests
 that share block ids share prefixes. The store's capacity is set small (--capacity-mib) so eviction runs
 all the time. Every --window seconds it records the server's memory (RSS of its whole process tree), open
 file descriptors, completed requests and input tokens per second, and the store's bytes used against its
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, work: Path, console: Console) -> dict:
     store = work / "flash"
     store.mkdir(parents=True, exist_ok=True)
     model = resolve_model("tiny", args.dtype, gpu=has_cuda_gpu())
-    trace = load_trace(TRACE, args.block_tokens, 1024, 20_000)
+    trace = load_trace(args.trace, args.block_tokens, 1024, 20_000)
     capacity = args.capacity_mib << 20
     extra = {**BACKEND, "devices": [str(store)], "capacity_bytes": capacity, "prefetch_threshold": 64}
     server_args = [*model.server_args, "--max-total-tokens", "8192", "--hicache-ratio", "2", "--enable-hierarchical-cache",
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=30, help="seconds per sample")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace block (512 in production)")
+    p.add_argument("--trace", type=Path, default=TRACE, help="the Mooncake conversation trace (JSON lines)")
     p.add_argument("--capacity-mib", type=int, default=24, help="store limit: small, so eviction runs")
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)],
                    help="model and KV dtype; auto: KVTIER_MODEL_DTYPE, else bfloat16 on a GPU or a CPU with "
