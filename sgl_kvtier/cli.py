@@ -73,7 +73,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     rows = [shard_summary(s) for s in shards]
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return 0 if rows else 1  # as the table: no store there is an error
     if not rows:
         console.print(f"no sgl-kvtier store at {args.path}")
         return 1

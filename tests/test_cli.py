@@ -15,6 +15,7 @@ import xxhash
 from support import HostMemory, key, namespace, open_store, store_config
 
 from sgl_kvtier.cli import main
+from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.store import format as fmt
 
@@ -312,3 +313,68 @@ def test_check_shared_on_two_hosts_at_once_sees_the_other(tmp_path, monkeypatch,
     assert theirs["peer"]["pid"] == os.getpid()
     assert code == (0 if ours["probes"][0]["ok"] else 1)
     assert list(pool.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------- an index that lost pages
+def test_inspect_json_without_a_store_fails_as_the_table_does(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_a_writer_whose_journal_and_checkpoint_are_gone_is_damage_only_rebuild_mends(tmp_path, capsys):
+    """Its index reads as empty while its slots hold pages: fsck reports it, repair leaves it (it would fold
+    the loss into a fresh checkpoint), and rebuild brings every page back."""
+    make_store(tmp_path)
+    (meta,) = tmp_path.glob("ns-*/w-*")
+    for p in [meta / "checkpoint.bin", *meta.glob("journal-*.log")]:
+        p.unlink()
+    capsys.readouterr()
+    assert main(["fsck", str(tmp_path), "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["index_incomplete"] and any("fsck --rebuild" in p for p in report["problems"])
+    assert main(["fsck", str(tmp_path), "--repair", "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert not report["repaired"] and "fsck --rebuild" in report["skipped"]
+    assert main(["fsck", str(tmp_path), "--rebuild"]) == 0
+    capsys.readouterr()
+    assert main(["fsck", str(tmp_path), "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["pages_checked"] == 6 and report["problems"] == []
+
+
+def test_repair_never_drops_the_pages_an_unreadable_checkpoint_listed(tmp_path, capsys):
+    make_store(tmp_path)
+    (meta,) = tmp_path.glob("ns-*/w-*")
+    with open_store(tmp_path) as store:  # a fresh journal after the checkpoint: the pages are the checkpoint's
+        assert len(store) == 6
+    ckpt = meta / "checkpoint.bin"
+    data = bytearray(ckpt.read_bytes())
+    data[-1] ^= 0xFF
+    ckpt.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["fsck", str(tmp_path), "--repair", "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["index_incomplete"] and not report["repaired"] and "fsck --rebuild" in report["skipped"]
+    assert main(["fsck", str(tmp_path), "--rebuild"]) == 0
+    capsys.readouterr()
+    assert main(["fsck", str(tmp_path), "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["pages_checked"] == 6
+
+
+def test_rebuild_leaves_another_hosts_writer_to_that_host(tmp_path, capsys):
+    """Another host's writer is judged by no ``flock`` here: rebuild names the host instead of rewriting it."""
+    make_store(tmp_path)
+    (meta,) = tmp_path.glob("ns-*/w-*")
+    lease = read_lease(meta / "LEASE")
+    assert lease is not None
+    other = {**lease, "host_id": "another-host", "machine_id": "0" * 32, "boot_id": "another-boot",
+             "counter": int(lease["counter"]) + 1}
+    (meta / "LEASE").write_bytes(fmt.pack_lease_block(other) * 2)
+    for p in [meta / "checkpoint.bin", *meta.glob("journal-*.log")]:
+        p.unlink()
+    capsys.readouterr()
+    assert main(["fsck", str(tmp_path), "--rebuild", "--json"]) == 1
+    (outcome,) = json.loads(capsys.readouterr().out)
+    assert outcome["report"] is None and "belongs to host another-host" in outcome["error"]
+    assert not (meta / "checkpoint.bin").exists()  # nothing written

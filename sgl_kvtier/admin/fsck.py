@@ -22,7 +22,7 @@ from typing import Any
 
 from sgl_kvtier.admin.rebuild import RebuildReport, rebuild, slots_to_scan
 from sgl_kvtier.config import Sharing, StoreConfig
-from sgl_kvtier.errors import KVTierError, StoreLockedError
+from sgl_kvtier.errors import KVTierError, StoreFormatError, StoreLockedError
 from sgl_kvtier.io.buffers import AlignedBuffer
 from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.media.shared_raw.regions import pool_namespaces
@@ -30,7 +30,7 @@ from sgl_kvtier.media.shared_raw.superblock import superblock_of
 from sgl_kvtier.sharing import sites
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.lease import read_lease
-from sgl_kvtier.sharing.pool_status import DEAD, pool_summary, state_of
+from sgl_kvtier.sharing.pool_status import DEAD, UNKNOWN, pool_summary, state_of
 from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import is_block_like
@@ -62,7 +62,10 @@ class FsckReport:
     bad_pages: list[str] = field(default_factory=list)  # hex keys
     problems: list[str] = field(default_factory=list)  # journal / checkpoint damage
     repaired: bool = False
-    skipped: str | None = None  # why ``repair`` left a damaged writer alone (live, another host)
+    skipped: str | None = None  # why ``repair`` left a damaged writer alone (live, another host, index lost)
+    # The writer's index misses pages its slots still hold (checkpoint unreadable, or journal and checkpoint
+    # gone): ``repair`` would fold the loss into a fresh checkpoint; ``fsck --rebuild`` finds them again.
+    index_incomplete: bool = False
 
     @property
     def clean(self) -> bool:
@@ -161,7 +164,9 @@ def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] |
     # ``with``: an error of the body is the one raised; a failing close rides along as its note.
     with open_shard(shard, wid) as store:
         report.wid = store.wid
-        report.problems = list(store.recovery.problems)
+        lost = _index_lost(shard, store.wid)
+        report.problems = list(store.recovery.problems) + lost
+        report.index_incomplete = store.recovery.checkpoint_unreadable or bool(lost)
         keys = store.keys()
         scratch = AlignedBuffer(VERIFY_BATCH * store.slot_bytes)
         try:
@@ -181,8 +186,34 @@ def fsck(shard: Shard, repair: bool = False, progress: Callable[[int], object] |
     return report
 
 
+def _index_lost(shard: Shard, wid: str) -> list[str]:
+    """The refusal a writer would meet at open because its journal and checkpoint are gone while its slots
+    still hold pages (``store.layout.check_meta_present``), as a problem: such a writer reads as empty,
+    yet only ``fsck --rebuild`` brings its pages back."""
+    config = shard_config(shard, wid)
+    try:
+        sites.site_for(config).check_meta_present(shard.namespace, shard.meta / writer_dirname(wid), wid)
+    except StoreFormatError as exc:
+        return [str(exc)]
+    return []
+
+
+def _not_here(shard: Shard, wid: str) -> str | None:
+    """Why writer ``wid`` of ``shard`` must not be rewritten from this host (its lease names another host,
+    whose writer this host cannot see through ``flock``), or None."""
+    path = shard.meta / writer_dirname(wid)
+    lease = read_lease(path / LEASE)
+    if lease is not None and state_of(path, lease, shard_config(shard, wid)) == UNKNOWN:
+        return f"writer {wid} belongs to host {lease.get('host_id')}: run this on that host"
+    return None
+
+
 def _repair(shard: Shard, report: FsckReport) -> None:
     assert report.wid is not None
+    if report.index_incomplete:
+        report.skipped = (f"writer {report.wid}'s index misses pages its slots hold; repairing would drop them: "
+                          f"run `sgl-kvtier fsck --rebuild {shard.meta.parent}`")
+        return
     path = shard.meta / writer_dirname(report.wid)
     config = shard_config(shard, report.wid)
     state = state_of(path, read_lease(path / LEASE), config)
@@ -283,7 +314,10 @@ def rebuild_shard(shard: Shard, wids: list[str] | None = None,
                 for wid in wids or [w for w, _ in writer_dirs(shard.meta)]]
     done = []
     for wid in wids if wids is not None else writer_ids(shard, shard_config(shard)):
-        outcome = WriterRebuild(shard.namespace.describe(), wid)
+        outcome = WriterRebuild(shard.namespace.describe(), wid, error=_not_here(shard, wid))
+        if outcome.error is not None:
+            done.append(outcome)
+            continue
         try:
             config = shard_config(shard, wid)
             layout = sites.site_for(config).open_layout(shard.namespace, shard.meta, wid, create=False)

@@ -77,6 +77,9 @@ class Recovered:
     replayed_records: int = 0
     torn_journals: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # The checkpoint failed its checks: the index holds only what the journals since it say (pages it alone
+    # listed are not indexed, though their slots still hold them).
+    checkpoint_unreadable: bool = False
     cursor: tuple[int, int] = (0, 0)  # (generation, byte offset) just past the last record replayed
     touched: list[PageKey] = field(default_factory=list)  # TOUCH records replayed, not yet drained
     # Keys and slots a follower watches (pages it dropped): a PUT or DEL replayed since naming one removes it.
@@ -101,7 +104,8 @@ def recover(meta: Path, parts: int = 1, *, view: FileView = POSIX,
         try:
             _load_checkpoint(fmt.unpack_checkpoint(raw, str(ckpt)), state)
         except (CorruptRecordError, ValueError, KeyError, TypeError, IndexError) as exc:
-            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"], parts=parts)
+            state = Recovered(problems=[f"checkpoint unreadable ({exc}); rebuilding from journals"], parts=parts,
+                              checkpoint_unreadable=True)
             log.warning("%s: %s", ckpt, state.problems[-1])
     listed = journal_generations(meta, view)
     gens = [g for g in listed if g >= state.checkpoint_generation]
