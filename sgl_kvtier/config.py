@@ -58,7 +58,10 @@ class Sharing(str, enum.Enum):
     # plus liveness of other hosts' writers by their lease counters on the observer's clock, retirement of
     # dead ones, journal reads bounded by what each lease announced, O_DIRECT data (see sharing.liveness).
     CLUSTER = "cluster"
-    OFF = "off"  # one writer per namespace shard; a second one fails at start-up naming the holder
+    # One writer per namespace shard, served alone (``sharing.sole``): no lease, no other writer followed, no pool
+    # quota (its own capacity only). A second writer fails at start-up naming the holder, as does a live writer
+    # of the shard under "host" or "cluster" (either way round).
+    OFF = "off"
 
 
 class Streaming(str, enum.Enum):
