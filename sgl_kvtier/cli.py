@@ -61,6 +61,8 @@ def _age(seconds: float | None) -> str:
 def _state(w: dict[str, Any]) -> str:
     if w["state"] == "unknown":
         return "unknown (other host" + (", lease stale)" if w["lease_stale"] else ")")
+    if w.get("sharing") == "off":
+        return f"{w['state']} (sharing off, no lease)"
     return str(w["state"])
 
 

@@ -1,4 +1,5 @@
-"""SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds).
+"""SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds under
+``sharing = "host"`` and ``"cluster"``: ``sharing.views``).
 
 A pool opened as a writer (``open_writer``) opens its own ``PageStore`` through its site
 (``sharing.sites.open_writer``); one opened as a reader (``open_reader``: MLA ranks that only read) has
