@@ -6,6 +6,7 @@ byte. Waits poll a condition against a deadline (the writers beat and follow on 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -168,3 +169,32 @@ def test_a_writer_stopped_past_dead_after_is_retired_by_the_other_host_and_re_re
     assert served(b, list(range(100, 110)), 10) == list(range(100, 110))
     assert b.call("stats")["peers"] == [a.call("stats")["wid"]]
     assert b.call("get", keys=list(range(10)))["hits"] == []  # what A held before it was retired stays gone
+
+
+def test_check_shared_on_two_hosts_reports_what_each_sees_of_the_others_files(fs_lab):
+    """``sgl-kvtier check-shared --peer-wait`` on both hosts at once, on JuiceFS: fit (the store adapts), each
+    names the other, and reports cluster-wide locks and descriptors that keep the old bytes."""
+    path = pool_dir(fs_lab, "check")
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_BOOT_ID"}
+    env["PYTHONPATH"] = str(ROOT)
+    runs = [host.popen(sys.executable, "-m", "sgl_kvtier", "check-shared", path, "--peer-wait", "40", "--json",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+            for host in fs_lab.hosts]
+    try:
+        outs = [run.communicate(timeout=90) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    reports = [json.loads(out) for out, _ in outs]
+    for report, host, other in zip(reports, fs_lab.hosts, reversed(fs_lab.hosts)):
+        print(f"check-shared on {host.hostname}: {report['cross']}; notes {report['notes']}")
+        assert report["fit"], report["problems"]
+        assert report["fs"]["fstype"] == "fuse.juicefs" and report["peer"]["host"] == other.hostname
+        cross = report["cross"]
+        assert cross["lock_scope"] == "cluster-wide" and cross["fresh_open_sees"]
+        assert cross["descriptor_stale_s"] is not None and cross["descriptor_stale_s"] >= 3.0  # JuiceFS: stale
+        assert cross["rename_visible_s"] is not None
+        assert any("fresh descriptor" in note for note in report["notes"])
+    assert fs_lab.hosts[0].run("ls", "-A", path).stdout == ""  # every probe file removed
