@@ -184,7 +184,7 @@ class Peers:
             engine, self.engine = self.engine, None
             try:
                 readers[wid] = PageReader.open(self.config, self.namespace, wid=wid, engine=engine,
-                                               shared=self.shared, follows_peer=True)
+                                               shared=self.shared, follows_peer=True, clock=self.clock)
             except PEER_ERRORS as exc:  # being created right now, or damaged: tried again later
                 self._retry_at[wid] = now + PEER_RETRY_S
                 log.debug("writer %s of %s not readable yet: %r", wid, self.ns_meta, exc)

@@ -206,3 +206,41 @@ def test_stale_probes_and_probes_of_this_host_are_no_peer(tmp_path, monkeypatch)
     assert fs_probes.wait_for_peer(tmp_path, 1.0, sleep=ticks.sleep, clock=ticks.clock) is None
     assert sum(ticks.sleeps) == pytest.approx(1.0)
     assert len(list(tmp_path.iterdir())) == 2  # ours removed, theirs left alone
+
+
+def test_two_checks_at_once_exchange_files_and_report_what_each_saw(tmp_path, monkeypatch):
+    """Two exchanges in one directory, standing for two hosts (their own boot ids): each finds the other and
+    measures its files. On one kernel a descriptor sees the overwrite at once, a rename shows at once and a
+    flock held by the other blocks (flock locks open files, not processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sgl_kvtier.sharing.cluster_fs.cross_host import CrossHost, LockScope, exchange
+
+    def host(name: str) -> dict:
+        return {"host": name, "boot_id": f"boot-{name}", "machine_id": f"m-{name}", "pid": 1}
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(exchange, tmp_path, 20.0, host(name)) for name in ("gpu01", "gpu02")]
+        (peer1, seen1), (peer2, seen2) = (run.result(timeout=60) for run in runs)
+    assert peer1 == host("gpu02") and peer2 == host("gpu01")
+    expected = CrossHost(LockScope.CLUSTER_WIDE, None, True, False, 0.0)
+    assert seen1 == expected and seen2 == expected
+    assert list(tmp_path.iterdir()) == []  # every probe and file removed
+    lines = {p.name: p for p in fs_probes.cross_probes(expected)}
+    assert all(p.ok for p in lines.values()) and fs_probes.cross_notes(expected) == []
+    stale = CrossHost(LockScope.HOST_LOCAL, fs_probes.CATCH_UP_S, False, True, 1.2)
+    lines = {p.name: p for p in fs_probes.cross_probes(stale)}
+    assert [p.name for p in lines.values() if not p.ok] == ["a fresh open after another host's overwrite in place"]
+    assert lines["a descriptor held across another host's overwrite in place"].detail == \
+        "keeps returning the old bytes (over 3 s)"
+    assert lines["a rename over a name on another host"].detail == "ENOENT, then the new file after 1.2 s"
+    assert len(fs_probes.cross_notes(stale)) == 2
+
+
+def test_a_check_with_no_other_host_reports_none_and_leaves_nothing(tmp_path):
+    from sgl_kvtier.sharing.cluster_fs.cross_host import exchange
+
+    ticks = Ticks()
+    assert exchange(tmp_path, 1.0, {"host": "a", "boot_id": "b", "machine_id": "m", "pid": 1},
+                    sleep=ticks.sleep, clock=ticks.clock) == (None, None)
+    assert list(tmp_path.iterdir()) == []
