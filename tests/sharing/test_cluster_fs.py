@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sgl_kvtier.errors import DeviceError
+from sgl_kvtier.sharing.cluster_fs import cross_host
 from sgl_kvtier.sharing.cluster_fs import probes as fs_probes
 from sgl_kvtier.sharing.cluster_fs.detect import FsClass, classify, detect, parse_mountinfo
 from sgl_kvtier.sharing.cluster_fs.probes import check_shared, probe_direct_io
@@ -154,58 +155,28 @@ class Ticks:
             self.on_sleep(len(self.sleeps))
 
 
-def peer_probe(directory: Path, boot: str, age_s: float = 0.0, seen=()) -> Path:
-    path = directory / f"{fs_probes.PEER_PREFIX}{boot}.json"
-    path.write_text(json.dumps({"host": "gpu02", "boot_id": boot, "machine_id": "m2", "pid": 7, "seen": list(seen)}))
+def peer_probe(directory: Path, boot: str, age_s: float = 0.0) -> Path:
+    path = directory / f"{cross_host.PEER_PREFIX}{boot}.json"
+    path.write_text(json.dumps({"host": "gpu02", "boot_id": boot, "machine_id": "m2", "pid": 7, "seen": []}))
     then = time.time() - age_s
     os.utime(path, (then, then))
     return path
 
 
-def our_probe(directory: Path, theirs: Path) -> Path:
-    (ours,) = [p for p in directory.glob(fs_probes.PEER_PREFIX + "*.json") if p != theirs]
-    return ours
-
-
-def test_a_peer_is_found_and_ours_stays_until_the_peer_saw_it(tmp_path):
-    theirs = peer_probe(tmp_path, "other-boot")
-
-    def peer_acts(n):
-        ours = our_probe(tmp_path, theirs)
-        assert json.loads(ours.read_text())["seen"] == [theirs.name]  # ours says we found theirs
-        if n == 3:  # the peer looks late, finds ours and says so
-            peer_probe(tmp_path, "other-boot", seen=[ours.name])
-
-    ticks = Ticks(peer_acts)
-    peer = fs_probes.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)
-    assert peer == {"host": "gpu02", "boot_id": "other-boot", "machine_id": "m2", "pid": 7}
-    assert len(ticks.sleeps) == 3
-    assert list(tmp_path.iterdir()) == [theirs]  # ours removed
-
-
-def test_a_peer_that_finished_ends_the_wait(tmp_path):
-    theirs = peer_probe(tmp_path, "other-boot", seen=["a-probe-of-someone-else.json"])
-    ticks = Ticks(lambda n: theirs.unlink())
-    assert fs_probes.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)["boot_id"] == "other-boot"
-    assert len(ticks.sleeps) == 1 and list(tmp_path.iterdir()) == []
-
-
-def test_a_peer_that_never_answers_is_still_a_peer_after_the_wait(tmp_path):
-    peer_probe(tmp_path, "other-boot")
-    ticks = Ticks()
-    assert fs_probes.wait_for_peer(tmp_path, 2.0, sleep=ticks.sleep, clock=ticks.clock)["host"] == "gpu02"
-    assert sum(ticks.sleeps) == pytest.approx(2.0)
-
-
-def test_stale_probes_and_probes_of_this_host_are_no_peer(tmp_path, monkeypatch):
+def test_stale_probes_and_probes_of_this_host_are_no_peer(tmp_path):
+    """A peer is another boot or machine whose probe is no older than the check: never this very host,
+    never a probe a check long gone left behind."""
+    me = {"host": "gpu02", "boot_id": "this-boot", "machine_id": "m2", "pid": 8}
+    mine = tmp_path / f"{cross_host.PEER_PREFIX}mine.json"
+    mine.write_text(json.dumps({**me, "seen": []}))
     peer_probe(tmp_path, "long-gone", age_s=3600)
-    monkeypatch.setenv("KVTIER_BOOT_ID", "this-boot")
-    monkeypatch.setattr(fs_probes, "machine_id", lambda: "m2")
     peer_probe(tmp_path, "this-boot")  # this very host (same boot and machine id)
-    ticks = Ticks()
-    assert fs_probes.wait_for_peer(tmp_path, 1.0, sleep=ticks.sleep, clock=ticks.clock) is None
-    assert sum(ticks.sleeps) == pytest.approx(1.0)
-    assert len(list(tmp_path.iterdir())) == 2  # ours removed, theirs left alone
+    since = time.time() - 60
+    assert cross_host.find_peer(tmp_path, mine, me, since) is None
+    theirs = peer_probe(tmp_path, "other-boot")
+    assert cross_host.find_peer(tmp_path, mine, me, since) == (
+        theirs, {"host": "gpu02", "boot_id": "other-boot", "machine_id": "m2", "pid": 7})
+
 
 
 def test_two_checks_at_once_exchange_files_and_report_what_each_saw(tmp_path, monkeypatch):

@@ -7,15 +7,13 @@ fsync of a file and of the directory. With ``--peer-wait`` it runs ``cross_host.
 running it at once: two hosts that see each other's probes see one directory, and each reports what it saw
 of the other's files (lock scope, a descriptor held across the other's overwrite, a fresh open, a rename
 over a name: ``cross_probes``; only a fresh open missing the overwrite is a problem, the store adapts to the
-rest). ``wait_for_peer`` is the plain rendezvous (a probe file naming this host, ``PEER_PREFIX``, and the
-wait for another host's). A probe that fails is a problem of the report (``SharedCheck.problems``), never an
+rest). A probe that fails is a problem of the report (``SharedCheck.problems``), never an
 exception.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 import time
@@ -29,14 +27,10 @@ from sgl_kvtier.errors import DeviceError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.sharing.cluster_fs.cross_host import (
     CATCH_UP_S,
-    PEER_POLL_S,
-    PEER_PREFIX,
     CrossHost,
     LockScope,
     exchange,
 )
-from sgl_kvtier.sharing.cluster_fs.cross_host import find_peer as _find_peer
-from sgl_kvtier.sharing.cluster_fs.cross_host import read_probe as _read_probe
 from sgl_kvtier.sharing.cluster_fs.detect import FsClass, FsInfo, detect, local_fs_refusal
 from sgl_kvtier.sharing.writers import boot_id, machine_id
 from sgl_kvtier.store.devices import create_once, fsync_dir, write_file_atomic
@@ -159,44 +153,11 @@ def _identity() -> dict[str, Any]:
     return {"host": socket.gethostname(), "boot_id": boot_id(), "machine_id": machine_id(), "pid": os.getpid()}
 
 
-def wait_for_peer(directory: Path, seconds: float, *, sleep: Callable[[float], None] = time.sleep,
-                  clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
-    """Leave a probe naming this host in ``directory`` and wait up to ``seconds`` for the probe of another
-    host (another boot_id or machine_id) written at most ``seconds`` (+5 s) before this wait began; the
-    peer's identity, or None.
-
-    Each probe lists (``seen``) the probes its writer found. Once a peer is found, ours says so and stays
-    until the peer's lists ours or is gone (the peer finished), or the time is up: so a peer that came later
-    sees ours too, however late it first looks. Ours is removed at the end."""
-    me = _identity()
-    mine = directory / f"{PEER_PREFIX}{uuid.uuid4().hex}.json"
-    since = time.time() - seconds - 5.0
-    write_file_atomic(mine, json.dumps({**me, "seen": []}).encode())
-    deadline = clock() + seconds
-    found: tuple[Path, dict[str, Any]] | None = None
-    try:
-        while True:
-            if found is None:
-                found = _find_peer(directory, mine, me, since)
-                if found is not None:
-                    write_file_atomic(mine, json.dumps({**me, "seen": [found[0].name]}).encode())
-            if found is not None:
-                now = _read_probe(found[0])
-                if now is None or mine.name in (now.get("seen") or []):
-                    return found[1]
-            left = deadline - clock()
-            if left <= 0:
-                return None if found is None else found[1]
-            sleep(min(PEER_POLL_S, left))
-    finally:
-        mine.unlink(missing_ok=True)
-
-
 def check_shared(directory: str | Path, *, peer_wait_s: float | None = None, mountinfo: str | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> SharedCheck:
     """Probe ``directory`` for cluster mode: the filesystem and its class, O_DIRECT, create-once (O_EXCL +
-    hard link), rename over a file, fsync of a file and the directory; with ``peer_wait_s``, another host's
-    probe (``wait_for_peer``). Raises DeviceError when ``directory`` is not a directory."""
+    hard link), rename over a file, fsync of a file and the directory; with ``peer_wait_s``, the exchange
+    with another host (``cross_host.exchange``). Raises DeviceError when ``directory`` is not a directory."""
     path = Path(directory)
     if not path.is_dir():
         raise DeviceError(f"{directory}: not a directory")
