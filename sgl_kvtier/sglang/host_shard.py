@@ -125,8 +125,8 @@ class HostShard:
 
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
-        """Leading keys stored by any writer of the pool (the pool re-reads the other writers' journals,
-        rate-limited, before answering short)."""
+        """Leading keys stored by any writer of the pool (the pool re-reads the other writers' journals before
+        answering short, by the shortfall rule: ``sharing.shortfall``)."""
         store = self.store if self.writer else self._reader()
         if store is None:
             return 0
@@ -142,6 +142,18 @@ class HostShard:
     def contains(self, key: PageKey) -> bool:
         """Whether ``key`` is stored in this pool's open shard (by any of its writers)."""
         return self.store is not None and self.store.contains(key)
+
+    def present(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether each of ``keys`` is stored by any writer of the pool (its view refreshed first, rate-limited,
+        as every lookup does); all False while a reader's shard is not open."""
+        store = self.store if self.writer else self._reader()
+        return [False] * len(keys) if store is None else store.present(keys)
+
+    def shortfall(self, asked: Sequence[PageKey]) -> bool:
+        """A lookup of ``asked`` (``present``) fell short of it: the pool re-reads the other writers first where
+        the shortfall rule says so (``sharing.shortfall``: a retry always); True if their pages changed."""
+        store = self.store if self.writer else self._reader()
+        return store is not None and store.shortfall(asked)
 
     # ------------------------------------------------------------------ host-index transfers
     def read(self, keys: Sequence[PageKey | None], host_indices: torch.Tensor) -> list[bool]:

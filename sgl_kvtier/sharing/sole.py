@@ -8,8 +8,8 @@ namespace are neither read nor counted (a live one refuses the open: ``sharing.w
 
 It answers the calls of a ``sharing.views.PoolView`` as a pool of one writer: ``peers`` and ``leases`` are
 empty, the sharing counters stay 0, ``verdict`` knows only its own writer. A reader re-reads its writer's
-journal at most every ``follow_interval_s`` (again on a lookup that falls short, at most every quarter of
-that); errors of the one shard are the caller's, as a ``PageStore``'s are.
+journal at most every ``follow_interval_s`` (again on a lookup that falls short, by ``sharing.shortfall``'s
+rule, as a pool re-reads its peers); errors of the one shard are the caller's, as a ``PageStore``'s are.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from sgl_kvtier.keys import Namespace, PageKey
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.liveness import Judged, Verdict
 from sgl_kvtier.sharing.peers import PEER_ERRORS
+from sgl_kvtier.sharing.shortfall import SHORTFALL_WAIT_S, Shortfalls
 from sgl_kvtier.sharing.sites import open_writer, site_for
 from sgl_kvtier.sharing.writers import host_id, writer_dirs
 from sgl_kvtier.store.layout import Layout
@@ -60,7 +61,8 @@ class SoleShard(ClosedOnExit):
         self.counters = shard.counters
         self.health = shard.health
         self.clock = clock
-        self._last = self._last_shortfall = -float("inf")
+        self._last = -float("inf")
+        self.shortfalls = Shortfalls(self.config.follow_interval_s, clock)
         self._closed = False
         self._errlog = RateLimitedLog(log)
         self._refreshing = threading.Lock()
@@ -146,11 +148,12 @@ class SoleShard(ClosedOnExit):
     def refresh(self, force: bool = False, wait_s: float = 0.0) -> bool:
         """A reader: replay what its writer appended since, at most every ``follow_interval_s`` unless
         ``force``; True if its pages changed. A writer's view is always current (False). Never raises.
-        (``wait_s``: a pool's parameter; one refresh at a time, the others go on at once.)"""
+        One refresh at a time: ``wait_s``, how long to wait for one another thread is running (then this one
+        runs); 0: go on at once."""
         now = self.clock()
         if self._reader is None or self._closed or (not force and now - self._last < self.config.follow_interval_s):
             return False
-        if not self._refreshing.acquire(blocking=False):
+        if not self._refreshing.acquire(blocking=wait_s > 0, timeout=wait_s if wait_s > 0 else -1):
             return False
         try:
             self._last = now
@@ -164,19 +167,25 @@ class SoleShard(ClosedOnExit):
     # ------------------------------------------------------------------ queries and reads
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
         """How many leading ``keys`` the shard holds readable now (a reader re-reads its writer's journal
-        once, rate-limited, when the answer falls short)."""
+        first when the answer falls short: ``shortfall``)."""
         self.refresh()
         n = self._shard.longest_prefix(keys)
-        if n < len(keys) and self._reader is not None and self._shortfall():
+        if n < len(keys) and self.shortfall(keys):
             n = self._shard.longest_prefix(keys)
         return n
 
-    def _shortfall(self) -> bool:
-        now = self.clock()
-        if now - self._last_shortfall < self.config.follow_interval_s / 4:
+    def present(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether the shard holds each of ``keys`` (a reader's view refreshed first, rate-limited); a caller
+        whose answer falls short calls ``shortfall`` and asks again."""
+        self.refresh()
+        return [self._shard.contains(k) for k in keys]
+
+    def shortfall(self, asked: Sequence[PageKey]) -> bool:
+        """A lookup of ``asked`` fell short: a reader re-reads its writer's journal first where
+        ``sharing.shortfall``'s rule says so; True if its pages changed (ask again). A writer: False."""
+        if self._reader is None or not self.shortfalls.due(asked):
             return False
-        self._last_shortfall = now
-        return self.refresh(force=True)
+        return self.refresh(force=True, wait_s=SHORTFALL_WAIT_S)
 
     def contains(self, key: PageKey) -> bool:
         return self._shard.contains(key)

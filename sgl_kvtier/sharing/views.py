@@ -47,7 +47,16 @@ class PoolView(Protocol):
     def refresh(self, force: bool = False, wait_s: float = 0.0) -> bool:
         """Pick up what other processes wrote since (rate-limited unless ``force``); never raises."""
 
-    def longest_prefix(self, keys: Sequence[PageKey]) -> int: ...
+    def longest_prefix(self, keys: Sequence[PageKey]) -> int:
+        """Leading ``keys`` held; a short answer re-reads the other writers first (``shortfall``)."""
+
+    def present(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether each of ``keys`` is held (the view refreshed first, rate-limited)."""
+
+    def shortfall(self, asked: Sequence[PageKey]) -> bool:
+        """A lookup of ``asked`` fell short of it: re-read the other writers where ``sharing.shortfall``'s rule
+        says so (a retry always); True if their pages changed, so the answer is to be made again."""
+
     def contains(self, key: PageKey) -> bool: ...
     def get(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]]) -> list[bool]: ...
 
