@@ -171,6 +171,7 @@ class Lab:
         self.juicefs = juicefs_binary() or "juicefs"
         self._stack = ExitStack()
         self._mounts: list[subprocess.Popen[Any]] = []
+        self._client: str | None = None  # the test's address on the bridge (``connect_client``)
 
     # ------------------------------------------------------------------ build
     def __enter__(self) -> Lab:
@@ -274,6 +275,21 @@ class Lab:
     def add_cleanup(self, step: Callable[[], Any]) -> None:
         """Run ``step`` at teardown, before the hosts and the server go (last added, first run)."""
         self._stack.callback(step)
+
+    def connect_client(self) -> str:
+        """Put this (the test's) network namespace on the lab's bridge, once: a veth whose far end joins
+        ``br0``, so the test reaches the hosts' addresses (a server listening on ``Host.address``). Returns
+        the test's own address there. The link goes with the server namespace (a veth pair dies with either
+        end), and is deleted at teardown too."""
+        if self._client is None:
+            link, address = f"kvc{self.tag}", f"{self.net}.2"
+            run(["ip", "link", "add", link, "type", "veth", "peer", "name", "client", "netns", self.server_ns])
+            self._stack.callback(run, ["ip", "link", "del", link], check=False)
+            run(["ip", "-n", self.server_ns, "link", "set", "client", "master", "br0", "up"])
+            run(["ip", "addr", "add", f"{address}/24", "dev", link])
+            run(["ip", "link", "set", link, "up"])
+            self._client = address
+        return self._client
 
 
 @pytest.fixture(scope="module")
