@@ -266,7 +266,12 @@ class Lab:
 
     def _unmount(self, host: Host, proc: subprocess.Popen[Any]) -> None:
         if proc.poll() is None and host.holder.poll() is None:
-            host.run("umount", str(self.mount), timeout_s=STOP_S, check=False)
+            # Busy while a process killed a moment ago still closes its files there: tried until it is free.
+            try:
+                wait_for(lambda: host.run("umount", str(self.mount), timeout_s=STOP_S, check=False).returncode == 0
+                         or not self._mounted(host), STOP_S, f"host {host.index} unmounting", interval_s=0.2)
+            except LabError:
+                pass  # still busy: detached lazily below
         if self._mounted(host):
             host.run("umount", "-l", str(self.mount), timeout_s=STOP_S, check=False)
         stop(proc)
