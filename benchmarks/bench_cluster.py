@@ -195,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     command = "python -m benchmarks.bench_cluster " + shlex.join(sys.argv[1:] if argv is None else argv)
     info = machine_info(None, probe=False)
+    load_start = os.getloadavg()[0]
     runs = []
     with Lab(args.hosts) as lab:
         version = juicefs_version(lab)
         for n in args.writers:
             runs.append(run_one(args, lab, n))
     result = {"started": started, "command": command.strip(), "machine": info, "juicefs": version,
-              "args": args_json(args), "runs": runs, "summaries": [r["summary"] for r in runs]}
+              "args": args_json(args), "runs": runs, "summaries": [r["summary"] for r in runs],
+              "loadavg": {"start": load_start, "end": os.getloadavg()[0]}}
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "results.json", result)
     (args.out / "report.md").write_text(report.markdown(result))

@@ -123,7 +123,9 @@ def test_the_table_has_a_row_per_writer_count_and_the_report_its_header():
     md = report.markdown(run_of([alone, two]))
     assert "`python -m benchmarks.bench_cluster --hosts 2`" in md and "Test CPU, 2 cores" in md
     assert text in md and "A FAILURE" in md
-    assert "A FAILURE" not in report.markdown(run_of([alone]))
+    assert "per other writer (2 writers): a refresh opens 3.0 files and reads 10.0 KiB" in md
+    assert "A FAILURE" not in report.markdown(run_of([alone])) and "per other writer" not in report.markdown(
+        run_of([alone]))
 
 
 def test_the_plot_is_written(tmp_path: Path):

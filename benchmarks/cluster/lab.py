@@ -281,8 +281,9 @@ class Lab:
         self._stack.callback(self._unmount, host, proc)
         wait_for(lambda: proc.poll() is not None or self._mounted(host), START_S, f"host {host.index} mounting")
         if proc.poll() is not None:
-            raise LabError(f"host {host.index}: juicefs mount exited {proc.returncode} (see "
-                           f"{self.base / f'h{host.index}-juicefs.log'})")
+            log = self.base / f"h{host.index}-juicefs.log"
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
+            raise LabError(f"host {host.index}: juicefs mount exited {proc.returncode}: " + " / ".join(tail))
 
     def _mounted(self, host: Host) -> bool:
         return any(f" {self.mount} " in line and "fuse.juicefs" in line for line in host.mountinfo().splitlines())

@@ -86,6 +86,15 @@ def markdown(run: dict[str, Any]) -> str:
     wrong = sum(s["wrong"] for s in summaries)
     parts.append(f"Wrong pages over all runs: {wrong}" + (" (every page read was checked byte for byte)."
                                                           if wrong == 0 else " - A FAILURE."))
+    most = max(summaries, key=lambda s: s["writers"])
+    if most["writers"] > 1:
+        peers = most["writers"] - 1
+        parts += ["", f"Follow cost per other writer ({most['writers']} writers): a refresh opens "
+                      f"{most['refresh_files'] / peers:.1f} files and reads {most['refresh_kib'] / peers:.1f} KiB."]
+    load = run.get("loadavg")
+    if load:
+        parts += ["", f"Load average (1 min) at the start and at the end of the run: {load['start']:.1f} / "
+                      f"{load['end']:.1f}, on {run['machine'].get('cores', '?')} cores."]
     return "\n".join(parts) + "\n"
 
 
