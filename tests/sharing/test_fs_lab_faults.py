@@ -16,8 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from fs_lab import Lab
-from test_fs_lab import SERVE_S, HostProc, on_host, open_writer, pool_dir, served, wait_stats  # noqa: F401 - a fixture
+from test_fs_lab import HostProc, on_host, open_writer, pool_dir, served, wait_stats  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +58,7 @@ def stored(proc: HostProc, keys: list[int], timeout_s: float = RECOVER_S) -> Non
         time.sleep(0.1)  # the poll's pace: breakers and re-registration retries run on their own clocks
 
 
-def retired(lab: Lab, b: HostProc, wid: str) -> dict[str, Any]:
+def retired(b: HostProc, wid: str) -> dict[str, Any]:
     """Poll ``b`` (refresh, stats) until it retired writer ``wid`` and no longer follows it."""
     return wait_stats(b, lambda s: s["sharing"]["writers_retired"] >= 1 and wid not in s["peers"],
                       f"{b.host.hostname} retiring {wid}", RECOVER_S, step=lambda: b.call("refresh"))
@@ -77,7 +76,7 @@ def test_a_host_cut_off_with_a_put_in_flight_gets_its_answer_and_both_hosts_serv
     assert served(b, before, 10) == before
     with fs_lab.cut(fs_lab.hosts[0]):
         a.send("put", keys=list(range(10, 20)))  # through the cut: A's client reaches no server
-        retired(fs_lab, b, old)
+        retired(b, old)
         assert checked_get(b, before)["hits"] == []  # A's pages are gone with it: misses
     back = time.monotonic()
     answer = reply_within(a, PUT_S, "A's put through the cut")
@@ -159,7 +158,7 @@ def test_a_writer_killed_is_retired_by_the_other_host_its_pages_miss_and_a_new_w
     assert served(b, keys, 10) == keys
     a.kill()  # SIGKILL: its LOCK is released, its lease stops
     wait_stats(b, lambda s: s["sharing"]["writers_retired"] >= 1 and old not in s["peers"],
-               f"B retiring {old}", RECOVER_S, step=lambda: checked_get(b, keys))  # hits, then misses: no error
+               f"{b.host.hostname} retiring {old}", RECOVER_S, step=lambda: checked_get(b, keys))  # never an error
     assert checked_get(b, keys)["hits"] == []
     c = on_host(0)
     wid = open_writer(c, path, 64, FAST)
