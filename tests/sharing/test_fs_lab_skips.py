@@ -1,13 +1,14 @@
-"""The shared-filesystem lab (``fs_lab``) says exactly why it cannot be built, so its tests skip with that
-reason: not root, no FUSE, a tool or juicefs missing."""
+"""The shared-filesystem lab (``benchmarks.cluster.lab``, the suite's ``fs_lab``) says exactly why it cannot be
+built, so its tests skip with that reason: not root, no FUSE, a tool or juicefs missing."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 
-import fs_lab
 import pytest
+
+from benchmarks.cluster import lab as fs_lab
 
 
 @pytest.fixture
