@@ -7,20 +7,14 @@ retired and re-registering); ``check-shared --peer-wait`` reports what MooseFS d
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 from test_fs_lab import (  # noqa: F401  (the JuiceFS module's cases, collected again on this module's lab)
+    check_shared_everywhere,
     on_host,
-    pool_dir,
     test_a_writer_open_all_along_serves_what_the_other_host_churned_through_its_slots,
     test_a_writer_stopped_past_dead_after_is_retired_by_the_other_host_and_re_registers,
     test_pages_a_writer_put_on_one_host_are_served_byte_exact_by_a_writer_on_another,
 )
-from test_sharing import ROOT
 
 from sgl_kvtier.sharing.cluster_fs.detect import FsClass, classify, parse_mountinfo
 
@@ -40,25 +34,8 @@ def test_the_hosts_mount_moosefs_and_the_store_classes_it_shared(fs_lab):
 
 def test_check_shared_on_two_moosefs_hosts(fs_lab):
     """Fit; descriptors held across the other host's overwrite see the new bytes (unlike JuiceFS)."""
-    path = pool_dir(fs_lab, "check")
-    env = {k: v for k, v in os.environ.items() if k != "KVTIER_BOOT_ID"}
-    env["PYTHONPATH"] = str(ROOT)
-    runs = [host.popen(sys.executable, "-m", "sgl_kvtier", "check-shared", path, "--peer-wait", "40", "--json",
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-            for host in fs_lab.hosts]
-    try:
-        outs = [run.communicate(timeout=90) for run in runs]
-    finally:
-        for run in runs:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
-    for (out, _), host, other in zip(outs, fs_lab.hosts, reversed(fs_lab.hosts)):
-        report = json.loads(out)
-        print(f"check-shared on {host.hostname} (MooseFS): {report['cross']}; notes {report['notes']}")
-        assert report["fit"], report["problems"]
-        assert report["fs"]["fs_class"] == "shared" and report["peer"]["host"] == other.hostname
+    for report in check_shared_everywhere(fs_lab):
+        assert report["fs"]["fs_class"] == "shared"
         cross = report["cross"]
         assert cross["fresh_open_sees"] and cross["descriptor_stale_s"] is None
         assert cross["lock_scope"] in ("host-local", "cluster-wide") and cross["rename_visible_s"] is not None
-    assert fs_lab.hosts[0].run("ls", "-A", path).stdout == ""  # every probe file removed
