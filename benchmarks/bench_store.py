@@ -35,6 +35,7 @@ from benchmarks.store.hostpool import HostPool
 from benchmarks.store.index import INDEX_MEASURES, IndexFixture
 from benchmarks.store.rows import Row, latency_row, merge, ratio_rows
 from benchmarks.store.stores import namespace, open_store
+from benchmarks.store.writers import measure_writers
 from sgl_kvtier.config import IOEngineName, MiB
 from sgl_kvtier.store.format import BLOCK_HEADER_BYTES
 from sgl_kvtier.store.layout import slot_bytes_of
@@ -116,7 +117,8 @@ def raw_keys(ctx: Ctx, meta: Path) -> dict[str, Any]:
 
 def throughput_systems(args: argparse.Namespace) -> list[Callable[[Ctx, int], list[Row]]]:
     """Every system measured at every page size; add other systems here."""
-    return [partial(measure_kvtier, engine=e) for e in args.engines]
+    return [partial(measure_kvtier, engine=e) for e in args.engines] + [
+        partial(measure_writers, engine=e, n=n) for e in args.engines for n in args.writers if n > 1]
 
 
 def print_table(rows: list[Row], machine: str) -> None:
@@ -160,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure the raw-device path on this block device (ITS CONTENTS ARE DESTROYED): fio and "
                         "the store use it directly; --dir then holds only the journal and checkpoint")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_store.json")
+    p.add_argument("--writers", type=int, nargs="+", default=[1],
+                   help="also measure this many writer processes on one pool, e.g. 2 4 (1: the rows above)")
     p.add_argument("--profile", action="store_true",
                    help="print where put and get time goes, phase by phase (benchmarks/store/profile.py)")
     p.add_argument("--parts", nargs="+", default=["throughput", "index"], choices=["throughput", "index"])
@@ -183,6 +187,8 @@ def run_all(ctx: Ctx) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.raw_device is not None and max(args.writers) > 1:
+        raise SystemExit("--writers measures a directory pool; leave --raw-device out")
     # The pages are raw bytes; "bf16" is the namespace's nominal dtype (no model runs here).
     with store_run(args, "run-", console, model_dtype="bf16 (nominal: raw page bytes, no model)") as ctx:
         rows = run_all(ctx)

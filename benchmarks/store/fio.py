@@ -21,11 +21,15 @@ def fio_version() -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def run_fio(ctx: Ctx, page_bytes: int, rw: str, nbytes: int) -> tuple[float, str]:
-    """fio bandwidth (GB/s) with the store's block size and queue depth; io_uring, else libaio, else psync."""
+def run_fio(ctx: Ctx, page_bytes: int, rw: str, nbytes: int, jobs: int = 1) -> tuple[float, str]:
+    """fio bandwidth (GB/s) with the store's block size and queue depth; io_uring, else libaio, else psync.
+    ``jobs`` > 1: that many jobs (processes), a file of ``nbytes`` each in the scratch directory, bandwidth
+    summed over them."""
     path, errors = ctx.fio_target(), []
+    where = [f"--filename={path}"] if jobs == 1 else [f"--directory={ctx.root}", f"--numjobs={jobs}",
+                                                      "--group_reporting"]
     for engine in ("io_uring", "libaio", "psync"):
-        cmd = ["fio", "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={page_bytes}",
+        cmd = ["fio", "--name=bench", *where, f"--rw={rw}", f"--bs={page_bytes}",
                f"--iodepth={ctx.args.io_depth}", f"--ioengine={engine}", "--direct=1", f"--size={nbytes}",
                "--output-format=json"] + (["--end_fsync=1"] if rw == "write" else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
