@@ -36,15 +36,23 @@ def test_small_run_writes_every_row(tmp_path: Path) -> None:
     out, scratch = tmp_path / "bench_store.json", tmp_path / "scratch"
     bench_store.main(["--page-mib", "1", "--total-gib", "0.01", "--rounds", "1", "--engines", "threads",
                       "--index-pages", "5000", "--reopen-repeats", "1", "--lookup-calls", "3",
-                      "--dir", str(scratch), "--out", str(out)])  # fmt: skip
+                      "--profile", "--writers", "1", "2", "--dir", str(scratch), "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     rows = {r["metric"]: r for r in result["rows"]}
     get = "get cold" if result["cold_reads"] else "get WARM"
     assert set(rows) == {"kvtier[threads] put 1 MiB", f"kvtier[threads] {get} 1 MiB", "longest_prefix 4,096 keys",
+                         "kvtier[threads] get 64 pages latency 1 MiB", "kvtier[threads] put 1 MiB x2 writers",
+                         f"kvtier[threads] {get} 1 MiB x2 writers",
                          "reopen 0.005M pages (checkpoint)", "reopen 0.005M pages (journal replay)"}
     for name in ("kvtier[threads] put 1 MiB", f"kvtier[threads] {get} 1 MiB"):
         assert rows[name]["value"] > 0 and rows[name]["baseline"] > 0 and "engine=threads" in rows[name]["note"]
     assert "5,000 pages indexed" in rows["longest_prefix 4,096 keys"]["note"]
+    assert rows["kvtier[threads] get 64 pages latency 1 MiB"]["value"] > 0
+    phases = {op: {p["phase"] for p in result["profiles"][f"kvtier[threads] 1 MiB {op}"]} for op in ("put", "get")}
+    assert {"put: write (phase total)", "io thread: write digests + trailer"} <= phases["put"]
+    assert {"get: read (phase total)", "io thread: read digests (verify)"} <= phases["get"]
+    assert rows["kvtier[threads] put 1 MiB x2 writers"]["value"] > 0
+    assert rows["kvtier[threads] put 1 MiB x2 writers"]["baseline"] > 0
     (fio,) = result["fio_runs"]
     assert fio["page_mib"] == 1 and fio["bytes"] == 128 << 20 and fio["write"] > 0 and fio["read"] > 0
     machine = result["machine"]

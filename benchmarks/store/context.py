@@ -21,6 +21,7 @@ from benchmarks.common import args_json, drop_caches, progress, scratch_dir, wri
 from benchmarks.machine import machine_info
 from benchmarks.store.fio import fio_version
 from benchmarks.store.hostpool import HostPool
+from benchmarks.store.profile import PhaseProfile
 from sgl_kvtier.config import GiB
 
 BATCH = 128  # pages per put/get call, like SGLang's HiCache backup/prefetch batches (STORAGE_BATCH_SIZE)
@@ -37,6 +38,7 @@ class Ctx:
     fio_log: list[dict] = field(default_factory=list)  # every fio run, all rounds
     pools: dict[int, HostPool] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
+    profiles: dict[str, list[dict]] = field(default_factory=dict)  # "--profile": pass -> phases (last round)
 
     def pool(self, page_bytes: int) -> HostPool:
         """A random host pool of 2x a batch of slots (so each batch lands scattered), made once per page size."""
@@ -55,6 +57,11 @@ class Ctx:
             self.progress.remove_task(task)
             self.progress.console.log(f"{t.description}: {time.perf_counter() - t.fields['start_s']:.1f} s")
 
+    def fio_target(self) -> Path:
+        """What fio reads and writes: ``--raw-device`` if given, else a file in the scratch directory."""
+        raw = getattr(self.args, "raw_device", None)
+        return Path(raw) if raw else self.root / "fio.dat"
+
     def batches(self, page_bytes: int) -> int:
         """128-page batches that make up ``--total-gib`` at this page size (at least one)."""
         return max(1, round(self.args.total_gib * GiB / (BATCH * page_bytes)))
@@ -72,6 +79,19 @@ class Ctx:
                 self.progress.console.print(f"[yellow]cannot drop the page cache ({exc.strerror}); reads are "
                                             "marked 'warm'")
             self.cold = False
+
+    @contextlib.contextmanager
+    def profiled(self, store: Any, title: str, batches: int) -> Iterator[None]:
+        """With ``--profile``: the block's phases of ``store`` (one timed pass of ``batches`` batches) go to
+        ``profiles[title]``; without it, nothing."""
+        if not getattr(self.args, "profile", False):
+            yield
+            return
+        prof = PhaseProfile()
+        t0 = time.perf_counter()
+        with prof.active(store):
+            yield
+        self.profiles[title] = prof.rows(batches, batches * BATCH, time.perf_counter() - t0)
 
     def timed_batches(self, label: str, calls: list[Callable[[], list[bool]]]) -> float:
         """Run the calls under a progress bar; total seconds spent inside them. Every page must succeed."""

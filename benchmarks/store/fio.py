@@ -21,11 +21,15 @@ def fio_version() -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def run_fio(ctx: Ctx, page_bytes: int, rw: str, nbytes: int) -> tuple[float, str]:
-    """fio bandwidth (GB/s) with the store's block size and queue depth; io_uring, else libaio, else psync."""
-    path, errors = ctx.root / "fio.dat", []
+def run_fio(ctx: Ctx, page_bytes: int, rw: str, nbytes: int, jobs: int = 1) -> tuple[float, str]:
+    """fio bandwidth (GB/s) with the store's block size and queue depth; io_uring, else libaio, else psync.
+    ``jobs`` > 1: that many jobs (processes), a file of ``nbytes`` each in the scratch directory, bandwidth
+    summed over them."""
+    path, errors = ctx.fio_target(), []
+    where = [f"--filename={path}"] if jobs == 1 else [f"--directory={ctx.root}", f"--numjobs={jobs}",
+                                                      "--group_reporting"]
     for engine in ("io_uring", "libaio", "psync"):
-        cmd = ["fio", "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={page_bytes}",
+        cmd = ["fio", "--name=bench", *where, f"--rw={rw}", f"--bs={page_bytes}",
                f"--iodepth={ctx.args.io_depth}", f"--ioengine={engine}", "--direct=1", f"--size={nbytes}",
                "--output-format=json"] + (["--end_fsync=1"] if rw == "write" else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -43,7 +47,7 @@ def measure_fio(ctx: Ctx, page_bytes: int) -> None:
     """This round's fio write (end_fsync) then read (after dropping caches), same bytes as a store pass."""
     nbytes = ctx.pass_bytes(page_bytes)
     task = ctx.task(f"fio {page_bytes / MiB:g} MiB write+read", 2)
-    (ctx.root / "fio.dat").unlink(missing_ok=True)
+    (ctx.root / "fio.dat").unlink(missing_ok=True)  # a raw device is written over in place
     write, engine = run_fio(ctx, page_bytes, "write", nbytes)
     ctx.step(task)
     ctx.drop_caches()

@@ -19,6 +19,7 @@ class Row:
     baselines: list[float] = field(default_factory=list)  # fio, same unit
     min_ratio: float | None = None  # target: value >= min_ratio x baseline
     max_value: float | None = None  # target: value <= max_value
+    max_ratio: float | None = None  # target: value <= max_ratio x baseline (a latency)
     note: str = ""
 
     value = property(lambda self: median(self.samples))
@@ -29,12 +30,16 @@ class Row:
     def target(self) -> str:
         if self.min_ratio is not None:
             return f">= {self.min_ratio:g}x fio"
+        if self.max_ratio is not None:
+            return f"<= {self.max_ratio:g}x fio"
         return "" if self.max_value is None else f"<= {self.max_value:g} {self.unit}"
 
     @property
     def passed(self) -> bool | None:
         if self.min_ratio is not None and self.ratio is not None:
             return self.ratio >= self.min_ratio
+        if self.max_ratio is not None and self.ratio is not None:
+            return self.ratio <= self.max_ratio
         return None if self.max_value is None or self.value is None else self.value <= self.max_value
 
 
@@ -43,6 +48,14 @@ def ratio_rows(ctx: Ctx, name: str, page_bytes: int, put: float | None, get: flo
     fio, get_op = ctx.fio[page_bytes], "get cold" if ctx.cold else "get WARM"
     return [Row(f"{name} {op} {page_bytes / MiB:g} MiB", "GB/s", [value], [fio[rw]], need, note=note)
             for op, value, rw, need in (("put", put, "write", 0.85), (get_op, get, "read", 0.9))]
+
+
+def latency_row(ctx: Ctx, name: str, page_bytes: int, pages: int, ms: float, note: str = "") -> Row:
+    """The ms of one ``pages``-page get, judged against the time fio's read (this round, same block size and
+    queue depth) takes to move as many bytes: ``pages * page_bytes / fio read bandwidth``."""
+    fio_ms = pages * page_bytes / (ctx.fio[page_bytes]["read"] * 1e9) * 1e3
+    return Row(f"{name} get {pages} pages latency {page_bytes / MiB:g} MiB", "ms", [ms], [fio_ms], max_ratio=1.2,
+               note=note)
 
 
 def merge(rows: dict[str, Row], new: list[Row]) -> None:

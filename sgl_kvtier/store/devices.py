@@ -1,8 +1,9 @@
 """Devices as slot arenas: where local slot ``n`` of one writer's part of a namespace lives on one device.
 
 ``DirectoryArena`` (a mounted filesystem): ``<dir>/ns-<digest>/HEADER`` (made once, ``create_once``) and
-writer ``wid``'s preallocated ``<dir>/ns-<digest>/w-<wid>/seg-NNNNN.dat`` of ``segment_bytes``, created as
-slots are first needed. ``BlockArena`` (a raw block device, or a regular file standing in for one): a region
+writer ``wid``'s preallocated ``<dir>/ns-<digest>/w-<wid>/seg-NNNNN.dat`` of ``segment_bytes``, created
+ahead of need on a thread of the arena (``store.segment_ahead``: the first at open, the next once a slot in
+the upper half of the last one is used), or by the put that needs one first. ``BlockArena`` (a raw block device, or a regular file standing in for one): a region
 table in the first ``BLOCK_HEADER_BYTES`` names each (namespace digest, wid)'s ``[offset, length)``, claimed
 under an exclusive ``flock``. A device whose first MiB is neither zeros nor such a table is refused (never
 formatted over); a shared raw pool's device (``media.shared_raw.superblock``) is refused naming what it needs.
@@ -33,7 +34,8 @@ from sgl_kvtier.errors import ConfigError, CorruptRecordError, DeviceError, Stor
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store import holes
-from sgl_kvtier.store.lifecycle import abandon, release_all
+from sgl_kvtier.store.lifecycle import abandon, release_all, weak_method
+from sgl_kvtier.store.segment_ahead import SegmentAhead
 
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
@@ -179,6 +181,13 @@ class Arena:
         """Which of the arena's files holds ``local_slot`` (0 where one file holds them all)."""
         return 0
 
+    def prepare(self) -> None:
+        """A writer's arena, once the writer's journal exists: make ready what its first puts need (an arena
+        of segment files starts making its first one in the background). Nothing by default."""
+
+    def settle(self) -> None:
+        """Return once no background work of the arena (a segment being made ahead) is in flight."""
+
     def reopen(self, local_slot: int) -> bool:
         """Open the file holding ``local_slot`` afresh, in place of the descriptor open on it now (same
         number: ops built or in flight on it stay valid; ``store.renewal``). False where the arena cannot
@@ -210,6 +219,8 @@ class DirectoryArena(Arena):
         self.writable = create
         self._fds: dict[int, int] = {}
         self._fds_lock = threading.Lock()  # ``reopen`` against ``close``: never a dup2 onto a closed number
+        self._grow_lock = threading.Lock()  # one creation of a segment at a time: the put path's or the ahead's
+        self._ahead: SegmentAhead | None = None  # a writer's maker of segments ahead of need (``prepare``)
         if not Path(root).is_dir():
             raise DeviceError(f"{root}: not a directory")
         if create:
@@ -236,6 +247,7 @@ class DirectoryArena(Arena):
         self._direct_mode = (DIRECT_CLUSTER if direct == DIRECT_CLUSTER else "on") if self.direct else "off"
         existing = sorted(self.dir.glob("seg-*.dat"))
         self.slots_per_segment = max(1, segment_bytes // slot_bytes)
+        self._ahead_from = self.slots_per_segment // 2  # a slot this far into the last segment: make the next
         used = sum(p.stat().st_size for p in existing)
         fs = os.statvfs(root)
         free = fs.f_bavail * fs.f_frsize
@@ -269,19 +281,58 @@ class DirectoryArena(Arena):
                 os.posix_fallocate(fd, 0, size)
                 # Crash rule: the segment's name is durable before any page in it is acknowledged; an
                 # fdatasync of its data alone would not bring back its directory entry after a power cut.
+                # Its descriptor is published (``_fds``) only after this, so no page is written into it before.
                 fsync_dir(self.dir)
             except OSError:
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
-        self._fds[seg] = fd
+        with self._fds_lock:
+            self._fds[seg] = fd
         return fd
+
+    def _make_segment(self, seg: int) -> int:
+        """Segment ``seg``'s descriptor, creating the file unless it is open already (a writer's)."""
+        with self._grow_lock:
+            fd = self._fds.get(seg)
+            if fd is not None:
+                return fd
+            failed = None if self._ahead is None else self._ahead.failure(seg)
+            if failed is not None:  # made ahead and failed (ENOSPC...): this put's "cannot grow"; the next retries
+                raise failed
+            return self._open_segment(seg, create=True)
+
+    def _segments_end(self) -> int:
+        """How many segments the arena's capacity spans."""
+        return -(-self.capacity_slots // self.slots_per_segment)
+
+    def prepare(self) -> None:
+        """A writer's arena, once its journal exists: make its first segment not yet there, in the background
+        (a put that gets there first waits for it, or makes it). Readers: nothing."""
+        if not self.writable or self._ahead is not None:
+            return
+        # Crash rule: called after the writer's journal is made, so a crash leaving this (empty) segment
+        # behind never leaves segments without a journal (``layout.check_meta_present`` refuses those).
+        self._ahead = SegmentAhead(weak_method(self._make_segment, -1), str(self.dir))  # no cycle
+        first = next((s for s in range(self._segments_end()) if s not in self._fds), None)
+        if first is not None:
+            self._ahead.start(first)
+
+    def settle(self) -> None:
+        if self._ahead is not None:
+            self._ahead.wait()
 
     def locate(self, local_slot: int) -> tuple[int, int]:
         seg, index = divmod(local_slot, self.slots_per_segment)
         fd = self._fds.get(seg)
-        if fd is None:  # a reader opens a segment its writer made since (OSError ENOENT if there is none)
-            fd = self._open_segment(seg, create=self.writable)
+        if fd is None:
+            # A writer makes it (or waits for it being made ahead); a reader opens a segment its writer made
+            # since (OSError ENOENT if there is none).
+            fd = self._make_segment(seg) if self.writable else self._open_segment(seg, create=False)
+        ahead = self._ahead
+        if (ahead is not None and index >= self._ahead_from and seg + 1 not in self._fds
+                and seg + 1 < self._segments_end()):
+            ahead.start(seg + 1)  # the upper part of this segment is in use: the next one is made meanwhile
         return fd, index * self.slot_bytes
 
     def fds(self) -> list[int]:
@@ -319,7 +370,10 @@ class DirectoryArena(Arena):
         return done
 
     def close(self) -> None:
-        """Close every segment file, each whatever the others raise (then the first error). Idempotent."""
+        """Join the making of a segment in flight, then close every segment file, each whatever the others
+        raise (then the first error). Idempotent."""
+        if self._ahead is not None:
+            self._ahead.close()  # its segment, if made, is in ``_fds`` now: closed below
         with self._fds_lock:
             fds, self._fds = list(self._fds.values()), {}  # detached first: a failed close is never retried
         release_all((f"segment fd {fd}", partial(os.close, fd)) for fd in fds)

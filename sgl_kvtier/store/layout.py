@@ -72,6 +72,17 @@ class Layout:
     def direct(self) -> bool:
         return all(a.direct for a in self.arenas)
 
+    def prepare(self) -> None:
+        """Once the writer's journal exists: let every arena make ready what the first puts need
+        (``Arena.prepare``: a directory arena starts making its first segment in the background)."""
+        for arena in self.arenas:
+            arena.prepare()
+
+    def settle(self) -> None:
+        """Return once no arena has background work in flight (``Arena.settle``)."""
+        for arena in self.arenas:
+            arena.settle()
+
     def close(self) -> None:
         """Close every arena's files, each arena whatever the others raise (then the first error)."""
         steps = [(f"device {a.path}", a.close) for a in self.arenas]

@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 WriteItem = tuple[Sequence[Run], int, bytes, bytes | None, int]
 ReadItem = tuple[Sequence[Run], tuple[int, Checksum]]  # (caller's runs, (slot, checksums recorded at write))
 PART_READ_THREADS = 4  # a shard's threads running group-major reads' batches (``submit``)
+SLAB_TAILS = 128  # tails per trailer slab: SGLang's 128-page batch is one engine run (one chunk)
 _T = TypeVar("_T")
 
 
@@ -113,6 +114,7 @@ class PageIO:
         self._one_part = self.parts.count == 1
         self._ranges = tuple(zip(self.parts.offsets, self.parts.sizes))  # each part's (offset, size) in a page
         self._tail = self.slot_bytes - page_bytes  # the bytes after the page: trailer, then zeros
+        self._direct = layout.direct  # fixed once the arenas are open; asked once per page
         need = fmt.trailer_bytes(self.parts.count)
         if identity is not None and self._tail < need:
             raise StoreFormatError(
@@ -124,7 +126,7 @@ class PageIO:
         self._bounce = BouncePool(self.slot_bytes, io_depth)
         # One slab holds the tails (trailer + zeros) of a chunk of aligned pages; made lazily, so a reader,
         # which never writes, costs nothing.
-        self._tails_per_slab = max(64, 2 * max(1, io_depth))
+        self._tails_per_slab = max(SLAB_TAILS, 2 * max(1, io_depth))
         self._tails = BouncePool(max(self._tail, 1) * self._tails_per_slab, 4)
         self._depth = max(1, io_depth)  # the engine's IOs in flight (it is built with the same depth)
         self._sync_writes = sync_writes
@@ -197,7 +199,7 @@ class PageIO:
             chunk = range(start, min(start + step, len(items)))
             # Bounce buffers first, then the slab: one order for every thread, so none holds a slab while
             # waiting for bounce buffers another holds while waiting for a slab.
-            spare = self._take_bounces([items[j][0] for j in chunk])
+            spare = self._take_bounces([bounced[j] for j in chunk])
             slab = self._tails.acquire() if not all(bounced[j] for j in chunk) else None
             try:
                 self._write_chunk(items, chunk, bounced, spare, slab, sums)
@@ -272,28 +274,27 @@ class PageIO:
     def _arena(self, slot: int) -> Arena:
         return self.layout.arenas[slot % self._ndev]
 
-    def _needs_bounce_any(self, pages: Sequence[Sequence[Run]]) -> bool:
-        return any(self._needs_bounce(runs) for runs in pages)
-
     def _needs_bounce(self, runs: Sequence[Run]) -> bool:
         """O_DIRECT needs aligned memory and lengths: a page of another shape goes through a bounce buffer."""
-        return self.layout.direct and (self.page_bytes % ALIGN != 0 or not runs_aligned(runs, ALIGN))
+        return self._direct and (self.page_bytes % ALIGN != 0 or not runs_aligned(runs, ALIGN))
 
-    def _take_bounces(self, pages: Sequence[Sequence[Run]]) -> list[AlignedBuffer]:
-        """Every bounce buffer a chunk (at most the pool's size) needs, taken at once: taking them one by one,
-        two threads' chunks could each hold part of the pool and wait for the rest forever."""
-        return self._bounce.acquire_many(sum(self._needs_bounce(runs) for runs in pages))
+    def _take_bounces(self, bounced: Sequence[bool]) -> list[AlignedBuffer]:
+        """Every bounce buffer a chunk (at most the pool's size) needs (``bounced``: each page's
+        ``_needs_bounce``), taken at once: taking them one by one, two threads' chunks could each hold part of
+        the pool and wait for the rest forever."""
+        return self._bounce.acquire_many(sum(bounced))
 
     def _give_back(self, spare: list[AlignedBuffer]) -> None:
         for buf in spare:  # taken for pages that did no IO (an open circuit, a segment not created)
             self._bounce.release(buf)
         spare.clear()
 
-    def _read_op(self, slot: int, runs: Sequence[Run], spare: list[AlignedBuffer]) -> tuple[IOOp, AlignedBuffer | None]:
-        """The read of one page (its bytes only, not the trailer); one that needs a bounce buffer takes one
-        of ``spare`` and reads the page rounded up to the alignment."""
+    def _read_op(self, slot: int, runs: Sequence[Run], bounced: bool,
+                 spare: list[AlignedBuffer]) -> tuple[IOOp, AlignedBuffer | None]:
+        """The read of one page (its bytes only, not the trailer); one that needs a bounce buffer
+        (``bounced``) takes one of ``spare`` and reads the page rounded up to the alignment."""
         fd, offset = self._arena(slot).locate(slot // self._ndev)
-        if not self._needs_bounce(runs):  # one part: the op's digest (the fast path); several: one per part
+        if not bounced:  # one part: the op's digest (the fast path); several: one per part
             return IOOp(OpKind.READ, fd, offset, [view(a, n) for a, n in runs], checksum=self._one_part,
                         device=slot % self._ndev, digest_ranges=None if self._one_part else self._ranges), None
         bounce = spare.pop()
@@ -320,18 +321,19 @@ class PageIO:
         """``read``'s verdicts, and per device the seconds it was busy with this batch (0.0: no measured op)."""
         verdicts = [ReadVerdict.SKIPPED] * len(items)
         busy = [0.0] * self._ndev
-        direct = not self._needs_bounce_any([runs for runs, _ in items])
+        bounced = [self._needs_bounce(runs) for runs, _ in items]
+        direct = not any(bounced)
         step = len(items) if direct else max(1, self._bounce.count)
         for start in range(0, len(items), step):
             placed: list[tuple[int, IOOp, AlignedBuffer | None]] = []  # (item index, op, bounce)
             chunk = range(start, min(start + step, len(items)))
-            spare = self._take_bounces([items[j][0] for j in chunk])
+            spare = self._take_bounces([bounced[j] for j in chunk])
             for j in chunk:
                 runs, (slot, _) = items[j]
                 if not self.health.usable(slot % self._ndev):
                     continue  # the device's circuit is open: a miss, SGLang recomputes
                 try:
-                    op, bounce = self._read_op(slot, runs, spare)
+                    op, bounce = self._read_op(slot, runs, bounced[j], spare)
                 except OSError as exc:
                     self.counters.io_errors += 1
                     self._errlog.error("read of slot %d: %s", slot, exc)

@@ -2,7 +2,8 @@
 
 Open order: the sharing mode's storage checks (nothing made yet) -> claim (a writer directory or shared raw
 region, with its lock) -> the meta-present check -> layout (created if needed) -> CONFIG -> engine ->
-recover -> a new journal generation (never appending to an old one) -> the store built on them; then
+recover -> a new journal generation (never appending to an old one) -> the first segments made ahead
+(``Arena.prepare``) -> the store built on them; then
 ``PageStore.open`` folds what was replayed and starts the lease. Each resource is pushed on the open's
 ``Acquired`` stack (``store.lifecycle``) as soon as it is taken, so an open failing at any step releases
 what it took, newest first, the writer lock last. The crash rule each step relies on is at its code.
@@ -57,4 +58,7 @@ def acquire_writer(config: StoreConfig, namespace: Namespace, site: WriterSite, 
         # A new generation: a torn tail of an earlier run stays where that file's replay stops.
         journal = meta.open_journal(recovered.generation)
         held.push("journal", journal.close)
+        # Crash rule: segments are made ahead only now that the journal exists, so a crash never leaves a
+        # writer directory with segments but neither journal nor checkpoint (``check_meta_present``).
+        layout.prepare()
         return build(layout, claim, recovered, io_engine, journal)

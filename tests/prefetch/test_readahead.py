@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from support import PAGE_BYTES, HostMemory, key, namespace, store_config
+from support import PAGE_BYTES, HostMemory, key, namespace, slot_file, store_config
 
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, ThreadPoolEngine
 from sgl_kvtier.prefetch import ReadAhead
@@ -151,9 +151,9 @@ def test_a_failed_staged_read_is_read_again_on_demand(stored, tmp_path):
 
 def test_corrupt_pages_are_never_served_from_staging(stored, tmp_path):
     store, engine, expected = stored
-    (segment,) = tmp_path.glob("ns-*/w-*/seg-*.dat")
+    segment, offset = slot_file(store, key(3))
     with open(segment, "r+b") as f:
-        f.seek(store.slot_of(key(3)) * store.slot_bytes + 100)
+        f.seek(offset + 100)
         f.write(b"\xff" * 64)
     ra = ReadAhead(store.get, PAGE_BYTES, budget_bytes=8 * PAGE_BYTES)
     ra.stage([key(i) for i in range(5)])
