@@ -1,0 +1,53 @@
+"""LMCache as SGLang's KV cache connector (``--enable-lmcache``): it replaces HiCache (no SGLang host pool), and a
+standalone ``lmcache server`` daemon owns the cache: an L1 in DRAM (as large as the host pool of the HiCache
+systems, so the DRAM each holds is alike) and an L2 on the flash (``fs`` adapter, files in the system's directory).
+
+Package: ``lmcache`` with ``--no-deps`` plus the pure-Python modules it imports that the project's venv lacks; no
+CUDA ops are needed (it picks a CPU device). The daemon needs ``--supported-transfer-mode auto`` (else "No handler
+registered for operation register_kv_cache_engine_driven_context") and ``--disable-observability`` (else a missing
+OpenTelemetry exporter). Only whole 256-token chunks are stored. Docs: https://docs.lmcache.ai and SGLang's
+``python/sglang/srt/mem_cache/storage/lmcache/README.md``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.peers.builtin import radix_args, sglang_versions
+from benchmarks.peers.system import FLASH, Context, Service, Skip, System, tcp_open
+
+
+class LMCache(System):
+    name, storage, hicache = "lmcache", FLASH, False
+    summary = "LMCache connector (replaces HiCache): lmcache server daemon, L1 DRAM = host-pool size, L2 fs on flash"
+    packages = ("lmcache",)
+    modules = ("lmcache",)
+    upstream = "https://docs.lmcache.ai"
+
+    def prepare(self, ctx: Context, install: bool) -> None:
+        super().prepare(ctx, install)
+        if not (ctx.venv.bin / "lmcache").exists():
+            raise Skip(f"lmcache CLI not found in {ctx.venv.bin}")
+
+    def dram_store_bytes(self, ctx: Context) -> int:
+        return ctx.host_pool_bytes  # its L1, in the daemon
+
+    def services(self, ctx: Context) -> list[Service]:
+        self._port, http = ctx.port(), ctx.port()
+        l2 = ctx.work / "l2"
+        l2.mkdir(parents=True, exist_ok=True)
+        cmd = [str(ctx.venv.bin / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self._port),
+               "--http-port", str(http), "--l1-size-gb", f"{self.dram_store_bytes(ctx) / (1 << 30):.3f}",
+               "--eviction-policy", "LRU", "--disable-observability", "--supported-transfer-mode", "auto",
+               "--l2-adapter", json.dumps({"type": "fs", "base_path": str(l2)})]
+        port = self._port
+        return [Service("lmcache server", cmd, ctx.log_dir / f"{self.name}-daemon.log",
+                        lambda: tcp_open("127.0.0.1", port), cwd=ctx.work, timeout_s=180.0)]
+
+    def server_args(self, ctx: Context) -> list[str]:
+        cfg = ctx.work / "lmcache.yaml"
+        cfg.write_text(f"mp_host: 127.0.0.1\nmp_port: {self._port}\n")
+        return radix_args(ctx) + ["--enable-lmcache", "--lmcache-config-file", str(cfg)]
+
+    def versions(self, ctx: Context) -> dict[str, str]:
+        return sglang_versions() | ctx.venv.versions(self.packages)
