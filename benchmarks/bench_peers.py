@@ -40,6 +40,7 @@ from benchmarks.serving.models import run_model
 from benchmarks.serving.probes import prebuild_hash_extension
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
+EXT_DIR = "TORCH_EXTENSIONS_DIR"
 SMOKE = {"systems": ["file", "kvtier"], "model": "tiny", "concurrency": [1], "clients": 1, "rounds": 2,
          "system_tokens": 256, "user_tokens": 128, "answer_tokens": 32, "max_new_tokens": 4,
          "flush_between_phases": True, "no_drop_caches": True, "page_cache_mb": 64, "kvtier_capacity_gb": 0.25,
@@ -79,12 +80,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="install missing peer packages into the peers venv (else skip those systems)")
     g.add_argument("--peers-venv", type=Path, default=DEFAULT, help="the overlay venv of the peer packages")
     g.add_argument("--page-cache-mb", type=int, default=256,
-                   help="what each cgroup allows above its processes' resident memory, pools and DRAM store")
+                   help="page cache each cgroup allows above its processes' resident memory (its limit follows that)")
+    g.add_argument("--margin-mb", type=int, default=128,
+                   help="what each cgroup's limit allows on top for allocations between two updates (0.1 s)")
     g.add_argument("--no-cgroup", action="store_true", help="no memory cgroup (the page cache may hold the L3)")
     g.add_argument("--l3-dir", type=Path, help="where the stores go (default <out>/l3); put it on the flash to measure")
     g.add_argument("--kvtier-capacity-gb", type=float, default=8.0)
     g.add_argument("--keep-l3", action="store_true", help="keep each system's store directory")
-    g.add_argument("--flush-between-phases", action="store_true",
+    g.add_argument("--flush-between-phases", action=argparse.BooleanOptionalAction, default=False,
                    help="POST /flush_cache before each measured phase (deterministic L3 hits; the smoke mode's)")
     g.add_argument("--no-drop-caches", action="store_true", help="do not drop the OS page cache between phases")
     g.add_argument("--backup-wait", type=float, default=60.0, help="max seconds to wait for L3 write-back per phase")
@@ -128,17 +131,15 @@ def start_server(args: argparse.Namespace, system: System, ctx: Context, model_d
     return srv
 
 
-def limit_memory(cg: cgroup.MemoryCgroup, system: System, ctx: Context, args: argparse.Namespace) -> dict[str, Any]:
-    """Size and set the cgroup's limit now that everything is up and idle; what was chosen, and why."""
-    pools = (ctx.plan.device_tokens * ctx.kv_bytes_per_token) + (ctx.host_pool_bytes if system.hicache else 0)
-    sizing = cgroup.size_limit(cg.stat(), pools, system.dram_store_bytes(ctx), args.page_cache_mb * cgroup.MiB)
-    rec = sizing.record(ctx.working_set_bytes) | {"stat_at_start": cg.stat()}
-    try:
-        cg.set_limit(sizing.limit_bytes)
-        rec["set"] = cg.limit()
-    except OSError as exc:
-        rec["set_error"] = repr(exc)
-    return rec
+def phase_probe(cg: cgroup.MemoryCgroup) -> Any:
+    """The readings kept before and after each phase; each resets the cgroup's peak, so the next one's is the
+    phase's."""
+    def probe() -> dict[str, float]:
+        snap = cg.snapshot()
+        cg.reset_peak()
+        return snap
+
+    return probe
 
 
 def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir: Path, wls: dict[Any, Any],
@@ -157,6 +158,7 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
     shutil.rmtree(ctx.work, ignore_errors=True)
     ctx.work.mkdir(parents=True, mode=0o700)
     cg = cgroup.MemoryCgroup.create(parent, system.name) if parent is not None else None
+    cap = cgroup.Cap(cg, args.page_cache_mb * cgroup.MiB, args.margin_mb * cgroup.MiB) if cg is not None else None
     services = system.services(ctx)
     srv = None
     try:
@@ -170,14 +172,12 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
         srv.start()
         res["startup_s"] = srv.startup_s
         probe = None
-        if cg is not None:
-            res["cgroup"] = {"path": str(cg.path), "sizing": limit_memory(cg, system, ctx, args)}
-
-            def probe() -> dict[str, float]:
-                snap = cg.snapshot()
-                cg.reset_peak()
-                return snap
-
+        if cg is not None and cap is not None:
+            # Up and idle: the limit starts following. Not before: SGLang sizes the host pool against the
+            # cgroup's free room (pool_host.base.host_memory_budget_bytes) and refuses to start under a tight one.
+            cap.start()
+            probe = phase_probe(cg)
+            res["cgroup"] = {"path": str(cg.path), "stat_at_start": cg.stat()}
         session.serve_levels(args, srv, wls, ctx.plan.page_size, label=system.name, l3=system.l3,
                              flush=system.flush, drop=drop, kvbpt=ctx.kv_bytes_per_token, bars=bars, task=task,
                              console=console, into=res["workloads"], probe=probe)
@@ -185,10 +185,16 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
         res["skipped"] = str(exc)
         console.print(f"[yellow]{system.name}: skipped: {exc}[/]")
     except Exception as exc:  # noqa: BLE001 - one broken system must not lose the others
-        res["error"] = session.failure(console, system.name, exc)
+        session.failure(console, system.name, exc)
+        text = repr(exc)  # its head (what failed) and its tail (a server's log ends with the cause)
+        res["error"] = text if len(text) <= 4000 else f"{text[:1000]} ... {text[-3000:]}"
     finally:
+        if cap is not None:
+            cap.stop()
         if cg is not None:
             res.setdefault("cgroup", {"path": str(cg.path)})["end"] = _safe(cg.snapshot)
+            res["cgroup"]["cap"] = cap.record() if cap is not None else None
+        res["store"] = store_bytes(ctx.work)  # before the stop: a store may clean up after itself
         if srv is not None:
             res["exit_code"] = srv.stop()
         res["services"] = []
@@ -197,7 +203,6 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
             res["services"].insert(0, svc.record())
         if cg is not None:
             cg.remove()
-        res["store"] = store_bytes(ctx.work)
         if not args.keep_l3:
             shutil.rmtree(ctx.work, ignore_errors=True)
     return res
@@ -244,20 +249,26 @@ def main(argv: list[str] | None = None) -> int:
         "page_cache": {"dropped": drop, "policy": policy, "flush_between_phases": args.flush_between_phases},
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": host,
                    "host_ratio": args.host_ratio, "max_context_tokens": max_ctx, "working_set_bytes": working_set,
-                   "host_pool_bytes": host * kvbpt, "page_cache_allowance_bytes": args.page_cache_mb * cgroup.MiB},
+                   "host_pool_bytes": host * kvbpt, "page_cache_allowance_bytes": args.page_cache_mb * cgroup.MiB,
+                   "margin_bytes": args.margin_mb * cgroup.MiB},
         "cgroup": {"used": no_cgroup is None, "why_not": no_cgroup,
-                   "warning": cgroup.allowance_warning(args.page_cache_mb * cgroup.MiB, working_set)},
+                   "warning": cgroup.allowance_warning((args.page_cache_mb + args.margin_mb) * cgroup.MiB, working_set)},
         "peers_venv": str(venv.path), "workloads": ["multiturn"], "workload_info": {"multiturn": info},
         "concurrency": args.concurrency, "system_order": [s.name for s in args.systems], "systems": {},
     }  # fmt: skip
     console.print(f"[bold]bench_peers[/] model={served.model.name} {served.dtype} ({kvbpt} KV bytes/token); device "
                   f"pool {device} tokens, host pool {host} tokens ({host * kvbpt / 1e9:.2f} GB); L3 working set per "
                   f"level {working_set / 1e9:.2f} GB = {working_set / max(1, host * kvbpt):.1f}x the host pool; "
-                  f"page cache {policy}; cgroup: {'page-cache allowance ' + str(args.page_cache_mb) + ' MiB' if no_cgroup is None else 'NONE (' + no_cgroup + ')'}")
+                  f"page cache {policy}; cgroup: {f'page cache at most {args.page_cache_mb + args.margin_mb} MiB' if no_cgroup is None else 'NONE (' + no_cgroup + ')'}")
     if run["cgroup"]["warning"]:
         console.print(f"  [yellow]{run['cgroup']['warning']}[/]")
+    # SGLang's HiCache hash extension (torch JIT), built here into a directory of this run's own: in the shared
+    # ~/.cache/torch_extensions another SGLang release's build or a killed process's lock makes a server's storage
+    # thread rebuild or wait in its first query, and a /flush_cache meanwhile kills the scheduler.
+    ext_before = os.environ.get(EXT_DIR)
+    os.environ.setdefault(EXT_DIR, str(args.out / "torch_extensions"))
     if any(s.hicache for s in args.systems) and not args.gpu:
-        run["hash_extension"] = prebuild_hash_extension()
+        run["hash_extension"] = prebuild_hash_extension() | {"dir": os.environ[EXT_DIR]}
     parent = None
     if no_cgroup is None:
         own = cgroup.own()
@@ -287,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                 if child.is_dir():
                     cgroup.MemoryCgroup(child).remove()
             cgroup.MemoryCgroup(parent).remove()
+        if ext_before is None:
+            os.environ.pop(EXT_DIR, None)
         peers_report.compare_outputs(run)
         session.finish(run, args.out, peers_report.markdown, peers_report.plots, console)
     return 1 if failed else 0

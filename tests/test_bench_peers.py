@@ -9,7 +9,6 @@ prefix from L3. About three minutes: two start-ups dominate.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -72,7 +71,7 @@ def test_peer_flags_and_environment(tmp_path: Path) -> None:
     args = moon.server_args(c)
     extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
     assert extra["enable_ssd_offload"] and extra["ssd_offload_path"] == str(c.work / "ssd")
-    assert extra["global_segment_size"] == "256mb"  # the host pool's bytes: the working set must spill
+    assert extra["global_segment_size"] == 256 << 20  # the host pool's bytes: the working set must spill
     assert moon.server_env(c) == {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend"}
     dram = SYSTEMS["mooncake-dram"]
     dram.services(c)
@@ -158,16 +157,30 @@ def test_a_system_whose_package_is_missing_is_skipped_with_the_reason(tmp_path: 
 # -- the memory cgroup ---------------------------------------------------------------------------------------
 
 
-def test_cgroup_sizing_leaves_the_page_cache_the_allowance_only() -> None:
+def test_the_limit_follows_resident_memory_and_leaves_the_page_cache_the_allowance(tmp_path: Path) -> None:
     stat = {"total_rss": 1500 * cgroup.MiB, "total_mapped_file": 400 * cgroup.MiB, "total_shmem": 10 * cgroup.MiB,
             "total_cache": 3000 * cgroup.MiB}  # the model files' page cache does not count: it can be reclaimed
-    sz = cgroup.size_limit(stat, pools_bytes=300 * cgroup.MiB, dram_store_bytes=0, page_cache_bytes=256 * cgroup.MiB)
-    assert sz.resident_bytes == 1910 * cgroup.MiB and sz.limit_bytes == (1910 + 300 + 256) * cgroup.MiB
-    rec = sz.record(working_set_bytes=2048 * cgroup.MiB)
-    assert rec["limit_bytes"] == sz.limit_bytes and rec["working_set_over_allowance"] == 8.0
-    assert cgroup.size_limit(stat, 0, 1024 * cgroup.MiB, 0).limit_bytes == (1910 + 1024) * cgroup.MiB
-    assert cgroup.allowance_warning(256 * cgroup.MiB, 2048 * cgroup.MiB) is None
-    assert "may be served from the page cache" in cgroup.allowance_warning(256 * cgroup.MiB, 512 * cgroup.MiB)
+    assert cgroup.resident(stat) == 1910 * cgroup.MiB
+    assert cgroup.limit_for(stat, 256 * cgroup.MiB, 128 * cgroup.MiB) == (1910 + 384) * cgroup.MiB
+    assert cgroup.allowance_warning(384 * cgroup.MiB, 2048 * cgroup.MiB) is None
+    assert "may be served from the page cache" in cgroup.allowance_warning(384 * cgroup.MiB, 1024 * cgroup.MiB)
+    # a cgroup directory of plain files: the cap sets limit_for its stat, and records what it did
+    cg = cgroup.MemoryCgroup(tmp_path)
+    (tmp_path / "memory.stat").write_text("total_rss 1000\ntotal_mapped_file 20\ntotal_shmem 4\ntotal_cache 500\n")
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    cap = cgroup.Cap(cg, 100, 10, interval_s=0.01).start()
+    assert cg.limit() == 1024 + 110
+    (tmp_path / "memory.stat").write_text("total_rss 5000\ntotal_mapped_file 20\ntotal_shmem 4\ntotal_cache 500\n")
+    import time
+
+    deadline = time.monotonic() + 10
+    while cg.limit() != 5024 + 110 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cap.stop()
+    rec = cap.record()
+    assert cg.limit() == 5134 and rec["limit_low_bytes"] == 1134 and rec["limit_high_bytes"] == 5134
+    assert rec["updates"] >= 2 and rec["refused"] == 0 and "allowance" in rec["rule"]
+    assert (tmp_path / "memory.oom_control").read_text() == "1\n"  # the OOM killer switched off
 
 
 def test_cgroup_files_are_read_as_the_kernel_writes_them(tmp_path: Path) -> None:
@@ -224,8 +237,8 @@ def _fake_run() -> dict:
     systems = {
         "recompute": {"storage": "none", "summary": "r", "workloads": {"multiturn": [_level(1, 4.0, 0, [1, 2])]}},
         "kvtier": {"storage": "flash", "summary": "k", "versions": {"sglang": "0.5.23", "sgl-kvtier": "0.1.0"},
-                   "cgroup": {"sizing": dataclasses.asdict(cgroup.Sizing(2 * GB, GB, 0, 256 * 2**20))
-                              | {"limit_bytes": 3 * GB + 256 * 2**20}},
+                   "cgroup": {"cap": {"limit_low_bytes": 2 * GB, "limit_high_bytes": 3 * GB, "updates": 40,
+                                      "refused": 1, "oom_control": {"oom_kill": 0}}},
                    "workloads": {"multiturn": [_level(1, 1.0, 400, [1, 2], cache=30e6)]}},
         "mooncake-dram": {"storage": "dram", "summary": "m", "dram_store_bytes": 2 * GB,
                           "workloads": {"multiturn": [_level(1, 0.8, 400, [1, 3])]}},
@@ -234,7 +247,8 @@ def _fake_run() -> dict:
     }
     return {"started": "now", "gpu": False, "model": {"name": "kvheavy", "kv_bytes_per_token": 131072},
             "sizing": {"page_size": 16, "device_tokens": 100, "host_tokens": 200, "host_pool_bytes": 200 * 131072,
-                       "working_set_bytes": 10**9, "page_cache_allowance_bytes": 256 * 2**20},
+                       "working_set_bytes": 10**9, "page_cache_allowance_bytes": 256 * 2**20,
+                       "margin_bytes": 128 * 2**20},
             "cgroup": {"used": True, "why_not": None, "warning": None}, "page_cache": {"policy": "dropped"},
             "workload_info": {"multiturn": {"description": "d"}}, "concurrency": [1],
             "system_order": list(systems), "systems": systems}
@@ -258,7 +272,10 @@ def test_table_outputs_check_and_png(tmp_path: Path) -> None:
         line for line in md.splitlines() if line.startswith("| mooncake-dram |")).strip("|").split("|")]))
     assert moon["DRAM store MB"] == "2000" and moon["outputs = recompute"] == "0/2" and moon["L3 in"] == "dram"
     assert "- **nixl** skipped: pip install failed (nixl==1.5.1): no network" in md
-    assert "sgl-kvtier 0.1.0" in md and "= resident 2000 + pools 1000" in md
+    assert "sgl-kvtier 0.1.0" in md and "- **kvtier**: 2000 to 3000 MB over 40 updates (1 refused" in md
+    err = ("ServerError('SGLang server exited with code -9 during start-up.\\ncommand: python -m sglang.launch_server"
+           "\\nlog tail:\\n  File x\\nValueError: Not enough host memory available. Requesting 0.00 GB\\n')")
+    assert peers_report.cause(err) == "ValueError: Not enough host memory available. Requesting 0.00 GB"
     (png,) = peers_report.plots(run, tmp_path)
     assert png.name == "peers.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -295,9 +312,10 @@ def test_smoke_run_file_and_kvtier(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert rec["cached_storage"] == 384 and rec["cached_device"] == 0 and "error" not in rec, rec
         outputs[name] = rec["output_ids"]
         if run["cgroup"]["used"]:
-            sz = res["cgroup"]["sizing"]
-            assert sz["limit_bytes"] == sz["set"] and sz["page_cache_bytes"] == 64 * 2**20
-            assert second["probe_after"]["peak_bytes"] <= sz["limit_bytes"]
+            cap = res["cgroup"]["cap"]
+            assert cap["allowance_bytes"] == 64 * 2**20 and cap["updates"] > 0 and cap["oom_control"]["oom_kill"] == 0
+            room = cap["allowance_bytes"] + cap["margin_bytes"] + 2**20  # pages charged between two updates
+            assert peers_report.unmapped_cache(second["probe_after"]) <= room
             assert not Path(res["cgroup"]["path"]).exists()  # torn down
         assert not Path(res["store"]["path"]).exists()  # the store went with it (no --keep-l3)
     assert outputs["file"] == outputs["kvtier"]  # greedy: the same tokens from either L3

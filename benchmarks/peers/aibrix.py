@@ -48,8 +48,10 @@ sys.meta_path.insert(0, _NoPin())
 class Aibrix(System):
     name, storage = "aibrix", FLASH
     summary = "HiCache + AIBrix KV cache (L1 in DRAM = host-pool size, RocksDB L2 on flash)"
-    packages = ("aibrix-kvcache",)
-    modules = ("aibrix_kvcache",)
+    # cityhash (its farmhash module), more-itertools and redis (the release it pins): imported by SGLang's
+    # aibrix backend through aibrix_kvcache; rocksdict: its RocksDB L2
+    packages = ("aibrix-kvcache", "cityhash", "more-itertools", "redis", "rocksdict")
+    modules = ("aibrix_kvcache", "sglang.srt.mem_cache.storage.aibrix_kvcache.aibrix_kvcache_storage", "rocksdict")
     upstream = "https://aibrix.readthedocs.io"
 
     def prepare(self, ctx: Context, install: bool) -> None:

@@ -1,14 +1,21 @@
 """A memory cgroup (cgroup v1 ``memory`` controller) per system: its server and services run in it, under a limit
-sized so the page cache cannot hold the L3 working set, and what it held is read per phase.
+that keeps the page cache far smaller than the L3 working set, and what it held is read per phase.
 
-Sizing (``size_limit``): the cgroup starts unlimited; once the services and the server are up and idle, its
-*resident* memory (anonymous + mapped files + shmem: what the processes need, not the reclaimable page cache of
-the model files read at start-up) is measured, and the limit is set to that, plus the KV pools SGLang allocated
-but has not touched yet (device + host pool: zero pages until written), plus the system's own DRAM store
-(Mooncake's segment, LMCache's L1), plus a page-cache allowance (``--page-cache-mb``) that is a small fraction of
-the L3 working set. A file-based L3 then re-reads its pages from the disk instead of the page cache; the run
-records the cgroup's page cache, major faults and the bytes its processes read from the block layer per phase
-(``snapshot``), which show whether the limit bit.
+How the limit is chosen (``Cap``): a cgroup v1 limit bounds resident memory and page cache together, and what the
+processes need of the first (KV pools written as they fill, a DRAM store, RocksDB's memtables, an allocator's
+arenas, a prefill's activations) grows while they serve. A fixed limit either leaves the page cache room to hold
+the L3 or starves the processes into thrashing. So the limit follows the resident memory: every ``interval_s``
+it is set to the cgroup's resident memory (``memory.stat`` ``total_rss + total_mapped_file + total_shmem``) plus
+the page-cache allowance (``--page-cache-mb``) plus a margin for what the processes may allocate before the next
+update (``--margin-mb``), from the moment the server is up (before, the cgroup is unlimited: SGLang sizes its host
+pool against the cgroup's free room and refuses to start under a tight limit). The page
+cache no process maps (an L3's file pages) can then never hold more than allowance + margin, which is checked to be
+a small fraction of the L3 working set (``allowance_warning``). The cgroup's OOM killer is off
+(``memory.oom_control``): a burst larger than the margin stalls its process until the next update raises the limit,
+instead of killing it.
+A file-based L3 re-reads its pages from the disk instead of DRAM; the run records the cgroup's page cache, major
+faults and the bytes its processes read from the block layer per phase (``snapshot``), which show whether the
+limit bit, and the limit's range over the run (``Cap.record``).
 
 The cgroups nest under the benchmark's own memory cgroup (``own``), so a machine that confines the benchmark
 confines them too. Processes join theirs through ``wrap`` (a shell writes its pid into ``cgroup.procs`` and
@@ -18,9 +25,9 @@ execs the command): everything they start inherits it, so the scheduler and deto
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,43 +63,24 @@ def unavailable(mount: Path = MOUNT) -> str | None:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class Sizing:
-    """A cgroup limit and the terms it is the sum of (bytes)."""
-
-    resident_bytes: int  # measured: anon + mapped files + shmem of the services and the idle server
-    pools_bytes: int  # SGLang's device + host KV pools (allocated, not yet written: not resident at start-up)
-    dram_store_bytes: int  # the system's own DRAM store outside SGLang's pools (0 for most)
-    page_cache_bytes: int  # the allowance for everything else, page cache included
-
-    @property
-    def limit_bytes(self) -> int:
-        return self.resident_bytes + self.pools_bytes + self.dram_store_bytes + self.page_cache_bytes
-
-    def record(self, working_set_bytes: int) -> dict[str, Any]:
-        """The sizing as a result records it, with how many times the L3 working set exceeds the allowance."""
-        return {**dataclasses.asdict(self), "limit_bytes": self.limit_bytes, "working_set_bytes": working_set_bytes,
-                "working_set_over_allowance": round(working_set_bytes / max(1, self.page_cache_bytes), 2)}
-
-
 def resident(stat: dict[str, int]) -> int:
-    """What the processes need of a cgroup's memory: anonymous memory, mapped files and shmem (the rest of
+    """What the processes hold of a cgroup's memory: anonymous memory, mapped files and shmem (the rest of
     ``total_cache`` is page cache the kernel may reclaim)."""
     return stat.get("total_rss", 0) + stat.get("total_mapped_file", 0) + stat.get("total_shmem", 0)
 
 
-def size_limit(stat: dict[str, int], pools_bytes: int, dram_store_bytes: int, page_cache_bytes: int) -> Sizing:
-    """The limit of a cgroup whose idle server and services show ``stat`` (its ``memory.stat``)."""
-    return Sizing(resident(stat), pools_bytes, dram_store_bytes, page_cache_bytes)
+def limit_for(stat: dict[str, int], allowance_bytes: int, margin_bytes: int) -> int:
+    """The limit of a cgroup that shows ``stat`` now: its resident memory, the page-cache allowance and the margin."""
+    return resident(stat) + allowance_bytes + margin_bytes
 
 
 def allowance_warning(page_cache_bytes: int, working_set_bytes: int, factor: float = 4.0) -> str | None:
-    """A sentence when the page-cache allowance is not clearly smaller than the L3 working set (the limit would
-    not keep a file-based L3's pages out of DRAM), else None."""
+    """A sentence when the room left to the page cache (allowance + margin) is not clearly smaller than the L3
+    working set (the limit would not keep a file-based L3's pages out of DRAM), else None."""
     if working_set_bytes >= factor * page_cache_bytes:
         return None
-    return (f"page-cache allowance {page_cache_bytes / MiB:.0f} MiB is more than 1/{factor:g} of the L3 working set "
-            f"{working_set_bytes / MiB:.0f} MiB: a file-based L3 may be served from the page cache")
+    return (f"page-cache room {page_cache_bytes / MiB:.0f} MiB (allowance + margin) is more than 1/{factor:g} of the "
+            f"L3 working set {working_set_bytes / MiB:.0f} MiB: a file-based L3 may be served from the page cache")
 
 
 class MemoryCgroup:
@@ -129,6 +117,10 @@ class MemoryCgroup:
         except OSError:
             return []
 
+    def disable_oom_kill(self) -> None:
+        """A process that hits the limit waits (until the limit is raised) instead of being killed."""
+        (self.path / "memory.oom_control").write_text("1\n")
+
     def set_limit(self, nbytes: int) -> None:
         """Set ``memory.limit_in_bytes``; the kernel reclaims page cache down to it first (EBUSY if it cannot)."""
         (self.path / "memory.limit_in_bytes").write_text(f"{nbytes}\n")
@@ -140,11 +132,16 @@ class MemoryCgroup:
         with contextlib.suppress(OSError):
             (self.path / "memory.max_usage_in_bytes").write_text("0\n")
 
-    def oom_kills(self) -> int:
+    def oom_control(self) -> dict[str, int]:
+        out = {}
         for line in self._read("memory.oom_control").splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-        return 0
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = int(value)
+        return out
+
+    def oom_kills(self) -> int:
+        return self.oom_control().get("oom_kill", 0)
 
     def read_bytes(self) -> int:
         """Bytes the cgroup's live processes read from the block layer (``/proc/<pid>/io`` read_bytes): page-cache
@@ -196,3 +193,55 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.2)  # a killed process leaves the cgroup a moment after it dies
+
+
+class Cap:
+    """Keeps ``cg``'s limit at ``limit_for`` its current ``memory.stat`` (a thread, every ``interval_s``, from
+    ``start`` to ``stop``); ``record`` says how it was set and what it went through."""
+
+    def __init__(self, cg: MemoryCgroup, allowance_bytes: int, margin_bytes: int, interval_s: float = 0.1) -> None:
+        self.cg, self.allowance, self.margin, self.interval_s = cg, allowance_bytes, margin_bytes, interval_s
+        self.updates = self.errors = 0
+        self.low = self.high = 0
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self) -> int:
+        """Set the limit once; the limit set (the old one when the kernel refused)."""
+        target = limit_for(self.cg.stat(), self.allowance, self.margin)
+        try:
+            self.cg.set_limit(target)
+        except OSError as exc:  # EBUSY: the kernel could not reclaim down to it yet; the next update retries
+            self.errors += 1
+            self.last_error = repr(exc)
+            return self.cg.limit()
+        self.updates += 1
+        self.low = target if not self.low else min(self.low, target)
+        self.high = max(self.high, target)
+        return target
+
+    def start(self) -> Cap:
+        with contextlib.suppress(OSError):
+            self.cg.disable_oom_kill()
+        self.update()
+        self._thread = threading.Thread(target=self._run, name="cgroup-cap", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with contextlib.suppress(OSError):
+                self.update()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def record(self) -> dict[str, Any]:
+        return {"rule": "limit = resident (total_rss + total_mapped_file + total_shmem) + allowance + margin, "
+                        f"updated every {self.interval_s:g} s",
+                "allowance_bytes": self.allowance, "margin_bytes": self.margin, "interval_s": self.interval_s,
+                "updates": self.updates, "refused": self.errors, "last_refusal": self.last_error,
+                "limit_low_bytes": self.low, "limit_high_bytes": self.high, "oom_control": self.cg.oom_control()}

@@ -20,8 +20,10 @@ from benchmarks.peers.system import FLASH, Context, Service, Skip, System, tcp_o
 class LMCache(System):
     name, storage, hicache = "lmcache", FLASH, False
     summary = "LMCache connector (replaces HiCache): lmcache server daemon, L1 DRAM = host-pool size, L2 fs on flash"
-    packages = ("lmcache",)
-    modules = ("lmcache",)
+    # py-cpuinfo and cachetools: the daemon's CLI (without them it is the "lightweight" CLI with no `server`);
+    # aiofiles: the fs L2 adapter (without it the type "fs" is unknown); blake3: the daemon's token hasher
+    packages = ("lmcache", "py-cpuinfo", "cachetools", "aiofiles", "blake3")
+    modules = ("lmcache", "cpuinfo", "cachetools", "blake3", "lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
     upstream = "https://docs.lmcache.ai"
 
     def prepare(self, ctx: Context, install: bool) -> None:

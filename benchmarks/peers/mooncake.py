@@ -19,12 +19,12 @@ from benchmarks.peers.builtin import hicache_args, sglang_versions
 from benchmarks.peers.system import DRAM, FLASH, Context, Service, Skip, System, tcp_open
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
-GB = 1 << 30
+MIN_SEGMENT = 16 << 20
 
 
-def size_str(nbytes: int) -> str:
-    """Mooncake's size syntax, in whole MiB (``"1536mb"``)."""
-    return f"{max(1, math.ceil(nbytes / (1 << 20)))}mb"
+def whole_mib(nbytes: int) -> int:
+    """``global_segment_size`` in bytes, whole MiB (SGLang's parser takes an int or whole ``"<n>gb"`` only)."""
+    return max(1, math.ceil(nbytes / (1 << 20))) << 20
 
 
 class MooncakeDram(System):
@@ -42,13 +42,14 @@ class MooncakeDram(System):
 
     def segment_bytes(self, ctx: Context) -> int:
         """The DRAM pool: room for the whole working set plus a quarter (nothing evicted) in DRAM mode; in offload
-        mode the host pool's size, so the working set must spill to the SSD."""
+        mode the host pool's size, so the working set must spill to the SSD (at least 16 MiB: the client refuses a
+        smaller segment, "Total size must be at least 16777216")."""
         if self.offload:
-            return ctx.host_pool_bytes
+            return max(ctx.host_pool_bytes, MIN_SEGMENT)
         return ctx.working_set_bytes * 5 // 4 + 64 * (1 << 20)
 
     def dram_store_bytes(self, ctx: Context) -> int:
-        return self.segment_bytes(ctx)
+        return whole_mib(self.segment_bytes(ctx))
 
     def services(self, ctx: Context) -> list[Service]:
         self._ports = {k: ctx.port() for k in ("rpc", "http", "metrics")}
@@ -66,7 +67,7 @@ class MooncakeDram(System):
         extra: dict[str, object] = {
             "master_server_address": f"127.0.0.1:{self._ports['rpc']}", "local_hostname": "localhost",
             "metadata_server": f"http://127.0.0.1:{self._ports['http']}/metadata",
-            "global_segment_size": size_str(self.segment_bytes(ctx)), "protocol": "tcp", "device_name": "",
+            "global_segment_size": whole_mib(self.segment_bytes(ctx)), "protocol": "tcp", "device_name": "",
         }  # fmt: skip
         if self.offload:
             extra |= {"enable_ssd_offload": True, "ssd_offload_path": str(ctx.work / "ssd")}

@@ -9,6 +9,7 @@ read from the disk over the measured phases, and the DRAM store a system keeps o
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,16 @@ def table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_CAUSE = re.compile(r"[A-Z]\w*(?:Error|Exception): [^\\\n]+")  # no \b: a repr's "\nValueError" has none
+
+
+def cause(error: str) -> str:
+    """The last ``SomethingError: message`` in a failure (a server's log tail ends with the real one), else its
+    first 400 characters."""
+    found = _CAUSE.findall(error)
+    return found[-1][:400] if found else error[:400]
+
+
 def skipped(run: dict[str, Any]) -> list[str]:
     out = []
     for name in run["system_order"]:
@@ -117,7 +128,7 @@ def skipped(run: dict[str, Any]) -> list[str]:
         if res.get("skipped"):
             out.append(f"- **{name}** skipped: {res['skipped']}")
         elif res.get("error"):
-            out.append(f"- **{name}** failed: {res['error'][:400]}")
+            out.append(f"- **{name}** failed: {cause(res['error'])}")
     return out
 
 
@@ -129,12 +140,12 @@ def versions(run: dict[str, Any]) -> list[str]:
 def limits(run: dict[str, Any]) -> list[str]:
     out = []
     for name, res in run["systems"].items():
-        sz = res.get("cgroup", {}).get("sizing")
-        if sz:
-            out.append(f"- **{name}**: {sz['limit_bytes'] / MB:.0f} MB = resident {sz['resident_bytes'] / MB:.0f} "
-                       f"+ pools {sz['pools_bytes'] / MB:.0f} + DRAM store {sz['dram_store_bytes'] / MB:.0f} "
-                       f"+ allowance {sz['page_cache_bytes'] / MB:.0f} MB"
-                       + (f" (NOT SET: {sz['set_error']})" if sz.get("set_error") else ""))
+        cap = (res.get("cgroup") or {}).get("cap")
+        if cap:
+            oom = cap.get("oom_control", {})
+            out.append(f"- **{name}**: {cap['limit_low_bytes'] / MB:.0f} to {cap['limit_high_bytes'] / MB:.0f} MB over "
+                       f"{cap['updates']} updates ({cap['refused']} refused by the kernel); OOM kills "
+                       f"{oom.get('oom_kill', 0)}")
     return out
 
 
@@ -148,9 +159,11 @@ def markdown(run: dict[str, Any]) -> str:
              f"{s['working_set_bytes'] / max(1, s['host_pool_bytes']):.1f}x the host pool. Page cache: "
              f"{run['page_cache']['policy']}.")
     if cg["used"]:
-        mem = (f"Memory cgroup per system: limit = its resident memory once up and idle + SGLang's KV pools + its "
-               f"DRAM store + {s['page_cache_allowance_bytes'] / MB:.0f} MB allowance (the L3 working set is "
-               f"{s['working_set_bytes'] / max(1, s['page_cache_allowance_bytes']):.1f}x the allowance).")
+        room = s["page_cache_allowance_bytes"] + s.get("margin_bytes", 0)
+        mem = (f"Memory cgroup per system: its limit follows the processes' resident memory (+ "
+               f"{s['page_cache_allowance_bytes'] / MB:.0f} MB allowance + {s.get('margin_bytes', 0) / MB:.0f} MB margin, "
+               f"updated every 0.1 s), so the page cache no process maps never holds more than {room / MB:.0f} MB; the "
+               f"L3 working set is {s['working_set_bytes'] / max(1, room):.1f}x that.")
     else:
         mem = f"No memory cgroup ({cg['why_not']}): the page cache may hold a file-based L3."
     parts = [f"# bench_peers: {run['started']}", "", *machine_paragraph(run), intro, "", mem, ""]
@@ -160,7 +173,7 @@ def markdown(run: dict[str, Any]) -> str:
     if sk := skipped(run):
         parts += ["## Not measured", "", *sk, ""]
     if lim := limits(run):
-        parts += ["## Memory limits", "", *lim, ""]
+        parts += ["## Memory limits (the range each cgroup's limit went through)", "", *lim, ""]
     if ver := versions(run):
         parts += ["## Versions", "", *ver, ""]
     parts += ["## Server commands", ""]
