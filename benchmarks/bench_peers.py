@@ -60,17 +60,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     dev.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="GPU flags (default: auto-detect)")
     dev.add_argument("--cpu", dest="gpu", action="store_false", help="CPU route even if a GPU is present")
     g = p.add_argument_group("multiturn")
-    g.add_argument("--clients", type=int, default=12)
+    g.add_argument("--clients", type=int, default=8)
     g.add_argument("--rounds", type=int, default=3)
     g.add_argument("--system-tokens", type=int, default=256)
     g.add_argument("--user-tokens", type=int, default=128)
-    g.add_argument("--answer-tokens", type=int, default=32)
-    g.add_argument("--max-new-tokens", type=int, default=8)
+    g.add_argument("--answer-tokens", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int, default=4)
     g = p.add_argument_group("server")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--device-tokens", type=int, help="--max-total-tokens; default: --device-factor x longest request")
     g.add_argument("--device-factor", type=float, default=1.25)
-    g.add_argument("--host-ratio", type=float, default=2.0,
+    g.add_argument("--host-ratio", type=float, default=1.5,
                    help="--hicache-ratio (host pool = ratio x device pool); LMCache's L1 and the SSD-offload "
                         "Mooncake segment get the same bytes")
     g.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeatable)")
@@ -79,9 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--install", action=argparse.BooleanOptionalAction, default=True,
                    help="install missing peer packages into the peers venv (else skip those systems)")
     g.add_argument("--peers-venv", type=Path, default=DEFAULT, help="the overlay venv of the peer packages")
-    g.add_argument("--page-cache-mb", type=int, default=256,
+    g.add_argument("--page-cache-mb", type=int, default=64,
                    help="page cache each cgroup allows above its processes' resident memory (its limit follows that)")
-    g.add_argument("--margin-mb", type=int, default=128,
+    g.add_argument("--margin-mb", type=int, default=32,
                    help="what each cgroup's limit allows on top for allocations between two updates (0.1 s)")
     g.add_argument("--no-cgroup", action="store_true", help="no memory cgroup (the page cache may hold the L3)")
     g.add_argument("--l3-dir", type=Path, help="where the stores go (default <out>/l3); put it on the flash to measure")
@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"pool {device} tokens, host pool {host} tokens ({host * kvbpt / 1e9:.2f} GB); L3 working set per "
                   f"level {working_set / 1e9:.2f} GB = {working_set / max(1, host * kvbpt):.1f}x the host pool; "
                   f"page cache {policy}; cgroup: {f'page cache at most {args.page_cache_mb + args.margin_mb} MiB' if no_cgroup is None else 'NONE (' + no_cgroup + ')'}")
+    if max(args.concurrency) > args.clients:
+        console.print(f"  [yellow]C={max(args.concurrency)} > {args.clients} conversations: at most {args.clients} "
+                      "requests are in flight (a conversation's rounds go one after another)[/]")
     if run["cgroup"]["warning"]:
         console.print(f"  [yellow]{run['cgroup']['warning']}[/]")
     # SGLang's HiCache hash extension (torch JIT), built here into a directory of this run's own: in the shared
