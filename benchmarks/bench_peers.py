@@ -152,6 +152,7 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
         system.prepare(ctx, args.install)
     except Skip as exc:
         res["skipped"] = str(exc)
+        res["versions"] = ctx.venv.versions(system.packages)  # what there is ("not installed")
         console.print(f"[yellow]{system.name}: skipped: {exc}[/]")
         return res
     res["versions"] = system.versions(ctx)

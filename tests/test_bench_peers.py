@@ -152,6 +152,7 @@ def test_a_system_whose_package_is_missing_is_skipped_with_the_reason(tmp_path: 
     res = bench.run_system(args, Ghost(), ctx(tmp_path, "ghost", venv), tmp_path, {}, False, Bars(), None,
                            bench.session.make_console(), None)
     assert res["skipped"].startswith("not installed in venv: lmcache") and "command" not in res
+    assert res["versions"] == {"lmcache": "not installed"}
 
 
 # -- the memory cgroup ---------------------------------------------------------------------------------------
