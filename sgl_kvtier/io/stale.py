@@ -13,11 +13,18 @@ block of followers with ``sharing.follower.reading_through``). Faults:
 ``StaleSlotEngine(inner)`` wraps an IO engine: a read at a (file, offset) with an old version on record
 (``remember``, or ``capture`` before the writer rewrites it) returns those bytes with their digests (a stale
 data cache) until ``forget()``; ``served`` counts them.
+
+``StaleDescriptorEngine(inner)`` wraps an IO engine the way JuiceFS over FUSE behaves across hosts: after
+``hold(path)``, a read through a descriptor of ``path`` open at that moment returns the file's bytes as they
+were then (past their end: the file's, an append is seen), however the file changes; a descriptor opened
+afterwards (also one ``dup2``'ed over an old number) reads the file. ``served`` counts the reads through old
+descriptors; ``release()`` ends it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import fnmatch
 import os
 import random
@@ -187,3 +194,93 @@ class StaleSlotEngine:
     def close(self) -> None:
         """Close the wrapped engine."""
         self.inner.close()
+
+
+class StaleDescriptorEngine:
+    """An IO engine whose reads through descriptors opened before ``hold`` see old bytes (module docstring).
+
+    A held descriptor is marked on its open file description (``O_NONBLOCK``, which regular files ignore),
+    so the mark follows the description, not the number: a fresh open put in its place is unmarked."""
+
+    def __init__(self, inner: IOEngine):
+        self.inner = inner
+        self.name = f"stale-fd({inner.name})"
+        self.served = 0
+        self._lock = threading.Lock()
+        self._held: dict[tuple[int, int], tuple[str, bytes]] = {}  # (st_dev, st_ino) -> (path, bytes at hold)
+
+    def hold(self, path: str | Path) -> int:
+        """Descriptors of ``path`` open in this process now, read-only ones, see its bytes as they are now
+        from here on; how many were marked. A second ``hold`` takes the bytes anew for every marked one."""
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        marked = 0
+        for fd in _open_fds():
+            try:
+                same = os.fstat(fd)
+                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            except OSError:
+                continue  # closed meanwhile, or not ours to look at
+            if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino) and flags & os.O_ACCMODE == os.O_RDONLY:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+                marked += 1
+        with self._lock:
+            self._held[(st.st_dev, st.st_ino)] = (str(path), data)
+        return marked
+
+    def release(self) -> None:
+        """No more stale reads: the marks are cleared and every read reaches the file."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for fd in _open_fds():
+            try:
+                st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+                if (st.st_dev, st.st_ino) in held and flags & os.O_NONBLOCK:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+            except OSError:
+                continue
+
+    def run(self, ops: Sequence[IOOp]) -> list[IOResult]:
+        with self._lock:
+            held = dict(self._held)
+        plan = [self._old(op, held) for op in ops] if held else [None] * len(ops)
+        real = iter(self.inner.run([op for op, o in zip(ops, plan) if o is None]))
+        return [next(real) if o is None else self._serve(op, *o) for op, o in zip(ops, plan)]
+
+    @staticmethod
+    def _old(op: IOOp, held: dict[tuple[int, int], tuple[str, bytes]]) -> tuple[str, bytes] | None:
+        if op.kind is not OpKind.READ or not fcntl.fcntl(op.fd, fcntl.F_GETFL) & os.O_NONBLOCK:
+            return None
+        st = os.fstat(op.fd)
+        return held.get((st.st_dev, st.st_ino))
+
+    def _serve(self, op: IOOp, path: str, old: bytes) -> IOResult:
+        with self._lock:
+            self.served += 1
+        length = op_length(op)
+        data = old[op.offset:op.offset + length]
+        if len(data) < length:  # past the bytes held: the file's own (an append is seen through old descriptors)
+            with open(path, "rb") as f:
+                f.seek(op.offset + len(data))
+                data += f.read(length - len(data))
+        done = 0
+        for buf in op.buffers:
+            n = min(buf.nbytes, len(data) - done)
+            if n <= 0:
+                break
+            buf[:n] = data[done:done + n]
+            done += n
+        if done < length:
+            return IOResult(done, None, short_error(op, done), short=True)
+        crc, parts = read_digests(op)
+        return IOResult(done, crc, part_digests=parts)
+
+    def close(self) -> None:
+        """Close the wrapped engine."""
+        self.inner.close()
+
+
+def _open_fds() -> list[int]:
+    """This process's open descriptors now."""
+    return [int(name) for name in os.listdir("/proc/self/fd")]

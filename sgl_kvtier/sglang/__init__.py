@@ -1,6 +1,6 @@
 """The SGLang adapter: the HiCache L3 backend ``KVTierStorage`` (``storage``; its host pools' page-store
-shards in ``host_shard`` / ``host_shards``, with ``host_pages``, ``side_pools``, ``settings``, ``stats``) and
-SGLang's general plugins (``plugins``).
+shards in ``host_shard`` / ``host_shards``, with ``host_pages``, ``side_pools``, ``settings``, ``stats``),
+SGLang's general plugins (``plugins``) and what several plugins share (``prefill_samples``).
 
 Only this package and ``sgl_kvtier.experiments`` import sglang or torch; this package loads an experiment only
 by name, through ``plugins.load``. Nothing is imported eagerly: SGLang runs the ``kvtier`` entry point

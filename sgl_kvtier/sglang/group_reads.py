@@ -1,7 +1,7 @@
 """Layer-group reads of a KV host shard's pages straight into host slots: the read side of a streamed L3 tail.
 
 ``read_layer_groups(shard, keys, host_indices, on_group, reads)`` reads the pages of ``keys`` into the host
-slots ``host_indices`` (page-aligned, ``len == pages * page_tokens``) group-major (``SharedPool.get_parts``
+slots ``host_indices`` (page-aligned, ``len == pages * page_tokens``) group-major (``PoolView.get_parts``
 with the groups of ``reads``, a ``ReadPlan`` of the pool's ``LayerPlan``; None: one read group per layer
 group): read group 0 of every page, verified, then ``on_group(0, layers, ok)``, then group 1, ... While
 ``on_group(g)`` runs, group g + 1 is in flight; later groups are not read yet. ``ok[i]``: page ``i`` has every

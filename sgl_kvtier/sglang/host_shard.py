@@ -2,17 +2,19 @@
 
 A host shard is bound to its pool first (``bind``: geometry and namespace, nothing opened) and opened once the
 backend knows all its pools and so each one's share of the capacity (``open``; ``reopen`` when a pool
-registered later changes the shares). It holds a ``sharing.pool.SharedPool``, the merged view over every
-writer process of its namespace. Writer ranks open it with a writer directory of their own; ranks that only
-read a replicated (MLA) shard open it read-only and lazily, retrying while no writer has created it. An open
-store gets a read-ahead stage (``config.readahead_bytes``; 0: none): ``stage`` starts the reads of an exists
-query's hit, and every read goes through it.
+registered later changes the shares). It holds a ``sharing.views.PoolView`` chosen from the config at open
+(``open_view``): the merged view over every writer process of its namespace (``SharedPool``), or under
+``sharing = "off"`` the shard's one writer alone (``SoleShard``). Writer ranks open it with a writer directory
+of their own; ranks that only read a replicated (MLA) shard open it read-only and lazily, retrying while no
+writer has created it. An open store gets a read-ahead stage (``config.readahead_bytes``; 0: none): ``stage``
+starts the reads of an exists query's hit, and every read goes through it.
 
-``snapshot`` refreshes the pool's view first (``SharedPool.refresh``, rate-limited as lookups are), so an idle
+``snapshot`` refreshes the pool's view first (``PoolView.refresh``, rate-limited as lookups are), so an idle
 server's figures follow the pool and the verdicts judge current leases. It lists the own writer (``retired``
-while fenced), every other writer from its last lease with the pool's verdict (``SharedPool.verdict``) and
-lease age (one stat and one probe per writer), and for ``RETIRED_SHOWN_S`` each writer that left the pool or
-is judged ``RETIRED``, as ``retired`` with no pages; then the pool's sharing counters.
+while fenced; no lease age where it beats none), every other writer from its last lease with the pool's
+verdict (``PoolView.verdict``) and lease age (one stat and one probe per writer), and for ``RETIRED_SHOWN_S``
+each writer that left the pool or is judged ``RETIRED``, as ``retired`` with no pages; then the pool's
+sharing counters.
 
 ``close`` stops the read-ahead and closes the store, both whatever the other raises, each detached before it
 is released; the first failure is raised, the other as its note (``store.lifecycle.release_all``).
@@ -38,8 +40,8 @@ from sgl_kvtier.prefetch import ReadAhead, ReadAheadCounters
 from sgl_kvtier.sglang.host_pages import Access, HostPages, check_indices, tensor_run
 from sgl_kvtier.sglang.settings import namespace_for
 from sgl_kvtier.sharing.liveness import Verdict
-from sgl_kvtier.sharing.pool import SharedPool
 from sgl_kvtier.sharing.pool_status import lease_age
+from sgl_kvtier.sharing.views import PoolView, open_view
 from sgl_kvtier.store.lifecycle import release_all
 from sgl_kvtier.telemetry.snapshot import (
     SHARING_COUNTERS,
@@ -69,7 +71,7 @@ class HostShard:
     namespace: Namespace
     config: StoreConfig
     writer: bool
-    store: SharedPool | None = None  # the pool: with a writer of its own, or (a reader rank) without
+    store: PoolView | None = None  # the pool: with a writer of its own, or (a reader rank) without
     readahead: ReadAhead | None = None
     opened: bool = False  # ``open`` ran (a reader's store may still be None: its shard is not there yet)
     _next_open: float = field(default=0.0, repr=False)
@@ -86,7 +88,7 @@ class HostShard:
         self.config = config
         self.opened = True
         if self.writer:
-            self._attach(SharedPool.open_writer(config, self.namespace))
+            self._attach(open_view(config, self.namespace, writer=True))
         else:
             self._next_open = 0.0
             self._reader()
@@ -97,16 +99,16 @@ class HostShard:
         self.close()
         self.open(config)
 
-    def _reader(self) -> SharedPool | None:
+    def _reader(self) -> PoolView | None:
         """A reader's store, opened on first need (retried every ``READER_RETRY_S`` while not created)."""
         if self.opened and self.store is None and time.monotonic() >= self._next_open:
             try:
-                self._attach(SharedPool.open_reader(self.config, self.namespace))
+                self._attach(open_view(self.config, self.namespace, writer=False))
             except DeviceError:  # not created by any writer yet
                 self._next_open = time.monotonic() + READER_RETRY_S
         return self.store
 
-    def _attach(self, store: SharedPool) -> None:
+    def _attach(self, store: PoolView) -> None:
         self.store = store
         if self.config.readahead_bytes >= self.pages.page_bytes:
             # Chunks of io_depth pages: each staging job keeps the device queue full, and a span's first
@@ -114,7 +116,7 @@ class HostShard:
             self.readahead = ReadAhead(store.get, self.pages.page_bytes, self.config.readahead_bytes,
                                        chunk_pages=self.config.io_depth)
 
-    def _store(self) -> SharedPool:
+    def _store(self) -> PoolView:
         """The open store, or ``KVTierError`` when the shard does not exist yet."""
         store = self.store if self.writer else self._reader()
         if store is None:
@@ -123,8 +125,8 @@ class HostShard:
 
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
-        """Leading keys stored by any writer of the pool (the pool re-reads the other writers' journals,
-        rate-limited, before answering short)."""
+        """Leading keys stored by any writer of the pool (the pool re-reads the other writers' journals before
+        answering short, by the shortfall rule: ``sharing.shortfall``)."""
         store = self.store if self.writer else self._reader()
         if store is None:
             return 0
@@ -134,12 +136,24 @@ class HostShard:
         """Start reading ``keys`` (an exists query's hit) into staging; how many reads started."""
         return 0 if self.readahead is None else self.readahead.stage(keys)
 
-    def _get(self, store: SharedPool, keys: Sequence[PageKey], runs: Sequence[Sequence[Run]]) -> list[bool]:
+    def _get(self, store: PoolView, keys: Sequence[PageKey], runs: Sequence[Sequence[Run]]) -> list[bool]:
         return store.get(keys, runs) if self.readahead is None else self.readahead.read(keys, runs)
 
     def contains(self, key: PageKey) -> bool:
         """Whether ``key`` is stored in this pool's open shard (by any of its writers)."""
         return self.store is not None and self.store.contains(key)
+
+    def present(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether each of ``keys`` is stored by any writer of the pool (its view refreshed first, rate-limited,
+        as every lookup does); all False while a reader's shard is not open."""
+        store = self.store if self.writer else self._reader()
+        return [False] * len(keys) if store is None else store.present(keys)
+
+    def shortfall(self, asked: Sequence[PageKey]) -> bool:
+        """A lookup of ``asked`` (``present``) fell short of it: the pool re-reads the other writers first where
+        the shortfall rule says so (``sharing.shortfall``: a retry always); True if their pages changed."""
+        store = self.store if self.writer else self._reader()
+        return store is not None and store.shortfall(asked)
 
     # ------------------------------------------------------------------ host-index transfers
     def read(self, keys: Sequence[PageKey | None], host_indices: torch.Tensor) -> list[bool]:
@@ -243,7 +257,7 @@ def _rate(estimator: TransferEstimator) -> RateSnapshot:
                         None if model is None else model.batch_latency_s, estimator.samples)
 
 
-def _store_snapshot(store: SharedPool, gone: WritersGone | None = None) -> StoreSnapshot:
+def _store_snapshot(store: PoolView, gone: WritersGone | None = None) -> StoreSnapshot:
     """The pool's occupancy, rates, devices, writers (``gone``: with those that left) and sharing counters."""
     # The pool's view first (rate-limited as lookups do it; never raises): an idle server's snapshot follows
     # the other writers too, and the verdicts below judge the leases as read now, not as of the last lookup.
@@ -268,7 +282,7 @@ _STATE = {Verdict.LIVE: WriterState.LIVE, Verdict.DEAD: WriterState.DEAD, Verdic
           Verdict.UNKNOWN: WriterState.UNKNOWN}
 
 
-def _writers(store: SharedPool) -> tuple[WriterSnapshot, ...]:
+def _writers(store: PoolView) -> tuple[WriterSnapshot, ...]:
     """The own writer (its usage now, its last beat's age) and every other one from its last lease, judged
     by the pool's lease watch."""
     rows = []

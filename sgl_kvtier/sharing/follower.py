@@ -11,6 +11,9 @@ Rules (any number of readers may follow a writer, in any processes):
     new ones (failing the old checksum: a miss, dropped from the view). Never wrong KV.
   * A peer's reader (``follows_peer``) re-reads the journal when a read fails its checksum and counts a
     changed mapping as ``remote_reuse_races``; a vanished directory leaves an empty view, never errors.
+  * A peer's reader first reads a page failing verification again through a fresh descriptor of its
+    segment (reopened at most once per segment per ``follow_interval_s``, ``store.renewal``): on some
+    shared filesystems a descriptor opened before another host rewrote a slot keeps the old bytes.
 ``sharing = "cluster"`` (a shared filesystem whose clients may see each other's files stale):
   * Each refresh reads the LEASE and replays only as far as the leases announced
     (``store.journal.follow_announced``). A stale lease never moves the view back; a lease of a new incarnation
@@ -24,7 +27,8 @@ A shared raw pool's writer is read through its region's ``media.shared_raw.regio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +49,7 @@ from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import Acquired
 from sgl_kvtier.store.meta import LEASE
 from sgl_kvtier.store.parts import Checksum
+from sgl_kvtier.store.renewal import DescriptorRenewal
 from sgl_kvtier.store.shard import PageShard, SharedTelemetry, collector_paused, open_shard_engine, own_engine
 from sgl_kvtier.store.slots import SlotTable
 
@@ -98,9 +103,12 @@ class PageReader(PageShard):
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, recovered: jr.Recovered,
                  engine: IOEngine, *, shared: SharedTelemetry | None = None, follows_peer: bool = False,
-                 view: FileView = POSIX, lease: dict[str, Any] | None = None):
+                 view: FileView = POSIX, lease: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(config, namespace, layout, recovered, _capacity(layout, recovered), engine, shared=shared)
         self.follows_peer = follows_peer
+        if follows_peer:  # a live writer on another host may rewrite slots under descriptors held here
+            self._io.renewal = DescriptorRenewal(layout, self.counters, config.follow_interval_s, clock)
         self.wid = layout.wid
         self.cluster = config.sharing is Sharing.CLUSTER
         self.view = view
@@ -115,11 +123,13 @@ class PageReader(PageShard):
     @classmethod
     def open(cls, config: StoreConfig, namespace: Namespace, *, wid: str | None = None,
              engine: IOEngine | None = None, shared: SharedTelemetry | None = None,
-             follows_peer: bool = False, view: FileView | None = None) -> PageReader:
+             follows_peer: bool = False, view: FileView | None = None,
+             clock: Callable[[], float] = time.monotonic) -> PageReader:
         """Open writer ``wid``'s pages of the shard of ``namespace`` read-only (``wid`` None: the lowest
         writer directory present). ``engine`` (tests): the base engine to run IO on, the reader's from this
         call on (closed by ``close``, or here if this fails). ``shared``/``follows_peer``: a pool's.
         ``view``: how its writer's files are seen (None: the module's default, ``reading_through``).
+        ``clock``: what times a peer's descriptor renewals (``store.renewal``).
 
         Raises: DeviceError (no such shard or writer yet, among others), ConfigError, StoreFormatError. A
         failed open has released everything it took (``store.lifecycle``).
@@ -151,7 +161,7 @@ class PageReader(PageShard):
                 recovered = jr.recover(layout.meta, parts) if bounds is None and view is POSIX else \
                     jr.recover(layout.meta, parts, view=view, announced=bounds)  # (host mode, plain view: as always)
                 return cls(config, namespace, layout, recovered, io_engine, shared=shared,
-                           follows_peer=follows_peer, view=view, lease=lease)
+                           follows_peer=follows_peer, view=view, lease=lease, clock=clock)
 
     def _before_corrupt(self) -> None:
         if self.follows_peer:

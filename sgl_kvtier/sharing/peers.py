@@ -4,9 +4,10 @@
   * Discovered lazily: a new directory is opened on the next ``refresh``; one failing to open is tried again
     after PEER_RETRY_S; one judged ``RETIRED`` is never opened.
   * Each ``refresh`` (at most every ``follow_interval_s`` unless forced; ``shortfall``: a lookup that fell
-    short, at most every quarter of that, waiting up to SHORTFALL_WAIT_S for a refresh elsewhere) reads
-    every peer's lease and fence (``LeaseWatch.retired``: the FENCE only, no LOCK probe), replays its
-    journal and hands the TOUCHes of own pages to ``touched``. One at a time; others go on without waiting.
+    short, by ``sharing.shortfall``'s rule: a retry always, any other at most every quarter of that, waiting
+    up to SHORTFALL_WAIT_S for a refresh elsewhere) reads every peer's lease and fence
+    (``LeaseWatch.retired``: the FENCE only, no LOCK probe), replays its journal and hands the TOUCHes of own
+    pages to ``touched``. One at a time; others go on without waiting (a shortfall's waits, see above).
   * Dropped at once (misses from then on; ``dropped`` counts it) and closed once no call uses it: a peer
     judged ``RETIRED``, or whose directory is gone or made anew (another inode, or a lease of a new
     incarnation whose journal generation is not past the last announced); one made anew is reopened in the
@@ -25,7 +26,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from sgl_kvtier.media.shared_raw.regions import in_share, region_identity
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.sharing.liveness import LeaseWatch
+from sgl_kvtier.sharing.shortfall import SHORTFALL_WAIT_S, Shortfalls
 from sgl_kvtier.sharing.writers import writer_dirs
 from sgl_kvtier.store import journal as jr
 from sgl_kvtier.store.format import writer_dirname
@@ -46,7 +48,6 @@ from sgl_kvtier.telemetry.counters import RateLimitedLog
 
 log = logging.getLogger(__name__)
 PEER_RETRY_S = 5.0  # a peer failing to open is tried again after this long
-SHORTFALL_WAIT_S = 1.0  # a lookup falling short waits this long for another thread's refresh
 PEER_ERRORS = (OSError, KVTierError)
 
 
@@ -117,7 +118,8 @@ class Peers:
         self.touched = touched
         self.closed = False
         self._lock = threading.Lock()
-        self._last = self._last_shortfall = -float("inf")
+        self._last = -float("inf")
+        self.shortfalls = Shortfalls(config.follow_interval_s, clock)
         self.namespace = namespace
         self.ns_meta = ns_meta
         self.shared = shared
@@ -163,12 +165,11 @@ class Peers:
         finally:
             self._lock.release()
 
-    def shortfall(self) -> bool:
-        """A lookup fell short: refresh now (rate-limited, see the module docstring); True if pages changed."""
-        now = self.clock()
-        if now - self._last_shortfall < self.config.follow_interval_s / 4:
+    def shortfall(self, asked: Sequence[PageKey]) -> bool:
+        """A lookup of ``asked`` fell short: refresh now where ``sharing.shortfall``'s rule says so (a retry
+        always, any other at most every quarter interval); True if pages changed."""
+        if not self.shortfalls.due(asked):
             return False
-        self._last_shortfall = now
         # A lookup that falls short must see the peers as of now: wait for a refresh in flight elsewhere.
         return self.refresh(force=True, wait_s=SHORTFALL_WAIT_S)
 
@@ -184,7 +185,7 @@ class Peers:
             engine, self.engine = self.engine, None
             try:
                 readers[wid] = PageReader.open(self.config, self.namespace, wid=wid, engine=engine,
-                                               shared=self.shared, follows_peer=True)
+                                               shared=self.shared, follows_peer=True, clock=self.clock)
             except PEER_ERRORS as exc:  # being created right now, or damaged: tried again later
                 self._retry_at[wid] = now + PEER_RETRY_S
                 log.debug("writer %s of %s not readable yet: %r", wid, self.ns_meta, exc)

@@ -1,4 +1,5 @@
-"""SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds).
+"""SharedPool: one merged view over every writer of a namespace shard (what the SGLang adapter holds under
+``sharing = "host"`` and ``"cluster"``: ``sharing.views``).
 
 A pool opened as a writer (``open_writer``) opens its own ``PageStore`` through its site
 (``sharing.sites.open_writer``); one opened as a reader (``open_reader``: MLA ranks that only read) has
@@ -7,9 +8,10 @@ none. Either way it follows every OTHER writer through a read-only ``PageReader`
 rates (``store.shard.SharedTelemetry``): the devices are the same.
 
 API (keys, pages and results as ``PageShard``'s): get / get_parts (``sharing.pool_reads``), longest_prefix
-(own index, then the peers'), put (keys a peer holds are not stored again: True, counted present), delete /
-evict / clear / checkpoint (own pages only), contains, slot_of, parent_of, keys, stats, refresh, peers,
-leases, verdict, peer_alive, sharing_stats, close; a context manager.
+(own index, then the peers'), present (which keys some writer holds), shortfall, put (keys a peer holds are
+not stored again: True, counted present), delete / evict / clear / checkpoint (own pages only), contains,
+slot_of, parent_of, keys, stats, refresh, peers, leases, verdict, peer_alive, sharing_stats, close; a context
+manager.
 
 Rules:
   * Never wrong bytes: a peer's page is read through the same verified path, against its owner's journaled
@@ -18,8 +20,10 @@ Rules:
     vanished is dropped (closed once no call uses it); one failing to open is retried later. A killed
     writer's pages stay readable (its files are intact) until a live writer reclaims or retires it.
   * One ``liveness.LeaseWatch`` per pool judges every other writer, for peers, quota and ``verdict`` alike.
-  * Refresh runs from the calls themselves (no thread), at most every ``follow_interval_s``, and again on a
-    ``longest_prefix`` shortfall at most every quarter of that.
+  * Refresh runs from the calls themselves (no thread), at most every ``follow_interval_s``, and again when a
+    lookup falls short (``shortfall``, by ``sharing.shortfall``'s rule: a retry always, any other at most
+    every quarter of that): ``longest_prefix`` short of its keys, or a caller's answer built on ``present``
+    short of what it asked (the side pools of SGLang's v2 existence query).
   * Pool-wide cap: the own store is told the peers' leased ``bytes_used`` (``PageStore.peer_bytes``); the
     quota (``sharing.quota_loop``) runs after each beat; a fenced own store is replaced by
     ``sharing.fencing``. Hits on peers' pages are journaled as TOUCHes; peers' TOUCHes warm own pages.
@@ -239,13 +243,27 @@ class SharedPool(PoolReads, ClosedOnExit):
     # ------------------------------------------------------------------ queries
     def longest_prefix(self, keys: Sequence[PageKey]) -> int:
         """How many leading ``keys`` some writer of the pool holds readable now (re-reading the peers'
-        journals once, rate-limited, when the answer falls short)."""
+        journals first when the answer falls short: ``shortfall``)."""
         self._check_open()
         self.refresh()
         n = self._prefix(keys)
-        if n < len(keys) and self._followed.shortfall():
+        if n < len(keys) and self.shortfall(keys):
             n = self._prefix(keys)
         return n
+
+    def present(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether some writer of the pool holds each of ``keys`` (the view refreshed first, at most every
+        ``follow_interval_s``). A caller whose answer falls short of what it asked for calls ``shortfall``
+        and asks again."""
+        self._check_open()
+        self.refresh()
+        return [self.contains(k) for k in keys]
+
+    def shortfall(self, asked: Sequence[PageKey]) -> bool:
+        """A lookup of ``asked`` fell short: re-read the peers first where ``sharing.shortfall``'s rule says so
+        (a retry always, any other at most every quarter of ``follow_interval_s``); True if their pages
+        changed (ask again)."""
+        return self._followed.shortfall(asked)
 
     def _prefix(self, keys: Sequence[PageKey]) -> int:
         keys = list(keys)

@@ -4,10 +4,12 @@ Per writer: its lease (``sharing.lease.read_lease``: host, pid, beats, heartbeat
 ``bytes_used``); the lease age from the LEASE file's mtime (the lease holds no wall-clock time; another
 host's mtime is that host's or the file server's clock); its state, ``live`` / ``dead`` on this host
 (``writers.writer_alive``: an instant's shared ``flock`` on its LOCK) or ``unknown`` for another host's (a
-lease naming this ``machine_id`` is this host's whatever ``host_id`` it used); its pages and bytes from its
-own index through a read-only ``PageReader``, else its last lease's figures (``source`` says which). The
-pool's capacity is the largest ``capacity_bytes`` the writers recorded (each caps the pool's total at its
-own), else what the devices hold (a reader's stats); ``share_pct`` is a writer's bytes over it.
+lease naming this ``machine_id`` is this host's whatever ``host_id`` it used); the ``sharing`` mode its
+CONFIG records; its pages and bytes from its own index through a read-only ``PageReader``, else its last
+lease's figures (``source`` says which). A writer with no lease (``sharing = "off"`` beats none) is judged by
+its LOCK alone, and a live one's pid is the one its LOCK records. The pool's capacity is the largest
+``capacity_bytes`` the writers recorded (each caps the pool's total at its own), else what the devices hold
+(a reader's stats); ``share_pct`` is a writer's bytes over it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.sharing.follower import PageReader
 from sgl_kvtier.sharing.lease import read_lease
-from sgl_kvtier.sharing.writers import host_id, machine_id, writer_alive, writer_dirs
+from sgl_kvtier.sharing.writers import host_id, lock_holder, machine_id, recorded_sharing, writer_alive, writer_dirs
 from sgl_kvtier.store.meta import LEASE
 
 LIVE, DEAD, UNKNOWN = "live", "dead", "unknown"
@@ -51,6 +53,7 @@ class WriterView:
     capacity_bytes: int | None  # its configured cap (CONFIG), None when unlimited or unreadable
     journal: list[int] | None  # the lease's journal cursor [generation, bytes]
     share_pct: float | None = None  # bytes_used over the pool's capacity, percent
+    sharing: str | None = None  # the mode its CONFIG records ("off": a sole writer, which has no lease)
     problems: list[str] = field(default_factory=list)
 
 
@@ -98,12 +101,17 @@ def writer_view(namespace: Namespace, wid: str, path: Path, config_of: ConfigOf,
         except (KVTierError, OSError) as exc:
             problems.append(f"index not readable: {exc}")
     journal = None if lease is None else [int(v) for v in lease.get("journal", [])] or None
+    pid, mode = _int(lease, "pid"), recorded_sharing(path)
+    if pid is None and state == LIVE:
+        holder = lock_holder(path)  # no lease (sharing = "off"): the pid its LOCK records
+        pid = int(holder) if holder.isdigit() else None
     view = WriterView(
-        wid=wid, host=None if lease is None else str(lease.get("host_id")), pid=_int(lease, "pid"), state=state,
+        wid=wid, host=None if lease is None else str(lease.get("host_id")), pid=pid, state=state,
         lease_age_s=age, beats=None if lease is None else int(lease.get("counter", 0)) + 1, heartbeat_s=heartbeat,
         lease_stale=bool(state == UNKNOWN and age is not None and heartbeat and age > STALE_BEATS * heartbeat),
         pages=pages, bytes_used=used, source=source, leased_bytes_used=_int(lease, "bytes_used"),
-        capacity_bytes=None if config is None else config.capacity_bytes, journal=journal, problems=problems)
+        capacity_bytes=None if config is None else config.capacity_bytes, journal=journal, problems=problems,
+        sharing=None if mode is None else mode.value)
     if view.host is None:
         view.host = wid.rpartition("-")[0] or None  # no lease yet: the wid names the host
     return view, store

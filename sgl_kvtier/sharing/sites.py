@@ -1,9 +1,11 @@
 """The ``store.site.WriterSite`` of a config (``site_for``), chosen once at open: ``DirectorySite`` for
 devices that are directories or block devices with a meta directory, ``SharedRawSite`` for the shared raw
-device (``host_index`` set). Both run the sharing mode's storage checks (``sharing.cluster_fs.check``) first
-and beat a lease (``sharing.lease``); on the shared raw device each beat also beats this host's lease of
-its slot. ``open_writer`` opens a ``PageStore`` on its config's site; ``load_config`` reads a recorded
-CONFIG from either medium.
+device (``host_index`` set), ``SoleSite`` for a namespace shard's one writer (``sharing = "off"``). Each runs
+the sharing mode's storage checks (``sharing.cluster_fs.check``) first. The shared sites beat a lease
+(``sharing.lease``; on the shared raw device each beat also beats this host's lease of its slot); the sole
+site beats none: its held LOCK alone says it is live. No namespace has a sole and a shared writer live at once
+(``writers.refuse_mixed_modes``). ``open_writer`` opens a ``PageStore`` on its config's site; ``load_config``
+reads a recorded CONFIG from either medium.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.config import StoreConfig
+from sgl_kvtier.config import Sharing, StoreConfig
 from sgl_kvtier.errors import ConfigError, StoreFormatError
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.media.shared_raw.layout import load_raw_config, open_raw_layout, raw_meta_dir
@@ -22,14 +24,16 @@ from sgl_kvtier.media.shared_raw.superblock import superblock_of
 from sgl_kvtier.sharing import shared_raw_claim
 from sgl_kvtier.sharing.cluster_fs.check import check_cluster_open
 from sgl_kvtier.sharing.lease import Lease
-from sgl_kvtier.sharing.writers import boot_id, claim_writer, machine_id
+from sgl_kvtier.sharing.writers import boot_id, claim_writer, machine_id, refuse_mixed_modes
 from sgl_kvtier.store import layout
+from sgl_kvtier.store.devices import fsync_dir
 from sgl_kvtier.store.layout import Layout
+from sgl_kvtier.store.lifecycle import abandon
 from sgl_kvtier.store.meta import LEASE, LeaseBlocks
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.site import Claim, Closeable, Heartbeat, Writer, WriterSite
 
-StartedLease = tuple[Heartbeat, Closeable | None, Callable[[], str | None] | None]
+StartedLease = tuple[Heartbeat | None, Closeable | None, Callable[[], str | None] | None]
 
 
 class DirectorySite:
@@ -50,7 +54,14 @@ class DirectorySite:
         return layout.meta_dir(self.config, namespace)
 
     def claim(self, namespace: Namespace, ns_meta: Path, wid: str | None) -> Claim:
-        return claim_writer(self.config, ns_meta, wid)
+        claim = claim_writer(self.config, ns_meta, wid)
+        if wid is None:  # a new writer (a reclaim's dead writer is of this mode already)
+            try:
+                refuse_mixed_modes(self.config, ns_meta, claim.wid, sole=False)
+            except BaseException as exc:
+                abandon(exc, str(claim.path), [("writer lock", claim.release)])
+                raise
+        return claim
 
     def check_meta_present(self, namespace: Namespace, meta: Path, wid: str) -> None:
         layout.check_meta_present(self.config, namespace, meta, wid)
@@ -95,6 +106,27 @@ class SharedRawSite(DirectorySite):
         return lease, host, host.taken_over
 
 
+class SoleSite(DirectorySite):
+    """A namespace shard's one writer (``sharing = "off"``): ``w-<host_id>-0`` only, and no lease.
+
+    With the store's CONFIG recorded, ``start_lease`` refuses it while another writer of the namespace holds
+    its LOCK (``writers.refuse_mixed_modes``) and removes a LEASE an earlier shared writer left in its
+    directory: no observer counts, reclaims or retires this writer by a lease it no longer beats."""
+
+    def claim(self, namespace: Namespace, ns_meta: Path, wid: str | None) -> Claim:
+        return claim_writer(self.config, ns_meta, wid, sole=True)
+
+    def start_lease(self, store: Writer) -> StartedLease:
+        refuse_mixed_modes(self.config, store.layout.ns_meta, store.wid, sole=True)
+        try:
+            (store.claim.path / LEASE).unlink()
+        except FileNotFoundError:
+            pass
+        else:
+            fsync_dir(store.claim.path)
+        return None, None, None
+
+
 def _started(lease: Lease) -> Lease:
     """``lease`` with its beat thread started; closed (its blocks released) when the start fails."""
     try:
@@ -111,8 +143,11 @@ def _identity(store: Writer) -> dict[str, Any]:
 
 
 def site_for(config: StoreConfig) -> WriterSite:
-    """The site of ``config``'s writers: the shared raw device when ``host_index`` is set, else directories."""
-    return SharedRawSite(config) if config.host_index is not None else DirectorySite(config)
+    """The site of ``config``'s writers: the shared raw device when ``host_index`` is set (``sharing =
+    "cluster"`` only), else directories: the sole writer's under ``sharing = "off"``."""
+    if config.host_index is not None:
+        return SharedRawSite(config)
+    return SoleSite(config) if config.sharing is Sharing.OFF else DirectorySite(config)
 
 
 def open_writer(config: StoreConfig, namespace: Namespace, **kwargs: Any) -> PageStore:

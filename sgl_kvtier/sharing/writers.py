@@ -6,9 +6,15 @@
 Claim (``claim_writer``): a starting writer takes the LOWEST ``k`` whose ``w-<host_id>-<k>/LOCK`` it can
 ``flock(LOCK_EX | LOCK_NB)`` (making the directory and file if needed) and holds it until its close. So a
 restarted instance adopts a free directory, usually its own (warm); N writers starting at once never fail;
-a directory carrying a fence (being retired) is skipped; with ``sharing = "off"`` only ``k = 0`` is tried
-(held: ``StoreLockedError`` naming the holder's pid). A reclaim (``sharing.quota_loop``) claims one exact
-wid the same way. Hosts never contend for a name: claims touch only the host's own directories.
+a directory carrying a fence (being retired) is skipped; a sole claim (``sharing = "off"``,
+``sharing.sites.SoleSite``) tries ``k = 0`` only (held: ``StoreLockedError`` naming the holder's pid). A
+reclaim (``sharing.quota_loop``) claims one exact wid the same way. Hosts never contend for a name: claims
+touch only the host's own directories.
+
+One mode per namespace (``refuse_mixed_modes``): a sole writer (no lease) and shared writers (leases, peers,
+quota, retirement) never run at once in one namespace; the one claiming second is refused with
+``SharingModeError`` naming ``sharing`` and the holder. The sole writer checks once its CONFIG is recorded,
+a shared one right after its claim: of two starting at once at least one sees the other.
 
 Duplicate ``host_id``: after a claim (not a reclaim), each ``w-<host_id>-<k>`` whose lease names another
 ``boot_id`` and was written within ``RECENT_BEATS`` heartbeats (its mtime) is watched for ``WATCH_BEATS``
@@ -36,12 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from sgl_kvtier.config import Sharing, StoreConfig
-from sgl_kvtier.errors import DeviceError, StoreLockedError
+from sgl_kvtier.errors import ConfigError, DeviceError, KVTierError, StoreLockedError
 from sgl_kvtier.media.shared_raw.regions import pool_writers, region_alive
 from sgl_kvtier.sharing.lease import read_lease
 from sgl_kvtier.store import format as fmt
 from sgl_kvtier.store.devices import make_dir
 from sgl_kvtier.store.format import WRITER_PREFIX, writer_dirname
+from sgl_kvtier.store.layout import load_config
 from sgl_kvtier.store.lifecycle import abandon, release_all
 from sgl_kvtier.store.meta import LEASE
 
@@ -105,6 +112,13 @@ class DuplicateHostError(StoreLockedError):
     """Another machine is beating a lease in a writer directory of this ``host_id``."""
 
 
+class SharingModeError(ConfigError, StoreLockedError):
+    """A live writer of the namespace runs under another ``sharing`` mode (one sole, the other shared)."""
+
+    def __init__(self, problem: str):
+        super().__init__("sharing", problem)
+
+
 @dataclass(frozen=True)
 class ClaimWatch:
     """How a claim watches leases of this ``host_id`` from another boot: ``clock`` is the wall clock (it is
@@ -116,19 +130,20 @@ class ClaimWatch:
 
 
 def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None,
-                 watch: ClaimWatch | None = None) -> WriterClaim:
+                 watch: ClaimWatch | None = None, *, sole: bool = False) -> WriterClaim:
     """Claim the lowest free ``w-<host_id>-<k>`` of the namespace (see the module docstring), or with
     ``wid`` that existing writer directory only (a reclaim of a dead writer of this host). ``watch``: the
-    duplicate-host_id watch's clock, sleep and lease reader (default: the real ones).
+    duplicate-host_id watch's clock, sleep and lease reader (default: the real ones). ``sole``: the
+    namespace shard's one writer (``k = 0`` only).
 
     Raises DeviceError (the meta directory is not writable; ``wid``'s directory is not there or not of this
     host), DuplicateHostError (another machine beats in a directory of this host_id) or StoreLockedError
-    (``sharing = "off"`` and ``k = 0`` is held; ``wid`` is held; or, absurdly, every one of
-    MAX_WRITERS_PER_HOST directories is held)."""
+    (``sole`` and ``k = 0`` is held; ``wid`` is held; or, absurdly, every one of MAX_WRITERS_PER_HOST
+    directories is held)."""
     host = host_id(config)
     if wid is not None:
         return _claim_exact(host, ns_meta, wid)
-    claim = _claim_lowest(config, host, ns_meta)
+    claim = _claim_lowest(host, ns_meta, sole)
     try:
         _refuse_duplicate_host(config, host, ns_meta, watch or ClaimWatch())
     except BaseException as exc:
@@ -137,12 +152,12 @@ def claim_writer(config: StoreConfig, ns_meta: Path, wid: str | None = None,
     return claim
 
 
-def _claim_lowest(config: StoreConfig, host: str, ns_meta: Path) -> WriterClaim:
+def _claim_lowest(host: str, ns_meta: Path, sole: bool) -> WriterClaim:
     try:
         make_dir(ns_meta)  # crash rule: durable in its parent before a writer directory is made in it
     except OSError as exc:
         raise DeviceError(f"{ns_meta.parent}: not writable ({exc.strerror})") from None
-    last = 1 if config.sharing is Sharing.OFF else MAX_WRITERS_PER_HOST
+    last = 1 if sole else MAX_WRITERS_PER_HOST
     for k in range(last):
         wid = f"{host}-{k}"
         path = ns_meta / writer_dirname(wid)
@@ -152,10 +167,59 @@ def _claim_lowest(config: StoreConfig, host: str, ns_meta: Path) -> WriterClaim:
         holder = try_lock(fd, path)
         if holder is None:
             return WriterClaim(wid, host, k, path, fd)
-        if config.sharing is Sharing.OFF:
+        if sole:
             raise StoreLockedError(f"{path}: already open for writing by pid {holder}; one writer process "
                                    "per namespace shard (sharing = \"off\")")
     raise StoreLockedError(f"{ns_meta}: all {last} writer directories of host {host} are held")
+
+
+def refuse_mixed_modes(config: StoreConfig, ns_meta: Path, own_wid: str, sole: bool) -> None:
+    """``SharingModeError`` when a writer of another mode holds a writer directory of the namespace now
+    (module docstring). ``sole``: this writer is the shard's one (``sharing = "off"``), so any other writer
+    holding its LOCK refuses it; else only one whose CONFIG records ``sharing = "off"`` does. A writer whose
+    lease names another machine is not probed from here and is let be (one of this machine under another
+    ``host_id`` is)."""
+    here = host_id(config)
+    for wid, path in writer_dirs(ns_meta):
+        if wid == own_wid:
+            continue
+        theirs = recorded_sharing(path)
+        if not sole and theirs is not Sharing.OFF:
+            continue
+        lease = read_lease(path / LEASE)
+        probe_as = here
+        if lease is not None and lease.get("machine_id") and lease.get("machine_id") == machine_id():
+            probe_as = str(lease.get("host_id"))  # this machine under another host_id: probed all the same
+        if writer_alive(path, lease, probe_as) is not True:
+            continue  # dead, or another machine's (its lease names it): not probed from here
+        pid, mode = lock_holder(path), "unknown" if theirs is None else theirs.value
+        if sole:
+            raise SharingModeError(f'{path} is open for writing by pid {pid} (sharing = "{mode}"), and a writer '
+                                   'with sharing = "off" takes its namespace shard alone: stop that writer, or '
+                                   'give every writer of the shard one sharing mode')
+        raise SharingModeError(f'{path} is open for writing by pid {pid} with sharing = "off", which takes its '
+                               f'namespace shard alone: stop it, or give every writer of the shard sharing = '
+                               f'"{config.sharing.value}"')
+
+
+def recorded_sharing(path: Path) -> Sharing | None:
+    """The ``sharing`` mode writer directory ``path`` recorded in its CONFIG, or None (none readable)."""
+    try:
+        return load_config(path).sharing
+    except (OSError, ValueError, TypeError, KeyError, KVTierError):
+        return None
+
+
+def lock_holder(path: Path) -> str:
+    """The pid writer directory ``path``'s LOCK records (its holder's, if held), or "another process"."""
+    try:
+        fd = os.open(path / "LOCK", os.O_RDONLY)
+    except OSError:
+        return "another process"
+    try:
+        return _holder(fd)
+    finally:
+        os.close(fd)
 
 
 def _mark(lease: dict[str, Any]) -> tuple[Any, Any]:

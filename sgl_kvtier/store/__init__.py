@@ -6,5 +6,7 @@ such as ``store.format`` loads nothing else):
                                                       on its config's ``store.site.WriterSite``
     ``sharing.follower.PageReader.open(config, namespace, wid=)``  a read-only view following one writer
     ``sharing.pool.SharedPool.open_writer`` / ``open_reader``      the merged view over every writer
+    ``sharing.views.open_view(config, namespace, writer)``   what the adapter holds: that merged view, or
+                                                      under ``sharing = "off"`` the one writer alone
 All of them share the verified read path of ``store.shard.PageShard``.
 """

@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import stat
+import threading
 import uuid
 from functools import partial
 from pathlib import Path
@@ -174,6 +175,16 @@ class Arena:
         """The open file descriptors behind the arena's slots."""
         raise NotImplementedError
 
+    def segment_of(self, local_slot: int) -> int:
+        """Which of the arena's files holds ``local_slot`` (0 where one file holds them all)."""
+        return 0
+
+    def reopen(self, local_slot: int) -> bool:
+        """Open the file holding ``local_slot`` afresh, in place of the descriptor open on it now (same
+        number: ops built or in flight on it stay valid; ``store.renewal``). False where the arena cannot
+        (this one), or that file is not open; raises OSError where opening it again fails."""
+        return False
+
     def punch_free(self, local_slots: list[int]) -> int:
         """Give the space of these free local slots back to the filesystem (``holes.punch``, one call per run
         of consecutive slots in one segment); how many bytes were punched. The caller guarantees they are
@@ -198,6 +209,7 @@ class DirectoryArena(Arena):
         self.slot_bytes = slot_bytes
         self.writable = create
         self._fds: dict[int, int] = {}
+        self._fds_lock = threading.Lock()  # ``reopen`` against ``close``: never a dup2 onto a closed number
         if not Path(root).is_dir():
             raise DeviceError(f"{root}: not a directory")
         if create:
@@ -275,6 +287,23 @@ class DirectoryArena(Arena):
     def fds(self) -> list[int]:
         return list(self._fds.values())
 
+    def segment_of(self, local_slot: int) -> int:
+        return local_slot // self.slots_per_segment
+
+    def reopen(self, local_slot: int) -> bool:
+        seg = self.segment_of(local_slot)
+        with self._fds_lock:
+            fd = self._fds.get(seg)
+            if fd is None:
+                return False  # not open: the next ``locate`` opens it afresh anyway
+            flags = os.O_RDWR if self.writable else os.O_RDONLY
+            new, _ = open_file(str(self._segment_path(seg)), flags, self._direct_mode)
+            try:
+                os.dup2(new, fd, inheritable=False)
+            finally:
+                os.close(new)
+        return True
+
     def punch_free(self, local_slots: list[int]) -> int:
         done = 0
         per_seg = self.slots_per_segment
@@ -291,7 +320,8 @@ class DirectoryArena(Arena):
 
     def close(self) -> None:
         """Close every segment file, each whatever the others raise (then the first error). Idempotent."""
-        fds, self._fds = list(self._fds.values()), {}  # detached first: a failed close is never retried
+        with self._fds_lock:
+            fds, self._fds = list(self._fds.values()), {}  # detached first: a failed close is never retried
         release_all((f"segment fd {fd}", partial(os.close, fd)) for fd in fds)
 
 

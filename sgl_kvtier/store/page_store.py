@@ -2,9 +2,10 @@
 
 A ``store.shard.PageShard`` (the verified read path) that also holds what its ``store.site.WriterSite``
 claimed and started: the writer directory and its lock, the journal, and the lease beaten every
-``heartbeat_s`` on the ``kvtier-lease`` thread. It imports neither the medium nor the sharing protocol:
-callers open it through ``sharing.sites.open_writer``, and ``sharing.pool.SharedPool`` merges it with the
-other writers' ``sharing.follower.PageReader``s.
+``heartbeat_s`` on the ``kvtier-lease`` thread (none under ``sharing = "off"``: the shard's one writer). It
+imports neither the medium nor the sharing protocol: callers open it through ``sharing.sites.open_writer``,
+and ``sharing.pool.SharedPool`` merges it with the other writers' ``sharing.follower.PageReader``s (under
+``sharing = "off"``, ``sharing.sole.SoleShard`` serves it alone).
 
 API (pages are ``(address, length)`` runs in caller memory; keys are valid ``PageKey``s):
     put(keys, pages, parent=None) -> [bool]   True: stored, already stored, or declined by admission
@@ -127,8 +128,9 @@ class PageStore(PageShard, CapacitySide):
         ``clock``: the clock of page ages (tests inject one; default monotonic).
 
         Raises: ConfigError, DeviceError, StoreFormatError, StoreLockedError (``sharing = "off"`` and the
-        directory is held), OSError (the fold below). A failed open has released everything it took, the
-        writer lock last (``store.lifecycle``).
+        directory is held; or a live writer of the namespace runs under the other kind of mode, one sole
+        and one shared: ``sharing.writers.SharingModeError``), OSError (the fold below). A failed open has
+        released everything it took, the writer lock last (``store.lifecycle``).
         """
         with Acquired(f"a writer of {namespace.dirname()}") as held:
             store = acquire_writer(config, namespace, site, held, engine, wid,

@@ -61,6 +61,7 @@ class _Group:
     parts_read: int = 0
     parts_failed: int = 0
     io_errors: int = 0
+    fresh: int = 0  # ops that verified once read again through a renewed descriptor (``store.renewal``)
     index: int = 0  # which read group of the plan
     began: float = 0.0  # perf_counter when its task began
     seconds: float = 0.0
@@ -144,6 +145,7 @@ class PartRead:
         counters.parts_read += group.parts_read
         counters.parts_failed += group.parts_failed
         counters.io_errors += group.io_errors
+        counters.fresh_rereads += group.fresh
         ended = group.began + group.seconds
         self._seconds += max(0.0, ended - max(group.began, self._covered))  # landed in the order sent
         self._covered = max(self._covered, ended)
@@ -238,9 +240,12 @@ class PartRead:
                     placed.append((k, span, op, None, 0))
             self._take_turn(group.index)  # its ops built: hand them over right after the group before did
             results = io.engine.run([op for _, _, op, _, _ in placed])
+            found = []
             for (k, span, op, bounce_buf, skip), res in zip(placed, results):
                 io.health.record(op.device, res.ok or res.short, res.seconds)
-                verdict, good = self._verdict(k, span, op, res, bounce_buf, skip, group)
+                found.append(self._verdict(k, span, op, res, bounce_buf, skip, group))
+            self._retry_fresh(placed, found, group)
+            for (k, span, _, _, _), (verdict, good) in zip(placed, found):
                 group.parts_read += good
                 group.parts_failed += len(span) - good
                 if verdict is not ReadVerdict.HIT:
@@ -251,6 +256,20 @@ class PartRead:
         finally:
             for taken_buf in taken:
                 io.bounces.release(taken_buf)
+
+    def _retry_fresh(self, placed: list[_Placed], found: list[tuple[ReadVerdict, int]], group: _Group) -> None:
+        """Read again the ops of ``placed`` that failed verification where the page's segment descriptor was
+        just renewed (``PageIO.fresh_retry``, ``store.renewal``); their new outcomes replace ``found``'s."""
+        bad = [n for n, (verdict, _) in enumerate(found) if verdict is ReadVerdict.CORRUPT]
+        redo = self._io.fresh_retry([self._items[placed[n][0]][2][0] for n in bad])
+        again = [n for n in bad if self._items[placed[n][0]][2][0] in redo]
+        if not again:
+            return
+        for n, res in zip(again, self._io.engine.run([placed[n][2] for n in again])):
+            k, span, op, bounce_buf, skip = placed[n]
+            self._io.health.record(op.device, res.ok or res.short, res.seconds)
+            found[n] = self._verdict(k, span, op, res, bounce_buf, skip, group)
+            group.fresh += found[n][0] is ReadVerdict.HIT
 
     def _verdict(self, k: int, span: Span, op: IOOp, res: IOResult, buf: AlignedBuffer | None, skip: int,
                  group: _Group) -> tuple[ReadVerdict, int]:

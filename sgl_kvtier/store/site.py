@@ -1,7 +1,7 @@
 """Where one writer of a shard is placed and how it announces itself: the ``WriterSite`` that
 ``PageStore.open`` takes, chosen once from the config by ``sharing.sites.site_for`` (a directory or block
-devices with a meta directory, or the shared raw device; and the sharing mode's checks). The store reaches
-the medium and the sharing protocol only through it, so it imports neither.
+devices with a meta directory, or the shared raw device; and the sharing mode's checks and lease, if any).
+The store reaches the medium and the sharing protocol only through it, so it imports neither.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class WriterSite(Protocol):
     def open_layout(self, namespace: Namespace, ns_meta: Path, wid: str, create: bool) -> Layout:
         """The writer's arenas and meta files, headers checked against the config."""
 
-    def start_lease(self, store: Writer) -> tuple[Heartbeat, Closeable | None, Callable[[], str | None] | None]:
-        """Start beating ``store``'s lease: (the lease, a host lease to close after it or None, why another
-        machine took this host's slot or None)."""
+    def start_lease(self, store: Writer) -> tuple[Heartbeat | None, Closeable | None,
+                                                   Callable[[], str | None] | None]:
+        """The last step of the open, the store built: start beating ``store``'s lease. (The lease, or None
+        for a writer that beats none (``sharing = "off"``); a host lease to close after it or None; why
+        another machine took this host's slot or None.)"""

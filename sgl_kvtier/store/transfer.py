@@ -15,6 +15,9 @@ the page's bytes only (not the trailer), verified against the checksums the inde
 hit only if every part passes. Group-major reads are ``store.part_reads``, on ``locate``/``submit``.
 
 Each page read gets a ``ReadVerdict``; only ``HIT`` leaves bytes in the caller's runs that it may use.
+A peer follower's PageIO carries a ``renewal`` (``store.renewal``): a page failing verification is read
+once more where its segment's descriptor was just renewed (``fresh_retry``), and is a hit only if it
+verifies then.
 ``read_timed`` also reports each device's busy time in the batch from its own ops (``busy_seconds``), so a
 slow device shows up as slow even when a fast one shares the batch.
 """
@@ -51,6 +54,7 @@ from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import release_all
 from sgl_kvtier.store.parts import Checksum, PartMap, pack_sums
+from sgl_kvtier.store.renewal import DescriptorRenewal
 from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters
 
 log = logging.getLogger(__name__)
@@ -126,6 +130,7 @@ class PageIO:
         self._on_device_full = on_device_full
         self._errlog = RateLimitedLog(log)
         self._part_threads: ThreadPoolExecutor | None = None  # made by the first ``submit``
+        self.renewal: DescriptorRenewal | None = None  # a peer follower's (``store.renewal``): see ``fresh_retry``
         self._threads_lock = threading.Lock()
         self._closed = False
 
@@ -157,6 +162,14 @@ class PageIO:
     def locate(self, slot: int) -> tuple[int, int]:
         """(fd, byte offset) of a global slot. Raises OSError where its segment cannot be opened or made."""
         return self._arena(slot).locate(slot // self._ndev)
+
+    def fresh_retry(self, slots: Sequence[int]) -> set[int]:
+        """Of ``slots``, whose pages just failed verification, those to read once more: their segment's
+        descriptor was renewed now (``store.renewal``). Empty without a renewal (a writer's PageIO, an
+        offline reader's) and for an empty ``slots``."""
+        if self.renewal is None or not slots:
+            return set()
+        return self.renewal.renew(slots)
 
     def submit(self, task: Callable[[], _T]) -> Future[_T]:
         """Run ``task`` on this PageIO's part-read threads (``PART_READ_THREADS``, made on first use).
@@ -328,6 +341,14 @@ class PageIO:
             for (j, op, bounce), res in zip(placed, results):
                 self.health.record(op.device, res.ok or res.short, res.seconds)
                 verdicts[j] = self._verdict(res, bounce, items[j])
+            redo = self.fresh_retry([items[j][1][0] for j, _, _ in placed if verdicts[j] is ReadVerdict.CORRUPT])
+            again = [(j, op, bounce) for j, op, bounce in placed if verdicts[j] is ReadVerdict.CORRUPT
+                     and items[j][1][0] in redo]
+            for (j, op, bounce), res in zip(again, self._run([op for _, op, _ in again]) if again else []):
+                self.health.record(op.device, res.ok or res.short, res.seconds)
+                verdicts[j] = self._verdict(res, bounce, items[j])
+                self.counters.fresh_rereads += verdicts[j] is ReadVerdict.HIT
+            for _, _, bounce in placed:
                 if bounce is not None:
                     self._bounce.release(bounce)
             self._give_back(spare)

@@ -28,6 +28,8 @@ class StoreCounters:
     get_misses: int = 0
     corrupt_pages: int = 0  # failed checksum or short read: dropped, served as a miss
     remote_reuse_races: int = 0  # another writer's page whose slot its owner reused under our read: a miss
+    segments_reopened: int = 0  # a peer's segment files opened afresh after a page failed (``store.renewal``)
+    fresh_rereads: int = 0  # pages that failed through an old descriptor and verified through a fresh one
     io_errors: int = 0
     evictions: int = 0
     bad_requests: int = 0  # wrong key length, page size mismatch

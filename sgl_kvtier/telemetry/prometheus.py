@@ -120,6 +120,10 @@ STORE_HELP = {
     "get_misses": "Pages asked for and not served (not stored, unreadable, corrupt, or their device's breaker open)",
     "corrupt_pages": "Pages that failed their checksum or came back short: dropped, served as misses",
     "remote_reuse_races": "Another writer's pages whose slot its owner reused under the read: served as misses",
+    "segments_reopened": "Another writer's segment files opened afresh after a page read through the old "
+                         "descriptor failed verification",
+    "fresh_rereads": "Another writer's pages that failed through an old descriptor and verified through a fresh "
+                     "one (served)",
     "io_errors": "Failed IOs: reads, writes, fdatasyncs and segment growths that the devices refused",
     "evictions": "Pages evicted to make room (capacity or pool quota)",
     "bad_requests": "Requests with a wrong key length or page size: refused",

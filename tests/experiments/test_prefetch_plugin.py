@@ -42,7 +42,7 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from sgl_kvtier.experiments.cost_policy import plugin as prefetch_plugin  # noqa: E402
 from sgl_kvtier.policy import cost_inputs  # noqa: E402
 from sgl_kvtier.policy.cost_model import LoadProgress, PrefillModel, RequestShape, should_terminate  # noqa: E402
-from sgl_kvtier.sglang import KVTierStorage  # noqa: E402
+from sgl_kvtier.sglang import KVTierStorage, prefill_samples  # noqa: E402
 from sgl_kvtier.store.read_rates import ReadRates  # noqa: E402
 from sgl_kvtier.telemetry.counters import BoundaryCounts  # noqa: E402
 
@@ -64,6 +64,7 @@ def pristine(monkeypatch, cpu_shims):
     originals = keep_hooks(monkeypatch, TARGETS)
     monkeypatch.setattr(prefetch_plugin, "_loaded", False)
     monkeypatch.setattr(prefetch_plugin, "_clock", lambda: T0)
+    monkeypatch.setattr(prefill_samples, "_clock", lambda: T0)
     return originals
 
 

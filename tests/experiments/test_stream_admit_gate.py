@@ -30,7 +30,6 @@ from stream_kit import (  # noqa: E402
     registered,
 )
 
-from sgl_kvtier.experiments.cost_policy import plugin as prefetch  # noqa: E402
 from sgl_kvtier.experiments.streaming.backend_side import require_side
 from sgl_kvtier.experiments.streaming.contract import TailState  # noqa: E402
 from sgl_kvtier.experiments.streaming.hooks import admit as stream_admit  # noqa: E402
@@ -38,6 +37,7 @@ from sgl_kvtier.experiments.streaming.hooks import bind as stream_bind
 from sgl_kvtier.experiments.streaming.hooks import core as stream_core
 from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
 from sgl_kvtier.experiments.streaming.rules.bind import BindVerdict  # noqa: E402
+from sgl_kvtier.sglang import plugins  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,7 +73,7 @@ def test_the_gate_uses_the_measured_rate_and_prefill_model(consumer, monkeypatch
     tail2.stream.land(0)  # even with group 0 there: the measured rule decides, not the fallback
     # without the cost policy a slow tail is waited for (as a hit loaded whole would be)
     assert not env.cache.check_prefetch_progress(req2.cache_request_handle) and tail2.state is TailState.REGISTERED
-    monkeypatch.setattr(prefetch, "_loaded", True)  # KVTIER_PREFETCH_POLICY=cost: recomputing is its call
+    monkeypatch.setitem(plugins._status, "cost_policy", plugins.ON)  # its plugin runs: recomputing is its call
     assert env.cache.check_prefetch_progress(req2.cache_request_handle) and tail2.state is TailState.DROPPED
 
 

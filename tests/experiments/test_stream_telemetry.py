@@ -59,6 +59,7 @@ from sgl_kvtier.experiments.streaming.hooks import sample as stream_sample
 from sgl_kvtier.experiments.streaming.hooks import slots as stream_slots
 from sgl_kvtier.keys import parse_keys  # noqa: E402
 from sgl_kvtier.policy import cost_inputs  # noqa: E402
+from sgl_kvtier.sglang import prefill_samples  # noqa: E402
 from sgl_kvtier.telemetry import prometheus  # noqa: E402
 from sgl_kvtier.telemetry.snapshot import StreamBindSnapshot, StreamHookSnapshot, StreamSnapshot  # noqa: E402
 
@@ -211,8 +212,8 @@ def batch(mode: str, extend: int, seconds: float, forward_iter: int) -> Schedule
 @pytest.fixture
 def sampled(tmp_path, kit_on_cpu, monkeypatch, cpu_shims):
     """A real cache with the streaming test backend (empty store), the cost plugin off, the clock at ``T0``."""
-    monkeypatch.setattr(prefetch, "_loaded", False)
-    monkeypatch.setattr(prefetch, "_clock", lambda: T0)
+    monkeypatch.setattr(prefill_samples, "_every_batch", False)
+    monkeypatch.setattr(prefill_samples, "_clock", lambda: T0)
     caches: list = []
     try:
         env = hicache(kit_on_cpu, tmp_path, caches)
@@ -246,7 +247,7 @@ def test_streaming_feeds_the_prefill_model_once_per_batch(sampled, monkeypatch) 
     assert sampler.estimator.samples == 5  # compute + interference: not a prefill sample
     assert costs.interference_s_per_byte(sampler.model().batch_time) == pytest.approx(0.1 / 1e6, rel=1e-6)  # k
 
-    monkeypatch.setattr(prefetch, "_loaded", True)  # the cost plugin is on too: both hooks run on each batch
+    monkeypatch.setattr(prefill_samples, "_every_batch", True)  # the cost plugin is on too: both hooks run on each batch
     for hook in (prefetch.record_prefill_timing, stream_sample.record_prefill):
         hook(None, scheduler, batch("EXTEND", 400, 0.4, 93))
     assert sampler.estimator.samples == 6  # one sample, not two
@@ -301,7 +302,7 @@ def test_hits_the_rule_decided_are_timed_to_their_first_token(sampled) -> None:
     assert snap.measured_stream_s_per_mb == pytest.approx(0.75)
 
 def test_no_sample_when_the_cache_does_not_stream(tmp_path, kit_on_cpu, monkeypatch, cpu_shims) -> None:
-    monkeypatch.setattr(prefetch, "_loaded", False)
+    monkeypatch.setattr(prefill_samples, "_every_batch", False)
     caches: list = []
     try:
         env = hicache(kit_on_cpu, tmp_path, caches, backend="KVTierStorage")  # streaming = "off"
@@ -317,8 +318,8 @@ def test_once_measured_the_gate_admits_by_the_model(consumer, monkeypatch) -> No
     """Before any sample the gate waits for group 0 (the fallback); once our hook fed a model of a slow
     prefill, the same tail at the same rate is let through before any group landed."""
     env = consumer
-    monkeypatch.setattr(prefetch, "_loaded", False)
-    monkeypatch.setattr(prefetch, "_clock", lambda: T0)
+    monkeypatch.setattr(prefill_samples, "_every_batch", False)
+    monkeypatch.setattr(prefill_samples, "_clock", lambda: T0)
     req = new_req("r-model")
     registry = registered(env, req, head=2)
     tail = registry.get(req.rid)

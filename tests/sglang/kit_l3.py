@@ -19,7 +19,9 @@ One cache per directory at a time: the kit's flows model a producer process that
 starts (with ``sharing = "off"`` a second cache on a directory a first one still holds gets
 ``StoreLockedError``, as ``test_kit_l3`` shows; by default it would join the pool as a second writer). So
 opening an L3 cache on a directory first detaches the cache that had it (``_hand_over``); the kit's
-produce-then-consume flows are sequential and run unchanged. Every test ends with nothing of ours left: no
+produce-then-consume flows are sequential and run unchanged. A test whose caches run side by side, as
+writer processes of one pool do, marks the directory ``_pooled`` first: a cache opened on it joins the
+pool as one more writer, and the caches already there keep serving. Every test ends with nothing of ours left: no
 descriptor under its storage directories, no ``kvtier-*`` thread (``_assert_released``, the last clean-up).
 """
 
@@ -97,6 +99,7 @@ class KVTierKit(UnifiedRadixCacheStorageFixtures, UnifiedRadixPrefetchCorruption
         patcher.start()
         self.addCleanup(patcher.stop)
         self._holders: dict[str, Any] = {}  # storage dir -> the cache whose backend holds it
+        self._pooled: set[str] = set()  # storage dirs whose caches run side by side (one pool, many writers)
 
     # ------------------------------------------------------------------ the kit's hook, on our backend
     def _init_hicache(self, cache, *, write_policy: str = "write_through", storage_backend: str | None = None,
@@ -110,7 +113,8 @@ class KVTierKit(UnifiedRadixCacheStorageFixtures, UnifiedRadixPrefetchCorruption
         extra_json = None
         if storage_backend is not None:
             assert storage_dir is not None, "an L3 cache needs the kit's storage directory"
-            self._hand_over(storage_dir)
+            if storage_dir not in self._pooled:
+                self._hand_over(storage_dir)
             extra_json = json.dumps(backend_extra(storage_dir, prefetch_threshold,
                                                   **{**self.store_extra, **(storage_extra or {})}))
         server_args = ServerArgs(
@@ -132,7 +136,8 @@ class KVTierKit(UnifiedRadixCacheStorageFixtures, UnifiedRadixPrefetchCorruption
             # The kit's fixtures size host and device pools alike: allow one pool of prefetch tokens.
             controller.prefetch_capacity_limit = max(controller.prefetch_capacity_limit, controller.mem_pool_host.size)
             self._holders[storage_dir] = cache
-            self._storage_dirs.append(storage_dir)
+            if storage_dir not in self._storage_dirs:
+                self._storage_dirs.append(storage_dir)
             self.addCleanup(self._detach, cache)
 
     def _hand_over(self, storage_dir: str) -> None:

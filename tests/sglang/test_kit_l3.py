@@ -12,7 +12,10 @@ FULL+SWA+Mamba ones cannot run here, ``kit_l3.cannot_run`` says why), through th
 * runtime attach / detach: storage attached to a live tree backfills its hash chains exactly as a
   tree built with storage on; detach releases everything; a re-attach serves the pages stored before;
 * retry after a miss: SGLang's retry machinery re-issues a missed L3 query and, the prefix stored and
-  its L1/L2 copies evicted meanwhile, the retry is served from L3.
+  its L1/L2 copies evicted meanwhile, the retry is served from L3; and with host memory as staging only
+  (``buffer_only``: the side-pool calls, ``batch_exists_v2``), a consumer's query misses, a producer cache
+  running beside it (another writer of the same pool) commits the span, and the consumer's paced retry
+  hits and stages it, byte-exact.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import random
 import unittest
 from array import array
+from types import SimpleNamespace
 
 import pytest
 
@@ -230,6 +234,42 @@ class L3Scenarios(KVTierKit):
         self._consume_prefetch(cache, seq, retry)
         self.assertEqual(cache.pop_prefetch_loaded_tokens(retry), len(seq))
         self._loads_back(cache, allocator, seq, expected)
+
+    def test_a_retry_after_a_miss_stages_what_another_writer_committed_since(self):
+        """SGLang's buffer_only miss-marker-and-retry flow with the producer a second writer of the pool: the
+        consumer's query comes before any page is there (a full miss, its retry armed once); the producer,
+        running beside it, commits the span; the consumer's paced retry must see that commit and stage it."""
+        storage_dir = self._make_storage_dir()
+        self._pooled.add(storage_dir)  # the producer joins the consumer's pool: both stay attached
+        seq = self._buffer_swa_seq()
+        cons, allocator, _ = self._build_buffer_hicache_fixture(storage_dir)
+        handle = CacheRequestHandle("early-miss", 0)
+        cons.prefetch_from_storage(handle, cons.root_node_handle(), array("q", seq), None, None)
+        self._pump_hicache_until(cons, lambda: cons.check_prefetch_progress(handle), "the miss did not resolve")
+        self.assertFalse(cons.buffer_pipeline.has_staged(handle))
+        self.assertEqual(cons._prefetch_outcome_stats["revoked_full_miss"], 1)
+        waiting = [SimpleNamespace(rid="head", storage_prefetch_retry_attempts=0),
+                   SimpleNamespace(rid=handle.rid, storage_prefetch_retry_attempts=0)]
+        retries = cons.storage_prefetch_retries
+        self.assertEqual(retries.pop_ready(waiting, 1, 8), [])  # armed, due one scheduling pass later
+        self.assertEqual(retries.pop_ready(waiting, 1, 8), [(waiting[1], None)])
+
+        _, expected = self._produce_buffer_l3(storage_dir, seq, marker=6)  # another writer of the pool commits
+        producer, consumer = self.backend(self._holders[storage_dir]), self.backend(cons)
+        self.assertIsNot(producer, consumer)
+        assert producer.kv is not None and consumer.kv is not None
+        self.assertNotEqual(producer.kv.store.wid, consumer.kv.store.wid)
+
+        cons.prefetch_from_storage(handle, cons.root_node_handle(), array("q", seq), None, None)  # the retry
+        self._pump_hicache_until(
+            cons, lambda: cons.check_prefetch_progress(handle) and cons.buffer_pipeline.has_staged(handle),
+            "retried prefetch did not stage")
+        self.assertNotIn(handle.rid, retries._pending)
+        self.assertEqual(cons.pop_prefetch_loaded_tokens(handle), len(seq))
+        spliced = self._consume_staged_prefetch(cons, handle)
+        self.assertEqual(int(spliced.numel()), len(seq))
+        k, v = self._snapshot_full_kv(allocator, spliced)
+        self.assertTrue(torch.equal(k, expected[0]) and torch.equal(v, expected[1]), "KV staged from L3 differs")
 
 
 config_classes(L3Scenarios, globals())

@@ -316,3 +316,49 @@ def test_v2_side_pools_and_hit_policies(tmp_path):
     assert bad == {"draft": [False, False]}  # indices for one page, two keys: refused, not truncated
     backend.close()
 
+
+
+def test_v2_retry_sees_what_another_writer_committed_to_every_pool_since_its_miss(tmp_path):
+    """Two backends on one directory: two writers of each pool. The consumer's v2 query misses; the producer
+    commits KV pages, then the side pool's: each retry of the query sees what was committed before it, in the
+    KV pool and in the side pool alike (a side pool short of the KV prefix re-reads its writers as the KV pool
+    does). ``follow_interval_s`` = 600: nothing is re-read but by that rule."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    def backend(seed: int):
+        kv, side = mha_host_pool("page_first"), mha_host_pool("page_first", layers=1)
+        fill_random(kv, seed=seed)
+        fill_random(side, seed=seed + 1)
+        made = make_backend(tmp_path, kv, follow_interval_s=600.0, readahead_bytes=0)
+        made.register_mem_host_pool_v2(kv, PoolName.KV)
+        made.register_mem_host_pool_v2(side, PoolName.DRAFT)
+        made.on_host_pools_registered()
+        return made, side
+
+    consumer, _ = backend(20)
+    producer, side = backend(30)
+    assert consumer.kv is not None and producer.kv is not None
+    assert consumer.kv.store.wid != producer.kv.store.wid
+    keys = chain_keys(6)
+
+    def query():
+        return consumer.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT, keys=keys,
+                                                            hit_policy=PoolHitPolicy.ALL_PAGES)])
+
+    assert query().kv_hit_pages == 0  # the miss
+    assert producer.batch_set_v1(keys, slots([0, 1, 2, 3, 4, 5])) == [True] * 6
+    assert consumer.batch_exists(keys) == 6  # v1: the retry sees the KV pages
+    retried = query()
+    assert retried.kv_hit_pages == 0 and retried.restorable_prefix_pages == []  # no side pages yet
+    assert producer.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=slots([0, 1, 2, 3, 4, 5]),
+                                               keys=keys)]) == {"draft": [True] * 6}
+    again = query()
+    assert again.kv_hit_pages == 6 and again.extra_pool_hit_pages["draft"] == 6
+    got = consumer.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=slots([10, 11, 12, 13, 14, 15]),
+                                              keys=keys)])
+    assert got == {"draft": [True] * 6}
+    consumer_side = consumer.shards["draft"].pages.pool
+    assert [page_bytes(consumer_side, p * PS) for p in range(10, 16)] == [page_bytes(side, p * PS) for p in range(6)]
+    assert consumer.boundary.counts().expected + consumer.boundary.counts().unexpected == 0
+    producer.close()
+    consumer.close()

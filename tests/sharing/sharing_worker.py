@@ -88,7 +88,8 @@ class Worker:
             return {"changed": self.pool.refresh(force=True)}
         if op == "stats":
             own = self.pool.own
-            return {"counters": self.pool.counters.snapshot(), "len": len(self.pool),
+            return {"counters": self.pool.counters.snapshot(), "len": len(self.pool), "wid": self.pool.wid,
+                    "sharing": self.pool.sharing_stats(),
                     "own": None if own is None else len(own), "peers": sorted(self.pool.peers()),
                     "own_keys": [] if own is None else sorted(int.from_bytes(k[:4], "little") for k in own.keys())}
         if op == "churn":  # put ``keys`` in batches, acknowledging each batch's stored keys at once

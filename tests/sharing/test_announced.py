@@ -29,8 +29,8 @@ def cluster_config(path: Path, host: str, capacity_pages: int = 64, **extra: Any
     extra.setdefault("sharing", "cluster")
     if extra["sharing"] == "cluster":
         extra.update(allow_local_fs=True, dead_after_s=3600.0, reclaim_after_s=3600.0)
-    return store_config(path, capacity_pages, PAGE, heartbeat_s=600.0, follow_interval_s=0.0, host_id=host,
-                        **extra)
+    extra.setdefault("follow_interval_s", 0.0)
+    return store_config(path, capacity_pages, PAGE, heartbeat_s=600.0, host_id=host, **extra)
 
 
 class Pages:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sgl_kvtier.errors import DeviceError
+from sgl_kvtier.sharing.cluster_fs import cross_host
 from sgl_kvtier.sharing.cluster_fs import probes as fs_probes
 from sgl_kvtier.sharing.cluster_fs.detect import FsClass, classify, detect, parse_mountinfo
 from sgl_kvtier.sharing.cluster_fs.probes import check_shared, probe_direct_io
@@ -154,55 +155,63 @@ class Ticks:
             self.on_sleep(len(self.sleeps))
 
 
-def peer_probe(directory: Path, boot: str, age_s: float = 0.0, seen=()) -> Path:
-    path = directory / f"{fs_probes.PEER_PREFIX}{boot}.json"
-    path.write_text(json.dumps({"host": "gpu02", "boot_id": boot, "machine_id": "m2", "pid": 7, "seen": list(seen)}))
+def peer_probe(directory: Path, boot: str, age_s: float = 0.0) -> Path:
+    path = directory / f"{cross_host.PEER_PREFIX}{boot}.json"
+    path.write_text(json.dumps({"host": "gpu02", "boot_id": boot, "machine_id": "m2", "pid": 7, "seen": []}))
     then = time.time() - age_s
     os.utime(path, (then, then))
     return path
 
 
-def our_probe(directory: Path, theirs: Path) -> Path:
-    (ours,) = [p for p in directory.glob(fs_probes.PEER_PREFIX + "*.json") if p != theirs]
-    return ours
-
-
-def test_a_peer_is_found_and_ours_stays_until_the_peer_saw_it(tmp_path):
-    theirs = peer_probe(tmp_path, "other-boot")
-
-    def peer_acts(n):
-        ours = our_probe(tmp_path, theirs)
-        assert json.loads(ours.read_text())["seen"] == [theirs.name]  # ours says we found theirs
-        if n == 3:  # the peer looks late, finds ours and says so
-            peer_probe(tmp_path, "other-boot", seen=[ours.name])
-
-    ticks = Ticks(peer_acts)
-    peer = fs_probes.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)
-    assert peer == {"host": "gpu02", "boot_id": "other-boot", "machine_id": "m2", "pid": 7}
-    assert len(ticks.sleeps) == 3
-    assert list(tmp_path.iterdir()) == [theirs]  # ours removed
-
-
-def test_a_peer_that_finished_ends_the_wait(tmp_path):
-    theirs = peer_probe(tmp_path, "other-boot", seen=["a-probe-of-someone-else.json"])
-    ticks = Ticks(lambda n: theirs.unlink())
-    assert fs_probes.wait_for_peer(tmp_path, 30, sleep=ticks.sleep, clock=ticks.clock)["boot_id"] == "other-boot"
-    assert len(ticks.sleeps) == 1 and list(tmp_path.iterdir()) == []
-
-
-def test_a_peer_that_never_answers_is_still_a_peer_after_the_wait(tmp_path):
-    peer_probe(tmp_path, "other-boot")
-    ticks = Ticks()
-    assert fs_probes.wait_for_peer(tmp_path, 2.0, sleep=ticks.sleep, clock=ticks.clock)["host"] == "gpu02"
-    assert sum(ticks.sleeps) == pytest.approx(2.0)
-
-
-def test_stale_probes_and_probes_of_this_host_are_no_peer(tmp_path, monkeypatch):
+def test_stale_probes_and_probes_of_this_host_are_no_peer(tmp_path):
+    """A peer is another boot or machine whose probe is no older than the check: never this very host,
+    never a probe a check long gone left behind."""
+    me = {"host": "gpu02", "boot_id": "this-boot", "machine_id": "m2", "pid": 8}
+    mine = tmp_path / f"{cross_host.PEER_PREFIX}mine.json"
+    mine.write_text(json.dumps({**me, "seen": []}))
     peer_probe(tmp_path, "long-gone", age_s=3600)
-    monkeypatch.setenv("KVTIER_BOOT_ID", "this-boot")
-    monkeypatch.setattr(fs_probes, "machine_id", lambda: "m2")
     peer_probe(tmp_path, "this-boot")  # this very host (same boot and machine id)
+    since = time.time() - 60
+    assert cross_host.find_peer(tmp_path, mine, me, since) is None
+    theirs = peer_probe(tmp_path, "other-boot")
+    assert cross_host.find_peer(tmp_path, mine, me, since) == (
+        theirs, {"host": "gpu02", "boot_id": "other-boot", "machine_id": "m2", "pid": 7})
+
+
+
+def test_two_checks_at_once_exchange_files_and_report_what_each_saw(tmp_path, monkeypatch):
+    """Two exchanges in one directory, standing for two hosts (their own boot ids): each finds the other and
+    measures its files. On one kernel a descriptor sees the overwrite at once, a rename shows at once and a
+    flock held by the other blocks (flock locks open files, not processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sgl_kvtier.sharing.cluster_fs.cross_host import CrossHost, LockScope, exchange
+
+    def host(name: str) -> dict:
+        return {"host": name, "boot_id": f"boot-{name}", "machine_id": f"m-{name}", "pid": 1}
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(exchange, tmp_path, 20.0, host(name)) for name in ("gpu01", "gpu02")]
+        (peer1, seen1), (peer2, seen2) = (run.result(timeout=60) for run in runs)
+    assert peer1 == host("gpu02") and peer2 == host("gpu01")
+    expected = CrossHost(LockScope.CLUSTER_WIDE, None, True, False, 0.0)
+    assert seen1 == expected and seen2 == expected
+    assert list(tmp_path.iterdir()) == []  # every probe and file removed
+    lines = {p.name: p for p in fs_probes.cross_probes(expected)}
+    assert all(p.ok for p in lines.values()) and fs_probes.cross_notes(expected) == []
+    stale = CrossHost(LockScope.HOST_LOCAL, fs_probes.CATCH_UP_S, False, True, 1.2)
+    lines = {p.name: p for p in fs_probes.cross_probes(stale)}
+    assert [p.name for p in lines.values() if not p.ok] == ["a fresh open after another host's overwrite in place"]
+    assert lines["a descriptor held across another host's overwrite in place"].detail == \
+        "keeps returning the old bytes (over 3 s)"
+    assert lines["a rename over a name on another host"].detail == "ENOENT, then the new file after 1.2 s"
+    assert len(fs_probes.cross_notes(stale)) == 2
+
+
+def test_a_check_with_no_other_host_reports_none_and_leaves_nothing(tmp_path):
+    from sgl_kvtier.sharing.cluster_fs.cross_host import exchange
+
     ticks = Ticks()
-    assert fs_probes.wait_for_peer(tmp_path, 1.0, sleep=ticks.sleep, clock=ticks.clock) is None
-    assert sum(ticks.sleeps) == pytest.approx(1.0)
-    assert len(list(tmp_path.iterdir())) == 2  # ours removed, theirs left alone
+    assert exchange(tmp_path, 1.0, {"host": "a", "boot_id": "b", "machine_id": "m", "pid": 1},
+                    sleep=ticks.sleep, clock=ticks.clock) == (None, None)
+    assert list(tmp_path.iterdir()) == []

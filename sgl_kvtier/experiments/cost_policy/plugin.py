@@ -2,9 +2,10 @@
 
 Switched on by ``KVTIER_PREFETCH_POLICY=cost`` through the ``kvtier`` entry point; off, ``load()`` returns before it
 imports anything from SGLang. The hooks hold no policy state: each uses the ``CostPolicy`` of our backend behind
-the object it hooks (``backend_of``). AROUND ``UnifiedRadixCache._can_terminate_prefetch``: the stop decision
-(``can_terminate_prefetch``); AFTER ``Scheduler.process_batch_result``: prefill samples for the backend's
-``cost.prefill`` (``record_prefill_timing``).
+the object it hooks (``prefill_samples.backend_of``). AROUND ``UnifiedRadixCache._can_terminate_prefetch``: the
+stop decision (``can_terminate_prefetch``); AFTER ``Scheduler.process_batch_result``: a prefill sample of every
+extend batch for the backend's ``cost.prefill`` (``record_prefill_timing``: ``sgl_kvtier.sglang.prefill_samples``,
+whose batch observers take out the batches another plugin samples otherwise). It imports no other experiment.
 
 Invariants: a loaded prefix is never cut; until the read path and the prefill speed are measured, or after an
 exception in our code (counted on the backend's ``ErrorBoundary``), the local verdict is SGLang's own
@@ -19,11 +20,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from sgl_kvtier.experiments.streaming.backend_side import require_side, side_of
-from sgl_kvtier.experiments.streaming.hooks import batch_marks as batch_marks
 from sgl_kvtier.policy.cost_inputs import PolicyMode
 from sgl_kvtier.policy.cost_model import LoadProgress, RequestShape, should_terminate
+from sgl_kvtier.sglang import prefill_samples
 from sgl_kvtier.sglang.plugins import HookSpec, register_all
+from sgl_kvtier.sglang.prefill_samples import BATCH_RESULT_TARGET, backend_of
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 if TYPE_CHECKING:
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TERMINATE_TARGET = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._can_terminate_prefetch"
-BATCH_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-PREFILL_MODES = frozenset({"EXTEND", "MIXED"})
 
 _loaded = False
 _clock = time.monotonic  # replaceable in tests
@@ -49,29 +48,10 @@ def load() -> None:
                              (BATCH_RESULT_TARGET, record_prefill_timing, "AFTER")]
     if not register_all("cost_policy", hooks):
         return
+    prefill_samples.sample_every_batch()  # another plugin's sampling hook leaves every batch to this one
     _loaded = True
     logger.info("sgl_kvtier cost prefetch policy on in pid %d (hooks registered on %s, %s)", os.getpid(),
                 TERMINATE_TARGET, BATCH_RESULT_TARGET)
-
-
-def loaded() -> bool:
-    """Whether the cost policy's hooks are registered in this process (``KVTIER_PREFETCH_POLICY=cost``)."""
-    return _loaded
-
-
-def backend_of(cache: Any) -> KVTierStorage | None:
-    """Our backend behind a HiCache tree: the cache's ``cache_controller.storage_backend``, SGLang's failure
-    injector unwrapped (None: no HiCache, no L3 attached, or another backend)."""
-    from sglang.srt.mem_cache import hicache_storage
-
-    from sgl_kvtier.sglang.storage import KVTierStorage
-
-    controller = getattr(cache, "cache_controller", None)  # absent or None: not a HiCache tree
-    backend = getattr(controller, "storage_backend", None)  # None: no L3 attached (or detached)
-    injector = getattr(hicache_storage, "HiCacheStorageFailureInjector", None)  # absent from older SGLang releases
-    if injector is not None and isinstance(backend, injector):  # SGLANG_TEST_HICACHE_BACKEND_RANDOM_*
-        backend = backend._backend
-    return backend if isinstance(backend, KVTierStorage) else None
 
 
 def _boundary(backend: KVTierStorage | None) -> ErrorBoundary:
@@ -140,36 +120,7 @@ def request_state(operation: Any, page_tokens: int, page_bytes: int, now: float)
 
 # ---------------------------------------------------------------------------------------------- prefill timing
 def record_prefill_timing(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook on ``Scheduler.process_batch_result``: one prefill sample per extend batch, into the
-    prefill sampler of the backend behind ``scheduler.tree_cache``. A batch that ran with streamed tails
-    (``batch_marks``) is no prefill sample: stalled, none at all; else the bind rule's interference sample."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-    if not isinstance(batch, ScheduleBatch) or batch.forward_mode is None or batch.launch_ts is None:
-        return
-    if batch.forward_mode.name not in PREFILL_MODES or not batch.extend_lens:
-        return
-    mark = batch_marks.take(scheduler, batch)  # first: the batch's mark is taken whatever the answer (none lingers)
-    backend = backend_of(getattr(scheduler, "tree_cache", None))
-    if backend is None:
-        return
-    now = _clock()
-    side = side_of(backend)  # the stream plugin's side of this backend (None: the plugin is off)
-    try:  # the bind rule's end-to-end hit samples end here, stalled batches included (a stall is the path's cost)
-        if side is not None:
-            batch_marks.first_tokens(side.stream_costs, batch, mark, now)
-    except Exception as exc:
-        backend.boundary.fail("bind rule hit timing", exc, outcome="sample skipped")
-    if mark is not None and mark.stalled:  # compute + a wait on streamed tails: fitted, it would be "compute"
-        return
-    try:
-        seconds = now - batch.launch_ts
-        if mark is None:
-            backend.cost.prefill.record_batch(list(batch.extend_lens), list(batch.prefix_lens), seconds)
-            return
-        # Compute + the interference of its tails' landing and copies: the bind rule's sample, not a prefill
-        # one (kept raw: judged against the prefill model of the moment it is used, ``StreamCosts``).
-        require_side(backend).stream_costs.record_stream_forward(
-            mark.tail_bytes, list(zip(batch.extend_lens, batch.prefix_lens)), seconds)
-    except Exception as exc:  # a timing sample must never break the scheduler loop
-        backend.boundary.fail("prefill timing", exc, outcome="sample skipped")
+    """AFTER hook on ``Scheduler.process_batch_result``: one prefill sample per extend batch, into the prefill
+    sampler of the backend behind ``scheduler.tree_cache`` (``prefill_samples.record``: a batch an observer
+    declines is none). Returns None (an AFTER hook's non-None value would replace SGLang's result); never raises."""
+    prefill_samples.record(scheduler, batch)

@@ -5,8 +5,10 @@ Switched on by ``KVTIER_STREAM=1`` through the ``kvtier`` entry point (``sgl-kvt
 load-back, ownership, row indices, abort), ``hooks.slots`` (withhold, reap, reset / detach), ``hooks.load``
 (loader, per-layer gate, verdict, retract, requeue), ``hooks.sample`` (prefill samples for the gate's model)
 and ``hooks.accounting`` (SGLang's prefetch counters), all of them or none (``register_all``), then attaches a
-``StreamingSide`` to every backend made afterwards (``backend_side.install``). Every hook is a pass-through
-unless the cache it runs on has our backend with ``streaming = "on"`` inside the supported scope (``active``).
+``StreamingSide`` to every backend made afterwards (``backend_side.install``) and its batch observer to the
+prefill samples (``hooks.sample.install``). Every hook is a pass-through unless the cache it runs on has our
+backend with ``streaming = "on"`` inside the supported scope (``active``). Of the other experiments it builds
+on the layer loader's gate alone (``hooks.copy``); none imports it.
 
 The shared state and rules (``active``, the registry, ``drop``, ``STATS``, ...) live in ``hooks.core`` and are
 re-exported here, read-only: a test that replaces one replaces it in ``hooks.core``.
@@ -66,6 +68,9 @@ def load() -> None:
     if not register_all(PLUGIN.name, specs):
         return
     install()  # every backend made from now on in this process carries its streaming side
+    from sgl_kvtier.experiments.streaming.hooks import sample as stream_sample
+
+    stream_sample.install()  # every prefill sample taken from now on passes the batch marks first
     _loaded = True
     logger.info("sgl_kvtier streamed tails: %d hooks registered in pid %d (inert unless streaming = \"on\")",
                 len(specs), os.getpid())

@@ -21,7 +21,8 @@ plugin             switch                               module (what it does)   
 
 All or nothing (``register_all``): a switched-on plugin registers its hooks only when the running SGLang is a
 release it is tested on and every hook target resolves; otherwise it registers none and says why in one
-warning. ``status`` / ``why_off`` tell the backend which (it logs why ``streaming = "on"`` cannot stream).
+warning. ``status`` / ``why_off`` tell the backend which (it logs why ``streaming = "on"`` cannot stream);
+``running`` tells a plugin whether another one runs, without importing it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def status(name: str) -> str | None:
     return _status.get(name)
 
 
+def running(name: str) -> bool:
+    """Whether the plugin ``name`` registered its hooks in this process."""
+    return _status.get(name) == ON
+
+
 def why_off(name: str) -> str:
     """Why the plugin ``name`` does not run in this process, for a log line (``""``: it runs)."""
     state = _status.get(name)
@@ -132,5 +138,5 @@ def register_all(name: str, specs: Sequence[HookSpec], targets: Sequence[str] = 
     return True
 
 
-__all__ = ["BY_NAME", "ON", "PLUGINS", "HookSpec", "Plugin", "check", "load", "register_all", "resolves", "status",
-           "why_off"]
+__all__ = ["BY_NAME", "ON", "PLUGINS", "HookSpec", "Plugin", "check", "load", "register_all", "resolves", "running",
+           "status", "why_off"]

@@ -3,15 +3,17 @@
 ``check_shared`` reports the filesystem (``sharing.cluster_fs.detect``: its class, read-only mounts) and tries, each
 on a private file it removes again: O_DIRECT write + read back (``probe_direct_io``, also an open rule of
 ``sharing.cluster_fs.check``), create-once (O_EXCL + hard link: a link never replaces a file), rename over a file,
-fsync of a file and of the directory. ``wait_for_peer`` (``--peer-wait``) leaves a probe file naming this
-host (``PEER_PREFIX``) and waits for another host's: two hosts that see each other's probes see one
-directory. A probe that fails is a problem of the report (``SharedCheck.problems``), never an exception.
+fsync of a file and of the directory. With ``--peer-wait`` it runs ``cross_host.exchange`` with another host
+running it at once: two hosts that see each other's probes see one directory, and each reports what it saw
+of the other's files (lock scope, a descriptor held across the other's overwrite, a fresh open, a rename
+over a name: ``cross_probes``; only a fresh open missing the overwrite is a problem, the store adapts to the
+rest). A probe that fails is a problem of the report (``SharedCheck.problems``), never an
+exception.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 import time
@@ -23,12 +25,15 @@ from typing import Any
 
 from sgl_kvtier.errors import DeviceError
 from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer
+from sgl_kvtier.sharing.cluster_fs.cross_host import (
+    CATCH_UP_S,
+    CrossHost,
+    LockScope,
+    exchange,
+)
 from sgl_kvtier.sharing.cluster_fs.detect import FsClass, FsInfo, detect, local_fs_refusal
 from sgl_kvtier.sharing.writers import boot_id, machine_id
 from sgl_kvtier.store.devices import create_once, fsync_dir, write_file_atomic
-
-PEER_PREFIX = ".kvtier-peer-"  # check-shared --peer-wait: one probe file per running check
-PEER_POLL_S = 0.2  # how often a peer wait looks at the directory
 
 
 def probe_direct_io(directory: str | Path) -> str | None:
@@ -83,6 +88,7 @@ class SharedCheck:
     problems: tuple[str, ...]
     notes: tuple[str, ...] = ()
     peer: dict[str, Any] | None = field(default=None)
+    cross: CrossHost | None = None  # what this host saw of the peer's files (``cross_host``), with a peer
 
     @property
     def fit(self) -> bool:
@@ -91,6 +97,7 @@ class SharedCheck:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["fs"]["fs_class"] = self.fs.fs_class.value
+        out["cross"] = None if self.cross is None else self.cross.to_dict()
         out["fit"] = self.fit
         return out
 
@@ -146,67 +153,11 @@ def _identity() -> dict[str, Any]:
     return {"host": socket.gethostname(), "boot_id": boot_id(), "machine_id": machine_id(), "pid": os.getpid()}
 
 
-def wait_for_peer(directory: Path, seconds: float, *, sleep: Callable[[float], None] = time.sleep,
-                  clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
-    """Leave a probe naming this host in ``directory`` and wait up to ``seconds`` for the probe of another
-    host (another boot_id or machine_id) written at most ``seconds`` (+5 s) before this wait began; the
-    peer's identity, or None.
-
-    Each probe lists (``seen``) the probes its writer found. Once a peer is found, ours says so and stays
-    until the peer's lists ours or is gone (the peer finished), or the time is up: so a peer that came later
-    sees ours too, however late it first looks. Ours is removed at the end."""
-    me = _identity()
-    mine = directory / f"{PEER_PREFIX}{uuid.uuid4().hex}.json"
-    since = time.time() - seconds - 5.0
-    write_file_atomic(mine, json.dumps({**me, "seen": []}).encode())
-    deadline = clock() + seconds
-    found: tuple[Path, dict[str, Any]] | None = None
-    try:
-        while True:
-            if found is None:
-                found = _find_peer(directory, mine, me, since)
-                if found is not None:
-                    write_file_atomic(mine, json.dumps({**me, "seen": [found[0].name]}).encode())
-            if found is not None:
-                now = _read_probe(found[0])
-                if now is None or mine.name in (now.get("seen") or []):
-                    return found[1]
-            left = deadline - clock()
-            if left <= 0:
-                return None if found is None else found[1]
-            sleep(min(PEER_POLL_S, left))
-    finally:
-        mine.unlink(missing_ok=True)
-
-
-def _read_probe(path: Path) -> dict[str, Any] | None:
-    try:
-        probe = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return probe if isinstance(probe, dict) else None
-
-
-def _find_peer(directory: Path, mine: Path, me: dict[str, Any], since: float) -> tuple[Path, dict[str, Any]] | None:
-    for path in sorted(directory.glob(PEER_PREFIX + "*.json")):
-        if path == mine:
-            continue
-        try:
-            if path.stat().st_mtime < since:
-                continue  # left by a check that ran long before this one
-        except OSError:
-            continue
-        other = _read_probe(path)
-        if other is not None and (other.get("boot_id"), other.get("machine_id")) != (me["boot_id"], me["machine_id"]):
-            return path, {k: v for k, v in other.items() if k != "seen"}
-    return None
-
-
 def check_shared(directory: str | Path, *, peer_wait_s: float | None = None, mountinfo: str | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> SharedCheck:
     """Probe ``directory`` for cluster mode: the filesystem and its class, O_DIRECT, create-once (O_EXCL +
-    hard link), rename over a file, fsync of a file and the directory; with ``peer_wait_s``, another host's
-    probe (``wait_for_peer``). Raises DeviceError when ``directory`` is not a directory."""
+    hard link), rename over a file, fsync of a file and the directory; with ``peer_wait_s``, the exchange
+    with another host (``cross_host.exchange``). Raises DeviceError when ``directory`` is not a directory."""
     path = Path(directory)
     if not path.is_dir():
         raise DeviceError(f"{directory}: not a directory")
@@ -219,19 +170,63 @@ def check_shared(directory: str | Path, *, peer_wait_s: float | None = None, mou
         notes.append(f"{info.describe()}: not known to be shared; run this with --peer-wait on two hosts at once")
     if info.read_only:
         problems.append(f"{info.describe()}: mounted read-only")
-    probes = (_probe("O_DIRECT", lambda: probe_direct_io(path)),
+    probes: tuple[Probe, ...] = (_probe("O_DIRECT", lambda: probe_direct_io(path)),
               _probe("create-once (O_EXCL + hard link)", lambda: _probe_create_once(path)),
               _probe("rename over a file", lambda: _probe_rename(path)),
               _probe("fsync (file and directory)", lambda: _probe_fsync(path)))
     problems += [f"{p.name}: {p.detail}" for p in probes if not p.ok]
-    peer = None
+    peer, cross = None, None
     if peer_wait_s is not None:
         try:
-            peer = wait_for_peer(path, peer_wait_s, sleep=sleep)
+            peer, cross = exchange(path, peer_wait_s, _identity(), sleep=sleep)
         except OSError as exc:
             problems.append(f"peer probe: {exc.strerror}")
         else:
             if peer is None:
                 problems.append(f"no other host's probe appeared in {peer_wait_s:g} s (run this on another host "
                                 "at the same time; if it runs, the two do not see one filesystem here)")
-    return SharedCheck(str(directory), info, probes, tuple(problems), tuple(notes), peer)
+            elif cross is None:
+                notes.append(f"{peer.get('host')} was seen, but the exchange of files with it did not finish in "
+                             f"{peer_wait_s:g} s: lock scope, descriptors and renames across hosts not measured")
+            else:
+                seen = cross_probes(cross)
+                probes += seen
+                problems += [f"{p.name}: {p.detail}" for p in seen if not p.ok]
+                notes += cross_notes(cross)
+    return SharedCheck(str(directory), info, probes, tuple(problems), tuple(notes), peer, cross)
+
+
+def cross_probes(cross: CrossHost) -> tuple[Probe, ...]:
+    """The report's lines for what this host saw of the other host's files (``cross_host``). Only a fresh
+    open missing the other's overwrite is a problem: the store adapts to the rest."""
+    if cross.descriptor_stale_s is None:
+        held = "reads the new bytes at once"
+    elif cross.descriptor_stale_s >= CATCH_UP_S:
+        held = f"keeps returning the old bytes (over {CATCH_UP_S:g} s)"
+    else:
+        held = f"returned the old bytes for {cross.descriptor_stale_s:.1f} s"
+    if cross.rename_visible_s is None:
+        renamed = f"the new file did not show within {CATCH_UP_S:g} s"
+    else:
+        renamed = (f"{'ENOENT, then ' if cross.rename_missing else ''}the new file after "
+                   f"{cross.rename_visible_s:.1f} s")
+    return (Probe("lock scope (seen from another host)", True,
+                  "cluster-wide: a flock held on one host blocks the other" if cross.lock_scope is LockScope.CLUSTER_WIDE
+                  else "host-local: a flock held on one host does not block the other"),
+            Probe("a descriptor held across another host's overwrite in place", True, held),
+            Probe("a fresh open after another host's overwrite in place", cross.fresh_open_sees,
+                  "reads the new bytes" if cross.fresh_open_sees else
+                  f"still read the old bytes after {CATCH_UP_S:g} s: the hosts do not see each other's writes here"),
+            Probe("a rename over a name on another host", True, renamed))
+
+
+def cross_notes(cross: CrossHost) -> list[str]:
+    """How the store copes with what ``cross_probes`` reports."""
+    notes = []
+    if cross.descriptor_stale_s is not None:
+        notes.append("descriptors opened before another host rewrote a range keep old bytes here: followers read "
+                     "a page that fails verification again through a fresh descriptor (store.renewal)")
+    if cross.rename_missing or cross.rename_visible_s is None:
+        notes.append("a file renamed over a name on one host is briefly missing on another here: followers retry "
+                     "a checkpoint they cannot read at the next announcement")
+    return notes

@@ -19,7 +19,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sgl_kvtier.experiments.cost_policy import plugin as prefetch
 from sgl_kvtier.experiments.streaming.backend_side import require_side
 from sgl_kvtier.experiments.streaming.contract import GroupVerdict, StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
@@ -40,6 +39,7 @@ from sgl_kvtier.experiments.streaming.hooks.core import (
 from sgl_kvtier.experiments.streaming.hooks.slots import counting_releases
 from sgl_kvtier.experiments.streaming.rules import gate as stream_gate
 from sgl_kvtier.experiments.streaming.rules import read_groups as stream_read
+from sgl_kvtier.sglang import plugins
 
 logger = logging.getLogger(__name__)
 
@@ -211,9 +211,10 @@ def local_verdict(cache: Any, tail: StreamedTail) -> stream_gate.Verdict:
     if model is not None:
         suffix = model.time(info.suffix_tokens, tail.token_end)
         interference = _interference_s(cache, backend, model, tail, info)
-        # Recomputing instead of waiting is the cost policy's call (KVTIER_PREFETCH_POLICY=cost): without it a
-        # hit loaded whole is never recomputed for being slow, and neither is a tail (it waits, to its deadline).
-        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if prefetch.loaded() else None
+        # Recomputing instead of waiting is the cost policy's call (its plugin runs: KVTIER_PREFETCH_POLICY=cost):
+        # without it a hit loaded whole is never recomputed for being slow, nor is a tail (it waits, to its deadline).
+        recompute = plugins.running("cost_policy")
+        full = model.time(info.suffix_tokens + tail.tokens, tail.token_start) if recompute else None
     settled = stream.rate_settled()
     if not info.shares:  # the stream's read groups never change: taken once per tail (the gate polls every round)
         info.shares = _shares(stream)

@@ -1,12 +1,13 @@
-"""Marks of the batches that ran with streamed tails, so that neither prefill sampler (``hooks.sample``, the cost
-policy's ``record_prefill_timing``) fits such a batch's time as compute: a forward that waited on a tail's group
-(a stall) would come back as predicted compute and the gate would admit earlier, to stall more; one that ran beside
-its tails' landing is compute plus their interference, the bind rule's sample instead (``rules.bind``).
+"""Marks of the batches that ran with streamed tails, so that no prefill sample (``sgl_kvtier.sglang.prefill_samples``,
+whichever plugin's hook hands the batch over) fits such a batch's time as compute: a forward that waited on a
+tail's group (a stall) would come back as predicted compute and the gate would admit earlier, to stall more; one
+that ran beside its tails' landing is compute plus their interference, the bind rule's sample instead
+(``rules.bind``). ``hooks.sample.observe_batch`` reads them.
 
 A mark is ``scheduler.__dict__[MARKS_ATTR][forward_iter]`` (``forward_iter`` is set by ``Scheduler.run_batch`` and
 kept by ``ScheduleBatch.copy``, so the overlap loop's copy finds it); ``take`` removes it when read and at most
-``MAX_MARKS`` are kept per scheduler, the oldest going first. Both samplers use this module without importing each
-other. They also end the bind rule's end-to-end timing of a hit (``first_tokens``).
+``MAX_MARKS`` are kept per scheduler, the oldest going first. The marks also end the bind rule's end-to-end timing
+of a hit (``first_tokens``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.experiments.layer_loader.layer_gate import LayerLoad
 from sgl_kvtier.experiments.layer_loader.plugin import layer_copier
 from sgl_kvtier.experiments.streaming.contract import GroupVerdict, StreamedTail, StreamRegistry
+from sgl_kvtier.sglang.prefill_samples import backend_of
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,6 @@ def boundary_of(cache: Any) -> ErrorBoundary:
     """Where our hooks on ``cache`` count what they catch: its backend's boundary (the backend's telemetry),
     else ``BOUNDARY``. Never raises."""
     try:
-        from sgl_kvtier.experiments.cost_policy.plugin import backend_of
-
         backend = backend_of(cache)
     except Exception:  # noqa: BLE001 - the boundary of last resort must not fail itself
         backend = None
@@ -260,8 +259,6 @@ class StreamLoad:
 
 def slow_io_of(cache: Any) -> float:
     """The ``slow_io_s`` of the backend behind ``cache`` (``SLOW_IO_S`` without one)."""
-    from sgl_kvtier.experiments.cost_policy.plugin import backend_of
-
     backend = backend_of(cache)
     return float(backend.config.slow_io_s) if backend is not None else SLOW_IO_S
 

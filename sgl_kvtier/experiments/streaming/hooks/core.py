@@ -24,16 +24,14 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sgl_kvtier.experiments.streaming.backend_side import require_side, side_enabled
 from sgl_kvtier.experiments.streaming.contract import StreamedTail, StreamRegistry, TailState
 from sgl_kvtier.experiments.streaming.hooks import accounting as stream_accounting
+from sgl_kvtier.sglang.prefill_samples import backend_of as backend_of
 from sgl_kvtier.telemetry.counters import ErrorBoundary
 from sgl_kvtier.telemetry.snapshot import StreamHookSnapshot, frozen_counts
-
-if TYPE_CHECKING:
-    from sgl_kvtier.sglang.storage import KVTierStorage
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +54,6 @@ def registry_of(cache: Any) -> StreamRegistry:
 
 
 # ---------------------------------------------------------------------------------------------- on or off
-def backend_of(cache: Any) -> KVTierStorage | None:
-    """Our backend behind a HiCache tree (``experiments.cost_policy.plugin.backend_of``)."""
-    from sgl_kvtier.experiments.cost_policy.plugin import backend_of as _backend_of
-
-    return _backend_of(cache)
-
-
 def kv_bytes(cache: Any, tokens: int) -> int:
     """Bytes of ``tokens`` (whole pages) of the KV pool the backend behind ``cache`` serves (0: none)."""
     backend = backend_of(cache)
