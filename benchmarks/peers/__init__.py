@@ -15,6 +15,7 @@ from benchmarks.peers.mooncake import MooncakeDram, MooncakeSsd
 from benchmarks.peers.nixl import Nixl
 from benchmarks.peers.seaweedfs import SeaweedFS
 from benchmarks.peers.system import System
+from benchmarks.serving import configs
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     Recompute(), Radix(), FileL3(), KVTier(), MooncakeDram(), MooncakeSsd(), Nixl(), LMCache(), Aibrix(), SeaweedFS(),
@@ -24,14 +25,4 @@ ALIASES = {"file-l3": "file", "kvtier-l3": "kvtier", "mooncake": "mooncake-dram"
 
 def resolve(names: list[str]) -> list[System]:
     """Systems by name (comma or space separated, aliases allowed), in ``SYSTEMS`` order, each once."""
-    wanted = set()
-    for n in names:
-        for part in n.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            part = ALIASES.get(part, part)
-            if part not in SYSTEMS:
-                raise ValueError(f"unknown system {part!r}; choose from {list(SYSTEMS)}")
-            wanted.add(part)
-    return [s for name, s in SYSTEMS.items() if name in wanted]
+    return configs.pick(names, SYSTEMS, ALIASES, "system")

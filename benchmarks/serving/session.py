@@ -24,6 +24,25 @@ from benchmarks.serving.probes import cpu_seconds
 from benchmarks.serving.workloads import Request, Workload
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """``--gpu`` / ``--cpu`` into ``args.gpu`` (None: auto-detected by ``start``)."""
+    dev = p.add_mutually_exclusive_group()
+    dev.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="GPU flags (default: auto-detect)")
+    dev.add_argument("--cpu", dest="gpu", action="store_false", help="CPU route even if a GPU is present")
+
+
+def add_multiturn_args(p: argparse.ArgumentParser, *, clients: int, rounds: int, system_tokens: int,
+                       user_tokens: int, answer_tokens: int) -> argparse._ArgumentGroup:
+    """The multi-turn workload's flags (``workloads.multiturn``), with a script's defaults; their group."""
+    g = p.add_argument_group("multiturn")
+    g.add_argument("--clients", type=int, default=clients)
+    g.add_argument("--rounds", type=int, default=rounds)
+    g.add_argument("--system-tokens", type=int, default=system_tokens)
+    g.add_argument("--user-tokens", type=int, default=user_tokens)
+    g.add_argument("--answer-tokens", type=int, default=answer_tokens)
+    return g
+
+
 def start(args: argparse.Namespace, prefix: str) -> tuple[Console, str]:
     """(console, start time); ``args.out`` defaults to ``benchmarks/results/<prefix>-<time>/`` and is made,
     ``args.gpu`` None becomes whether a CUDA GPU is present."""
