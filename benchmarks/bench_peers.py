@@ -54,17 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *sorted(DTYPE_BYTES)], help="model and KV dtype")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--smoke", action="store_true",
-                   help="CPU-sized end-to-end check: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
+                   help="CPU-sized end-to-end check (explicit flags still win): "
+                        + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
     p.add_argument("--out", type=Path, help="default benchmarks/results/peers-<timestamp>/")
-    dev = p.add_mutually_exclusive_group()
-    dev.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="GPU flags (default: auto-detect)")
-    dev.add_argument("--cpu", dest="gpu", action="store_false", help="CPU route even if a GPU is present")
-    g = p.add_argument_group("multiturn")
-    g.add_argument("--clients", type=int, default=8)
-    g.add_argument("--rounds", type=int, default=3)
-    g.add_argument("--system-tokens", type=int, default=256)
-    g.add_argument("--user-tokens", type=int, default=128)
-    g.add_argument("--answer-tokens", type=int, default=16)
+    session.add_device_args(p)
+    g = session.add_multiturn_args(p, clients=8, rounds=3, system_tokens=256, user_tokens=128, answer_tokens=16)
     g.add_argument("--max-new-tokens", type=int, default=4)
     g = p.add_argument_group("server")
     g.add_argument("--page-size", type=int, default=16)
@@ -92,12 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--no-drop-caches", action="store_true", help="do not drop the OS page cache between phases")
     g.add_argument("--backup-wait", type=float, default=60.0, help="max seconds to wait for L3 write-back per phase")
     g.add_argument("--no-progress", action="store_true")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--smoke" in argv:
+        p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
-    if args.smoke:
-        given = set(argv if argv is not None else sys.argv[1:])
-        for key, value in SMOKE.items():
-            if f"--{key.replace('_', '-')}" not in given and not (key == "install" and "--no-install" in given):
-                setattr(args, key, value)
+    args.argv = argv
     try:
         args.systems = resolve(args.systems)
     except ValueError as exc:
@@ -115,8 +108,10 @@ def workload_levels(args: argparse.Namespace, lo_hi: tuple[int, int]) -> dict[tu
         max_new_tokens=args.max_new_tokens) for li, c in enumerate(args.concurrency)}
 
 
-def start_server(args: argparse.Namespace, system: System, ctx: Context, model_dir: Path,
-                 cg: cgroup.MemoryCgroup | None) -> Any:
+def server(args: argparse.Namespace, system: System, ctx: Context, model_dir: Path,
+           cg: cgroup.MemoryCgroup | None) -> tuple[Any, list[str]]:
+    """The system's SGLang server (not started yet), on its interpreter and in its cgroup; and its command as
+    the report shows it (the cgroup wrapper aside)."""
     from sgl_kvtier.serving.server import SGLangServer
 
     srv = SGLangServer(model_dir, extra_args=system.server_args(ctx), env=system.server_env(ctx),
@@ -125,19 +120,21 @@ def start_server(args: argparse.Namespace, system: System, ctx: Context, model_d
     python = system.python(ctx)
     if python:
         srv.command[0] = python
-    srv.inner_command = list(srv.command)  # what the report shows: the cgroup wrapper aside
+    shown = list(srv.command)
     if cg is not None:
         srv.command = cg.wrap(srv.command)
-    return srv
+    return srv, shown
 
 
-def phase_probe(cg: cgroup.MemoryCgroup) -> Any:
-    """The readings kept before and after each phase; each resets the cgroup's peak, so the next one's is the
-    phase's."""
+def phase_probe(system: System, ctx: Context, cg: cgroup.MemoryCgroup | None) -> session.Probe:
+    """The readings kept before and after each phase: the cgroup's (each resets its peak, so the next one's is
+    the phase's) and what the system reports of its store."""
     def probe() -> dict[str, float]:
-        snap = cg.snapshot()
-        cg.reset_peak()
-        return snap
+        out = {}
+        if cg is not None:
+            out = cg.snapshot()
+            cg.reset_peak()
+        return out | system.readings(ctx)
 
     return probe
 
@@ -166,22 +163,20 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
         for svc in services:
             bars.update(task, description=f"{system.name}: starting {svc.name}")
             svc.start(cg)
-        srv = start_server(args, system, ctx, model_dir, cg)
-        res |= {"command": srv.command, "command_str": shlex.join(srv.inner_command), "log": str(srv.log_path),
+        srv, shown = server(args, system, ctx, model_dir, cg)
+        res |= {"command": srv.command, "command_str": shlex.join(shown), "log": str(srv.log_path),
                 "env": {k: v for k, v in srv.env.items() if os.environ.get(k) != v}}
         bars.update(task, description=f"{system.name}: starting server")
         srv.start()
         res["startup_s"] = srv.startup_s
-        probe = None
         if cg is not None and cap is not None:
             # Up and idle: the limit starts following. Not before: SGLang sizes the host pool against the
             # cgroup's free room (pool_host.base.host_memory_budget_bytes) and refuses to start under a tight one.
             cap.start()
-            probe = phase_probe(cg)
             res["cgroup"] = {"path": str(cg.path), "stat_at_start": cg.stat()}
         session.serve_levels(args, srv, wls, ctx.plan.page_size, label=system.name, l3=system.l3,
                              flush=system.flush, drop=drop, kvbpt=ctx.kv_bytes_per_token, bars=bars, task=task,
-                             console=console, into=res["workloads"], probe=probe)
+                             console=console, into=res["workloads"], probe=phase_probe(system, ctx, cg))
     except Skip as exc:
         res["skipped"] = str(exc)
         console.print(f"[yellow]{system.name}: skipped: {exc}[/]")
@@ -225,8 +220,6 @@ def store_bytes(path: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console, started = session.start(args, "peers")
-    # A SIGTERM tears down like an error does (the finally blocks stop every server, service and cgroup).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     served = run_model(args.model, args.dtype, args.gpu, args.server_arg)
     model_dir, kvbpt = served.model.path, served.kv_bytes_per_token
     wls = workload_levels(args, workloads.token_range(model_dir))
@@ -245,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     no_cgroup = "--no-cgroup" if args.no_cgroup else cgroup.unavailable()
     venv = PeersVenv(args.peers_venv.resolve())
     run: dict[str, Any] = {
-        "started": started, "argv": sys.argv if argv is None else argv, "gpu": args.gpu, "smoke": args.smoke,
+        "started": started, "argv": args.argv, "command": shlex.join(["python", "-m", "benchmarks.bench_peers", *args.argv]),
+        "gpu": args.gpu, "smoke": args.smoke,
         "model": served.record(), "machine": session.machine(served.model, served.server_args),
         "page_cache": {"dropped": drop, "policy": policy, "flush_between_phases": args.flush_between_phases},
         "sizing": {"page_size": args.page_size, "device_tokens": device, "host_tokens": host,
@@ -266,22 +260,21 @@ def main(argv: list[str] | None = None) -> int:
                       "requests are in flight (a conversation's rounds go one after another)[/]")
     if run["cgroup"]["warning"]:
         console.print(f"  [yellow]{run['cgroup']['warning']}[/]")
-    # SGLang's HiCache hash extension (torch JIT), built here into a directory of this run's own: in the shared
-    # ~/.cache/torch_extensions another SGLang release's build or a killed process's lock makes a server's storage
-    # thread rebuild or wait in its first query, and a /flush_cache meanwhile kills the scheduler.
-    ext_before = os.environ.get(EXT_DIR)
-    os.environ.setdefault(EXT_DIR, str(args.out / "torch_extensions"))
-    if any(s.hicache for s in args.systems) and not args.gpu:
-        run["hash_extension"] = prebuild_hash_extension() | {"dir": os.environ[EXT_DIR]}
     parent = None
     if no_cgroup is None:
         own = cgroup.own()
         assert own is not None
         parent = own / f"kvtier-peers-{os.getpid()}"
         parent.mkdir(exist_ok=True)
+    ext_before = os.environ.get(EXT_DIR)
+    # A SIGTERM tears down like an error does (the finally blocks stop every server, service and cgroup).
+    sigterm_before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     total = len(args.systems) * sum(len(wl.requests) for wl in wls.values())
     failed = 0
     try:
+        os.environ.setdefault(EXT_DIR, str(hash_extension_dir()))
+        if any(s.hicache for s in args.systems) and not args.gpu:
+            run["hash_extension"] = prebuild_hash_extension() | {"dir": os.environ[EXT_DIR]}
         with progress(console, disable=args.no_progress) as bars:
             task = bars.add_task("starting", total=total)
             for system in args.systems:
@@ -302,12 +295,24 @@ def main(argv: list[str] | None = None) -> int:
                 if child.is_dir():
                     cgroup.MemoryCgroup(child).remove()
             cgroup.MemoryCgroup(parent).remove()
+        signal.signal(signal.SIGTERM, sigterm_before)
         if ext_before is None:
             os.environ.pop(EXT_DIR, None)
         peers_report.compare_outputs(run)
         session.finish(run, args.out, peers_report.markdown, peers_report.plots, console)
     return 1 if failed else 0
 
+
+def hash_extension_dir() -> Path:
+    """Where SGLang's HiCache hash extension (torch JIT) is built for the servers: one directory per Python, torch
+    and SGLang release, kept between runs. In the shared ~/.cache/torch_extensions another SGLang release builds
+    other sources under the same name, so a server's storage thread would rebuild it in its first query (and a
+    /flush_cache meanwhile kills the scheduler); a directory of a run's own would be built afresh every run."""
+    from importlib import metadata
+
+    release = (f"py{sys.version_info.major}{sys.version_info.minor}-torch{metadata.version('torch')}-"
+               f"sglang{metadata.version('sglang')}")
+    return Path.home() / ".cache" / "sgl-kvtier" / "torch_extensions" / release
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,7 +4,7 @@ skip-with-reason, the table, and a smoke run on real servers.
 The smoke run (``--smoke``) starts two real SGLang servers on the CPU (tiny model), SGLang's ``file`` L3 and
 sgl-kvtier (neither needs a package beyond the project's venv), each in its own memory cgroup where the machine has
 one, one conversation of two rounds at C = 1 with L1 + L2 flushed between the rounds, so round 2 takes round 1's
-prefix from L3. About three minutes: two start-ups dominate.
+prefix from L3. Two server start-ups (about a minute each on two cores) are nearly all of its time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 from benchmarks import bench_peers as bench
 from benchmarks.peers import SYSTEMS, cgroup, resolve
 from benchmarks.peers import report as peers_report
-from benchmarks.peers.system import Context, Skip, System
+from benchmarks.peers.seaweedfs import GRPC_OFFSET
+from benchmarks.peers.system import Context, Skip, System, bindable
 from benchmarks.peers.venv import CONSTRAINTS, PeersVenv, canonical, conflicts, installed, pins
 from benchmarks.serving import configs, report
 from sgl_kvtier.serving.hardware import ENV_DTYPE
@@ -63,35 +64,60 @@ def test_builtin_systems_take_bench_servings_flags(tmp_path: Path) -> None:
     assert not SYSTEMS["recompute"].flush and not SYSTEMS["radix"].l3 and SYSTEMS["file"].l3
 
 
+def extra_config(args: list[str]) -> dict:
+    return json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+
+
+def flag(command: list[str], name: str) -> str:
+    """The value of ``-name=value`` / ``--name=value`` in a service's command."""
+    (value,) = [a.split("=", 1)[1] for a in command if a.lstrip("-").startswith(name + "=")]
+    return value
+
+
 def test_peer_flags_and_environment(tmp_path: Path) -> None:
     c = ctx(tmp_path, "mooncake-ssd")
     moon = SYSTEMS["mooncake-ssd"]
+    extra = extra_config(moon.server_args(c))  # asked before the services: the same ports either way
     (svc,) = moon.services(c)
     assert "--enable_offload=true" in svc.command and svc.command[0].endswith("mooncake_master")
-    args = moon.server_args(c)
-    extra = json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra["master_server_address"] == f"127.0.0.1:{flag(svc.command, 'rpc_port')}"
+    assert extra["metadata_server"] == f"http://127.0.0.1:{flag(svc.command, 'http_metadata_server_port')}/metadata"
     assert extra["enable_ssd_offload"] and extra["ssd_offload_path"] == str(c.work / "ssd")
     assert extra["global_segment_size"] == 256 << 20  # the host pool's bytes: the working set must spill
     assert moon.server_env(c) == {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend"}
+    assert moon.readings(c) == {}  # no master listening: nothing read, nothing raised
     dram = SYSTEMS["mooncake-dram"]
-    dram.services(c)
     assert dram.dram_store_bytes(c) > c.working_set_bytes and dram.server_env(c) == {}
     nixl = SYSTEMS["nixl"]
     assert nixl.server_env(c)["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] == str(c.work)
     assert "--enable-hierarchical-cache" in nixl.server_args(c)
+    assert extra_config(nixl.server_args(c)) == {"l3_cleaner_enabled": False}  # keeps what it writes, as the others
     lm = SYSTEMS["lmcache"]
     (daemon,) = lm.services(c)
     assert "--supported-transfer-mode" in daemon.command and "--disable-observability" in daemon.command
     a = lm.server_args(c)
     assert "--enable-lmcache" in a and "--enable-hierarchical-cache" not in a and not lm.hicache
-    assert (c.work / "lmcache.yaml").read_text().startswith("mp_host: 127.0.0.1\n")
+    port = daemon.command[daemon.command.index("--port") + 1]
+    assert (c.work / "lmcache.yaml").read_text() == f"mp_host: 127.0.0.1\nmp_port: {port}\n"
     env = SYSTEMS["aibrix"].server_env(c)
     assert env["AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND"] == "ROCKSDB" and env["KVTIER_BENCH_AIBRIX_CPU"] == "1"
     sw = SYSTEMS["seaweedfs"]
     (weed,) = sw.services(c)
     assert "-s3" in weed.command and sw.server_env(c)["AWS_ACCESS_KEY_ID"]
-    a = sw.server_args(c)
-    assert json.loads(a[a.index("--hicache-storage-backend-extra-config") + 1])["prefix"] == "run1"
+    sw_extra = extra_config(sw.server_args(c))
+    assert sw_extra["prefix"] == "run1" and sw_extra["endpoint"] == f"http://127.0.0.1:{flag(weed.command, 's3.port')}"
+    weed_ports = [int(flag(weed.command, f"{k}.port")) for k in ("master", "volume", "filer", "s3")]
+    assert len(set(weed_ports)) == 4 and all(bindable(p + GRPC_OFFSET) for p in weed_ports)  # its gRPC ports too
+    # every port of the context differs from every other one
+    assert len(set(c.ports.values())) == len(c.ports)
+
+
+def test_a_peer_whose_tool_is_missing_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    class NoTool(System):
+        name, tools = "notool", ("no-such-tool",)
+
+    with pytest.raises(Skip, match=r"no-such-tool not found in .*venv/bin"):
+        NoTool().prepare(ctx(tmp_path), install=False)
 
 
 def test_the_aibrix_hook_turns_pinned_memory_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,11 +203,13 @@ def test_the_limit_follows_resident_memory_and_leaves_the_page_cache_the_allowan
     deadline = time.monotonic() + 10
     while cg.limit() != 5024 + 110 and time.monotonic() < deadline:
         time.sleep(0.01)
+    followed = cg.limit()
+    assert (tmp_path / "memory.oom_control").read_text() == "1\n"  # the OOM killer switched off
     cap.stop()
     rec = cap.record()
-    assert cg.limit() == 5134 and rec["limit_low_bytes"] == 1134 and rec["limit_high_bytes"] == 5134
+    assert followed == 5134 and rec["limit_low_bytes"] == 1134 and rec["limit_high_bytes"] == 5134
     assert rec["updates"] >= 2 and rec["refused"] == 0 and "allowance" in rec["rule"]
-    assert (tmp_path / "memory.oom_control").read_text() == "1\n"  # the OOM killer switched off
+    assert cg.limit() == cgroup.UNLIMITED  # lifted: nothing waits on a limit nobody raises any more
 
 
 def test_cgroup_files_are_read_as_the_kernel_writes_them(tmp_path: Path) -> None:
@@ -222,12 +250,13 @@ def test_the_wrapper_puts_the_command_in_the_cgroup(tmp_path: Path) -> None:
 # -- report -------------------------------------------------------------------------------------------------
 
 
-def _level(c: int, ttft: float, storage: int, outputs: list[int], cache: float = 0.0) -> dict:
+def _level(c: int, ttft: float, storage: int, outputs: list[int], cache: float = 0.0,
+           store: dict | None = None) -> dict:
     reqs = [{"rid": f"c{i}-r2", "ttft_s": ttft, "latency_s": ttft, "prompt_tokens": 500, "cached_device": 0,
              "cached_host": 0, "cached_storage": storage, "output_ids": outputs} for i in range(2)]
     snap = {"total_cache": 100e6 + cache, "total_mapped_file": 100e6, "total_shmem": 0.0, "total_pgmajfault": 10.0,
             "peak_bytes": 2e9, "read_bytes": 1e6}
-    after = snap | {"total_pgmajfault": 25.0, "read_bytes": 51e6}
+    after = snap | {"total_pgmajfault": 25.0, "read_bytes": 51e6} | (store or {})
     phases = [{"measured": False, "wall_s": 1.0, "requests": reqs, "metrics_delta": {}},
               {"measured": True, "wall_s": 2.0, "requests": reqs, "metrics_delta": {}, "probe_before": snap,
                "probe_after": after}]
@@ -242,11 +271,12 @@ def _fake_run() -> dict:
                                       "refused": 1, "oom_control": {"oom_kill": 0}}},
                    "workloads": {"multiturn": [_level(1, 1.0, 400, [1, 2], cache=30e6)]}},
         "mooncake-dram": {"storage": "dram", "summary": "m", "dram_store_bytes": 2 * GB,
-                          "workloads": {"multiturn": [_level(1, 0.8, 400, [1, 3])]}},
+                          "workloads": {"multiturn": [_level(1, 0.8, 400, [1, 3],
+                                                              store={"dram_allocated_bytes": 300e6})]}},
         "nixl": {"storage": "flash", "summary": "n", "skipped": "pip install failed (nixl==1.5.1): no network",
                  "workloads": {}},
     }
-    return {"started": "now", "gpu": False, "model": {"name": "kvheavy", "kv_bytes_per_token": 131072},
+    return {"started": "now", "command": "python -m benchmarks.bench_peers --concurrency 1", "gpu": False, "model": {"name": "kvheavy", "kv_bytes_per_token": 131072},
             "sizing": {"page_size": 16, "device_tokens": 100, "host_tokens": 200, "host_pool_bytes": 200 * 131072,
                        "working_set_bytes": 10**9, "page_cache_allowance_bytes": 256 * 2**20,
                        "margin_bytes": 128 * 2**20},
@@ -268,10 +298,13 @@ def test_table_outputs_check_and_png(tmp_path: Path) -> None:
     head = dict(zip(peers_report.HEAD, cells))
     assert head["TTFT p50 s"] == "1.00" and head["tok from storage"] == "800" and head["outputs = recompute"] == "2/2"
     assert head["tok computed"] == "200" and head["major faults"] == "15" and head["disk read MB"] == "50"
-    assert head["page cache MB"] == "30" and head["cgroup peak MB"] == "2000" and head["DRAM store MB"] == "-"
+    assert head["page cache MB"] == "30" and head["cgroup peak MB"] == "2000"
+    assert head["DRAM store MB used / size"] == "-"
     moon = dict(zip(peers_report.HEAD, [c.strip() for c in next(
         line for line in md.splitlines() if line.startswith("| mooncake-dram |")).strip("|").split("|")]))
-    assert moon["DRAM store MB"] == "2000" and moon["outputs = recompute"] == "0/2" and moon["L3 in"] == "dram"
+    assert moon["DRAM store MB used / size"] == "300 / 2000"  # what its master reported of the 2 GB segment
+    assert moon["outputs = recompute"] == "0/2" and moon["L3 in"] == "dram"
+    assert "`python -m benchmarks.bench_peers --concurrency 1`" in md
     assert "- **nixl** skipped: pip install failed (nixl==1.5.1): no network" in md
     assert "sgl-kvtier 0.1.0" in md and "- **kvtier**: 2000 to 3000 MB over 40 updates (1 refused" in md
     err = ("ServerError('SGLang server exited with code -9 during start-up.\\ncommand: python -m sglang.launch_server"
@@ -279,13 +312,17 @@ def test_table_outputs_check_and_png(tmp_path: Path) -> None:
     assert peers_report.cause(err) == "ValueError: Not enough host memory available. Requesting 0.00 GB"
     (png,) = peers_report.plots(run, tmp_path)
     assert png.name == "peers.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert peers_report.caption(run).splitlines() == ["bench_peers now; machine not recorded", run["command"]]
 
 
 def test_smoke_flags_fill_in_what_is_not_given() -> None:
-    args = bench.parse_args(["--smoke", "--clients", "2"])
-    assert [s.name for s in args.systems] == ["file", "kvtier"] and args.model == "tiny" and args.clients == 2
+    args = bench.parse_args(["--smoke", "--clients", "2", "--rounds=3"])
+    assert [s.name for s in args.systems] == ["file", "kvtier"] and args.model == "tiny"
+    assert args.clients == 2 and args.rounds == 3  # explicit flags win, in either spelling
     assert args.flush_between_phases and args.concurrency == [1] and not args.install
-    assert bench.parse_args([]).concurrency == [1, 4, 16] and bench.parse_args([]).model == "kvheavy"
+    assert bench.parse_args(["--smoke", "--install"]).install
+    plain = bench.parse_args([])
+    assert plain.concurrency == [1, 4, 16] and plain.model == "kvheavy" and plain.install and len(plain.systems) == 10
 
 
 # -- the smoke run ------------------------------------------------------------------------------------
@@ -301,6 +338,10 @@ def test_smoke_run_file_and_kvtier(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert (out / name).stat().st_size > 0, name
     run = json.loads((out / "results.json").read_text())
     assert run["smoke"] and list(run["systems"]) == ["file", "kvtier"]
+    assert run["command"].endswith("--smoke --no-progress --cpu --out " + str(out))
+    assert run["hash_extension"]["ok"], run["hash_extension"]
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:  # built (or found) where the next run finds it
+        assert run["hash_extension"]["dir"] == str(bench.hash_extension_dir())
     outputs = {}
     for name, res in run["systems"].items():
         assert "error" not in res and "skipped" not in res, res.get("error") or res.get("skipped")
@@ -308,6 +349,7 @@ def test_smoke_run_file_and_kvtier(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert res["exit_code"] is not None  # stopped
         (level,) = res["workloads"]["multiturn"]
         first, second = level["phases"]
+        assert first["requests"][0]["cached_storage"] == 0  # round 1: a cold store
         (rec,) = second["requests"]
         # round 2 after the flush: round 1's whole prompt (24 pages) from L3
         assert rec["cached_storage"] == 384 and rec["cached_device"] == 0 and "error" not in rec, rec
@@ -320,6 +362,8 @@ def test_smoke_run_file_and_kvtier(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             assert not Path(res["cgroup"]["path"]).exists()  # torn down
         assert not Path(res["store"]["path"]).exists()  # the store went with it (no --keep-l3)
     assert outputs["file"] == outputs["kvtier"]  # greedy: the same tokens from either L3
+    if run["cgroup"]["used"]:
+        assert not (cgroup.own() / f"kvtier-peers-{os.getpid()}").exists()  # the run's parent cgroup too
     assert run["systems"]["kvtier"]["versions"]["sgl-kvtier"]
     md = (out / "report.md").read_text()
     assert "| file | flash | 1 |" in md and "| kvtier | flash | 1 |" in md

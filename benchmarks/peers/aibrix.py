@@ -12,7 +12,7 @@ small import hook that the overlay venv loads (``aibrix_cpu.pth``) only in proce
 
 from __future__ import annotations
 
-from benchmarks.peers.builtin import hicache_args, sglang_versions
+from benchmarks.peers.builtin import hicache_args
 from benchmarks.peers.system import FLASH, Context, System
 
 SWITCH = "KVTIER_BENCH_AIBRIX_CPU"
@@ -70,6 +70,3 @@ class Aibrix(System):
         return {SWITCH: "1", "AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND": "ROCKSDB",
                 "AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT": str(ctx.work / "rocksdb"),
                 "AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB": f"{self.dram_store_bytes(ctx) / (1 << 30):.3f}"}
-
-    def versions(self, ctx: Context) -> dict[str, str]:
-        return sglang_versions() | ctx.venv.versions(self.packages)

@@ -8,17 +8,14 @@ Peers that plug into HiCache start from ``hicache_args``: bench_serving's HiCach
 from __future__ import annotations
 
 import dataclasses
-from importlib import metadata
 
 from benchmarks.peers.system import FLASH, NONE, Context, System
 from benchmarks.serving import configs
 
-HICACHE = configs.Config("c", "hicache-dram", "HiCache, no L3", hicache=True)
-
 
 def hicache_args(ctx: Context) -> list[str]:
     """The flags every HiCache system shares (bench_serving's ``hicache-dram``: no L3 yet)."""
-    return HICACHE.args(ctx.plan)
+    return configs.CONFIGS["c"].args(ctx.plan)
 
 
 def radix_args(ctx: Context) -> list[str]:
@@ -26,25 +23,15 @@ def radix_args(ctx: Context) -> list[str]:
     return configs.CONFIGS["b"].args(ctx.plan)
 
 
-def sglang_versions() -> dict[str, str]:
-    return {"sglang": metadata.version("sglang")}
-
-
 class Builtin(System):
-    """A bench_serving configuration as it is; its L3 (if any) goes to ``ctx.work``."""
+    """A bench_serving configuration (``key``) as it is; its L3 (if any) goes to ``ctx.work``."""
 
     key = ""
 
-    def config(self, ctx: Context) -> configs.Config:
-        cfg = configs.CONFIGS[self.key]
-        return dataclasses.replace(cfg, name=self.name)
-
     def server_args(self, ctx: Context) -> list[str]:
+        cfg = dataclasses.replace(configs.CONFIGS[self.key], name=self.name)
         plan = dataclasses.replace(ctx.plan, l3_root=ctx.work.parent)  # Config.l3_dir: l3_root / name = ctx.work
-        return self.config(ctx).args(plan)
-
-    def versions(self, ctx: Context) -> dict[str, str]:
-        return sglang_versions()
+        return cfg.args(plan)
 
 
 class Recompute(Builtin):
@@ -70,4 +57,4 @@ class KVTier(Builtin):
     def versions(self, ctx: Context) -> dict[str, str]:
         import sgl_kvtier
 
-        return sglang_versions() | {"sgl-kvtier": getattr(sgl_kvtier, "__version__", metadata.version("sgl-kvtier"))}
+        return super().versions(ctx) | {"sgl-kvtier": sgl_kvtier.__version__}

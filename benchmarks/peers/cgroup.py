@@ -36,6 +36,7 @@ MOUNT = Path("/sys/fs/cgroup/memory")
 # memory.stat fields read per phase (the hierarchical "total_" ones: the cgroup and anything under it).
 STAT_KEYS = ("total_cache", "total_rss", "total_shmem", "total_mapped_file", "total_pgmajfault", "total_pgpgin")
 MiB = 1 << 20
+UNLIMITED = -1  # what memory.limit_in_bytes takes for no limit
 
 
 def own(mount: Path = MOUNT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> Path | None:
@@ -103,13 +104,17 @@ class MemoryCgroup:
         return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(self.path / "cgroup.procs"),
                 *command]
 
-    def stat(self) -> dict[str, int]:
+    def _fields(self, name: str) -> dict[str, int]:
+        """A file of ``key value`` lines (``memory.stat``, ``memory.oom_control``) as a dict."""
         out = {}
-        for line in self._read("memory.stat").splitlines():
+        for line in self._read(name).splitlines():
             key, _, value = line.partition(" ")
             with contextlib.suppress(ValueError):
                 out[key] = int(value)
         return out
+
+    def stat(self) -> dict[str, int]:
+        return self._fields("memory.stat")
 
     def pids(self) -> list[int]:
         try:
@@ -122,7 +127,8 @@ class MemoryCgroup:
         (self.path / "memory.oom_control").write_text("1\n")
 
     def set_limit(self, nbytes: int) -> None:
-        """Set ``memory.limit_in_bytes``; the kernel reclaims page cache down to it first (EBUSY if it cannot)."""
+        """Set ``memory.limit_in_bytes`` (``UNLIMITED``: none); the kernel reclaims page cache down to it first
+        (EBUSY if it cannot)."""
         (self.path / "memory.limit_in_bytes").write_text(f"{nbytes}\n")
 
     def limit(self) -> int:
@@ -133,19 +139,14 @@ class MemoryCgroup:
             (self.path / "memory.max_usage_in_bytes").write_text("0\n")
 
     def oom_control(self) -> dict[str, int]:
-        out = {}
-        for line in self._read("memory.oom_control").splitlines():
-            key, _, value = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                out[key] = int(value)
-        return out
+        return self._fields("memory.oom_control")
 
     def oom_kills(self) -> int:
         return self.oom_control().get("oom_kill", 0)
 
     def read_bytes(self) -> int:
-        """Bytes the cgroup's live processes read from the block layer (``/proc/<pid>/io`` read_bytes): page-cache
-        hits and O_DIRECT aside, what came off the disk."""
+        """Bytes the cgroup's live processes read from the block layer (``/proc/<pid>/io`` read_bytes): what came
+        off the disk, O_DIRECT reads included; page-cache hits are not."""
         total = 0
         for pid in self.pids():
             with contextlib.suppress(OSError, ValueError):
@@ -235,9 +236,13 @@ class Cap:
                 self.update()
 
     def stop(self) -> None:
+        """Stop following and lift the limit: with the OOM killer off, a process that allocates past a limit
+        nobody raises any more would wait for ever, its teardown too."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        with contextlib.suppress(OSError):
+            self.cg.set_limit(UNLIMITED)
 
     def record(self) -> dict[str, Any]:
         return {"rule": "limit = resident (total_rss + total_mapped_file + total_shmem) + allowance + margin, "

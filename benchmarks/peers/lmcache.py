@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.peers.builtin import radix_args, sglang_versions
-from benchmarks.peers.system import FLASH, Context, Service, Skip, System, tcp_open
+from benchmarks.peers.builtin import radix_args
+from benchmarks.peers.system import FLASH, Context, Service, System, tcp_open
 
 
 class LMCache(System):
@@ -24,32 +24,24 @@ class LMCache(System):
     # aiofiles: the fs L2 adapter (without it the type "fs" is unknown); blake3: the daemon's token hasher
     packages = ("lmcache", "py-cpuinfo", "cachetools", "aiofiles", "blake3")
     modules = ("lmcache", "cpuinfo", "cachetools", "blake3", "lmcache.v1.distributed.l2_adapters.fs_l2_adapter")
+    tools = ("lmcache",)
     upstream = "https://docs.lmcache.ai"
-
-    def prepare(self, ctx: Context, install: bool) -> None:
-        super().prepare(ctx, install)
-        if not (ctx.venv.bin / "lmcache").exists():
-            raise Skip(f"lmcache CLI not found in {ctx.venv.bin}")
 
     def dram_store_bytes(self, ctx: Context) -> int:
         return ctx.host_pool_bytes  # its L1, in the daemon
 
     def services(self, ctx: Context) -> list[Service]:
-        self._port, http = ctx.port(), ctx.port()
+        port = ctx.port("mp")
         l2 = ctx.work / "l2"
         l2.mkdir(parents=True, exist_ok=True)
-        cmd = [str(ctx.venv.bin / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self._port),
-               "--http-port", str(http), "--l1-size-gb", f"{self.dram_store_bytes(ctx) / (1 << 30):.3f}",
+        cmd = [str(ctx.venv.bin / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
+               "--http-port", str(ctx.port("http")), "--l1-size-gb", f"{self.dram_store_bytes(ctx) / (1 << 30):.3f}",
                "--eviction-policy", "LRU", "--disable-observability", "--supported-transfer-mode", "auto",
                "--l2-adapter", json.dumps({"type": "fs", "base_path": str(l2)})]
-        port = self._port
         return [Service("lmcache server", cmd, ctx.log_dir / f"{self.name}-daemon.log",
                         lambda: tcp_open("127.0.0.1", port), cwd=ctx.work, timeout_s=180.0)]
 
     def server_args(self, ctx: Context) -> list[str]:
         cfg = ctx.work / "lmcache.yaml"
-        cfg.write_text(f"mp_host: 127.0.0.1\nmp_port: {self._port}\n")
+        cfg.write_text(f"mp_host: 127.0.0.1\nmp_port: {ctx.port('mp')}\n")
         return radix_args(ctx) + ["--enable-lmcache", "--lmcache-config-file", str(cfg)]
-
-    def versions(self, ctx: Context) -> dict[str, str]:
-        return sglang_versions() | ctx.venv.versions(self.packages)

@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.peers.builtin import hicache_args, sglang_versions
-from benchmarks.peers.system import DRAM, FLASH, Context, Service, Skip, System, tcp_open
+from benchmarks.peers.builtin import hicache_args
+from benchmarks.peers.system import DRAM, FLASH, Context, Service, System, tcp_open
+from benchmarks.serving import client
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
 MIN_SEGMENT = 16 << 20
+# The master's gauges (its /metrics) kept per phase: what its segments hold, and what they can hold.
+METRICS = {"master_allocated_bytes": "dram_allocated_bytes", "master_total_capacity_bytes": "dram_capacity_bytes"}
 
 
 def whole_mib(nbytes: int) -> int:
@@ -32,13 +35,9 @@ class MooncakeDram(System):
     summary = "HiCache + Mooncake Store, DRAM pool (segment in the SGLang process, mooncake_master beside it)"
     packages = (PACKAGE,)
     modules = ("mooncake.store",)
+    tools = ("mooncake_master",)
     upstream = "https://kvcache-ai.github.io/Mooncake/"
     offload = False
-
-    def prepare(self, ctx: Context, install: bool) -> None:
-        super().prepare(ctx, install)
-        if not (ctx.venv.bin / "mooncake_master").exists():
-            raise Skip(f"mooncake_master not found in {ctx.venv.bin}")
 
     def segment_bytes(self, ctx: Context) -> int:
         """The DRAM pool: room for the whole working set plus a quarter (nothing evicted) in DRAM mode; in offload
@@ -51,22 +50,26 @@ class MooncakeDram(System):
     def dram_store_bytes(self, ctx: Context) -> int:
         return whole_mib(self.segment_bytes(ctx))
 
+    def readings(self, ctx: Context) -> dict[str, float]:
+        """The master's allocated and total segment bytes (the DRAM pool in use, and its size)."""
+        samples = client.scrape(f"http://127.0.0.1:{ctx.port('metrics')}", timeout_s=5.0)
+        return {METRICS[name]: value for name, labels, value in samples if name in METRICS and not labels}
+
     def services(self, ctx: Context) -> list[Service]:
-        self._ports = {k: ctx.port() for k in ("rpc", "http", "metrics")}
+        rpc, http = ctx.port("rpc"), ctx.port("http")
         cmd = [str(ctx.venv.bin / "mooncake_master"), "--enable_http_metadata_server=true",
-               f"--http_metadata_server_port={self._ports['http']}", f"--rpc_port={self._ports['rpc']}",
-               f"--metrics_port={self._ports['metrics']}", "--eviction_high_watermark_ratio=0.95"]
+               f"--http_metadata_server_port={http}", f"--rpc_port={rpc}", f"--metrics_port={ctx.port('metrics')}",
+               "--eviction_high_watermark_ratio=0.95"]
         if self.offload:
             cmd.append("--enable_offload=true")
-        rpc, http = self._ports["rpc"], self._ports["http"]
         return [Service("mooncake_master", cmd, ctx.log_dir / f"{self.name}-master.log",
                         lambda: tcp_open("127.0.0.1", rpc) and tcp_open("127.0.0.1", http),
                         env=self.server_env(ctx), cwd=ctx.work)]
 
     def extra_config(self, ctx: Context) -> dict[str, object]:
         extra: dict[str, object] = {
-            "master_server_address": f"127.0.0.1:{self._ports['rpc']}", "local_hostname": "localhost",
-            "metadata_server": f"http://127.0.0.1:{self._ports['http']}/metadata",
+            "master_server_address": f"127.0.0.1:{ctx.port('rpc')}", "local_hostname": "localhost",
+            "metadata_server": f"http://127.0.0.1:{ctx.port('http')}/metadata",
             "global_segment_size": whole_mib(self.segment_bytes(ctx)), "protocol": "tcp", "device_name": "",
         }  # fmt: skip
         if self.offload:
@@ -83,10 +86,8 @@ class MooncakeDram(System):
         # the per-key file backend: the default bucket backend defers every object and writes nothing
         return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "file_per_key_storage_backend"} if self.offload else {}
 
-    def versions(self, ctx: Context) -> dict[str, str]:
-        return sglang_versions() | ctx.venv.versions(self.packages)
-
 
 class MooncakeSsd(MooncakeDram):
     name, storage, offload = "mooncake-ssd", FLASH, True
     summary = "HiCache + Mooncake Store with SSD offload (segment = host-pool size, file-per-key offload)"
+

@@ -3,18 +3,22 @@
 Per system and concurrency, from the measured phases (bench_serving's ``report.summarize``): TTFT p50 / p99,
 requests per second, prompt tokens served from storage (SGLang's ``cached_tokens_details``), from the device or
 host pool, and computed; errors; at C = 1 whether every greedy output equals recompute's; the memory the system's
-cgroup held (peak: resident + page cache; and the page cache no process maps, where an L3's file pages sit), the major faults and the bytes its processes
-read from the disk over the measured phases, and the DRAM store a system keeps outside SGLang's pools.
+cgroup held (peak: resident + page cache; and the page cache no process maps, where an L3's file pages sit), the
+major faults and the bytes its processes read from the disk over the measured phases, and the DRAM store a system
+keeps outside SGLang's pools (what it held, where the system reports it, and its size). The PNG carries the run's
+date, machine and command line.
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.machine import machine_line
 from benchmarks.serving.report import machine_paragraph, model_dtype, pyplot, save_figure
 
 MB = 1e6
@@ -53,8 +57,8 @@ def cgroup_cell(level: dict[str, Any]) -> dict[str, float]:
     peak = cache = faults = read = 0.0
     seen = False
     for ph in level["phases"]:
-        before, after = ph.get("probe_before"), ph.get("probe_after")
-        if not ph["measured"] or not before or not after:
+        before, after = ph.get("probe_before") or {}, ph.get("probe_after") or {}
+        if not ph["measured"] or "peak_bytes" not in before or "peak_bytes" not in after:
             continue
         seen = True
         peak = max(peak, after["peak_bytes"])
@@ -62,6 +66,14 @@ def cgroup_cell(level: dict[str, Any]) -> dict[str, float]:
         faults += after["total_pgmajfault"] - before["total_pgmajfault"]
         read += max(0.0, after["read_bytes"] - before["read_bytes"])
     return {"peak_bytes": peak, "cache_bytes": cache, "majfaults": faults, "read_bytes": read} if seen else {}
+
+
+def dram_used(level: dict[str, Any]) -> float | None:
+    """The most a system reported its DRAM store held after a measured phase (Mooncake's allocated segment
+    bytes), or None where it reports none."""
+    seen = [ph["probe_after"]["dram_allocated_bytes"] for ph in level["phases"]
+            if ph["measured"] and "dram_allocated_bytes" in (ph.get("probe_after") or {})]
+    return max(seen) if seen else None
 
 
 def rows(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,7 +90,7 @@ def rows(run: dict[str, Any]) -> list[dict[str, Any]]:
                     "concurrency") else None
                 out.append({"system": name, "storage": res.get("storage", "?"), "concurrency": c, "summary": s,
                             "cgroup": cgroup_cell(lv), "same": same, "dram_store_bytes": res.get("dram_store_bytes", 0),
-                            "error": res.get("error")})
+                            "dram_used_bytes": dram_used(lv), "error": res.get("error")})
     return out
 
 
@@ -90,8 +102,16 @@ def _mb(v: float | None) -> str:
     return "-" if v is None else f"{v / MB:.0f}"
 
 
+def dram_cell(row: dict[str, Any]) -> str:
+    """``used / size`` MB of a system's DRAM store (its size alone where it reports no use; ``-``: none)."""
+    size, used = row["dram_store_bytes"], row["dram_used_bytes"]
+    if not size:
+        return "-"
+    return _mb(size) if used is None else f"{_mb(used)} / {_mb(size)}"
+
+
 HEAD = ["system", "L3 in", "C", "TTFT p50 s", "p99 s", "req/s", "tok from storage", "tok from device+host",
-        "tok computed", "errors", "outputs = recompute", "DRAM store MB", "cgroup peak MB", "page cache MB",
+        "tok computed", "errors", "outputs = recompute", "DRAM store MB used / size", "cgroup peak MB", "page cache MB",
         "major faults", "disk read MB"]
 
 
@@ -105,7 +125,7 @@ def table(run: dict[str, Any]) -> str:
             f"{s['ttft_p50_s']:.2f}", f"{s['ttft_p99_s']:.2f}", f"{s['req_per_s']:.3f}",
             _fmt_tok(cached["storage"]), _fmt_tok(cached["device"] + cached["host"]), _fmt_tok(s["computed_tokens"]),
             str(s["errors"]), "-" if not same else f"{same['same']}/{same['compared']}",
-            _mb(r["dram_store_bytes"]) if r["dram_store_bytes"] else "-",
+            dram_cell(r),
             _mb(cg.get("peak_bytes")), _mb(cg.get("cache_bytes")),
             "-" if not cg else f"{cg['majfaults']:.0f}", _mb(cg.get("read_bytes"))]) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -166,7 +186,8 @@ def markdown(run: dict[str, Any]) -> str:
                f"L3 working set is {s['working_set_bytes'] / max(1, room):.1f}x that.")
     else:
         mem = f"No memory cgroup ({cg['why_not']}): the page cache may hold a file-based L3."
-    parts = [f"# bench_peers: {run['started']}", "", *machine_paragraph(run), intro, "", mem, ""]
+    parts = [f"# bench_peers: {run['started']}", "", f"`{run['command']}`", "", *machine_paragraph(run), intro, "",
+             mem, ""]
     if cg.get("warning"):
         parts += [f"Warning: {cg['warning']}", ""]
     parts += [table(run), ""]
@@ -219,4 +240,11 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
     bx.set_ylabel("prompt tokens (measured phases)")
     bx.set_title("where prompt tokens came from")
     bx.legend(fontsize=8)
+    fig.suptitle(caption(run), fontsize=8)
     return [save_figure(fig, out / "peers.png")]
+
+
+def caption(run: dict[str, Any]) -> str:
+    """What the figure carries: the run's date, the machine and the command line."""
+    machine = machine_line(run["machine"]) if run.get("machine", {}).get("cpu_model") else "machine not recorded"
+    return "\n".join(textwrap.wrap(f"bench_peers {run['started']}; {machine}", 180) + [run["command"]])

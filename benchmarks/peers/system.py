@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ class Skip(Exception):
 @dataclasses.dataclass
 class Context:
     """What a system's set-up needs: the shared server plan, a directory of its own (its store lives there), the
-    peers venv, the model's KV bytes per token and the host-pool size in bytes."""
+    peers venv, the model's KV bytes per token and the host-pool size in bytes; the loopback ports its services
+    listen on (``port``)."""
 
     plan: ServerPlan
     work: Path
@@ -43,11 +45,34 @@ class Context:
     working_set_bytes: int
     log_dir: Path
     run_id: str
+    ports: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def port(self) -> int:
+    def port(self, name: str, derived: tuple[int, ...] = ()) -> int:
+        """The loopback port of ``name`` (a service's listener), picked free the first time it is asked for and
+        the same after, so a service's command and the server's flags agree; with ``derived``, one whose
+        ``port + offset`` is free for each offset too (a service that opens more ports at fixed offsets)."""
         from sgl_kvtier.serving.server import free_port
 
-        return free_port()
+        if name not in self.ports:
+            for _ in range(64):
+                port = free_port()
+                taken = set(self.ports.values())
+                if port not in taken and all(bindable(port + d) and port + d not in taken for d in derived):
+                    self.ports[name] = port
+                    break
+            else:
+                raise Skip(f"no free port for {name} (with {', '.join(f'+{d}' for d in derived)} free too)")
+        return self.ports[name]
+
+
+def bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def tcp_open(host: str, port: int) -> bool:
@@ -127,6 +152,7 @@ class System:
     storage = NONE  # NONE (no L3), DRAM or FLASH: where its L3 data lives
     packages: tuple[str, ...] = ()  # distributions it needs in the peers venv, each pinned in constraints.txt
     modules: tuple[str, ...] = ()  # modules that must import on the peers venv's interpreter
+    tools: tuple[str, ...] = ()  # executables its packages put in the peers venv's bin (its services)
     upstream = ""  # where its documentation is
     hicache = True  # whether it runs HiCache (a host pool of --hicache-ratio x the device pool)
     l3 = True  # whether the harness waits for L3 write-back between phases
@@ -142,9 +168,7 @@ class System:
 
     def prepare(self, ctx: Context, install: bool) -> None:
         """Check (and with ``install``, install) what it needs; raise ``Skip`` with the reason when it cannot run."""
-        if not self.packages:
-            return
-        missing = ctx.venv.missing(self.packages)
+        missing = ctx.venv.missing(self.packages) if self.packages else []
         if missing and not install:
             raise Skip(f"not installed in {ctx.venv.path.name}: {', '.join(missing)} (run with --install)")
         if missing:
@@ -156,6 +180,9 @@ class System:
                 raise Skip(f"still missing after install: {', '.join(still)}")
         if self.modules and (why := ctx.venv.import_check(self.modules)):
             raise Skip(why)
+        absent = [t for t in self.tools if not (ctx.venv.bin / t).exists()]
+        if absent:
+            raise Skip(f"{', '.join(absent)} not found in {ctx.venv.bin}")
 
     def services(self, ctx: Context) -> list[Service]:
         return []
@@ -167,11 +194,17 @@ class System:
         return {}
 
     def dram_store_bytes(self, ctx: Context) -> int:
-        """DRAM the system keeps outside SGLang's device and host pools (added to the cgroup limit; reported)."""
+        """DRAM the system is configured to keep outside SGLang's device and host pools (reported)."""
         return 0
 
+    def readings(self, ctx: Context) -> dict[str, float]:
+        """What the system itself reports of its store, read before and after every phase beside the cgroup's
+        (Mooncake: the bytes its DRAM pool holds); empty where it reports nothing."""
+        return {}
+
     def versions(self, ctx: Context) -> dict[str, str]:
-        return ctx.venv.versions(self.packages) if self.packages else {}
+        """SGLang's version and each of its packages' (as installed in the peers venv or the project's)."""
+        return {"sglang": metadata.version("sglang")} | ctx.venv.versions(self.packages)
 
     def describe(self) -> dict[str, Any]:
         return {"summary": self.summary, "storage": self.storage, "packages": list(self.packages),
