@@ -33,7 +33,7 @@ from typing import Any
 from benchmarks.common import page_cache_policy, progress
 from benchmarks.peers import SYSTEMS, cgroup, resolve
 from benchmarks.peers import report as peers_report
-from benchmarks.peers.system import Context, Skip, System
+from benchmarks.peers.system import Context, Service, Skip, System
 from benchmarks.peers.venv import DEFAULT, PeersVenv
 from benchmarks.serving import configs, session, workloads
 from benchmarks.serving.models import run_model
@@ -157,9 +157,10 @@ def run_system(args: argparse.Namespace, system: System, ctx: Context, model_dir
     ctx.work.mkdir(parents=True, mode=0o700)
     cg = cgroup.MemoryCgroup.create(parent, system.name) if parent is not None else None
     cap = cgroup.Cap(cg, args.page_cache_mb * cgroup.MiB, args.margin_mb * cgroup.MiB) if cg is not None else None
-    services = system.services(ctx)
+    services: list[Service] = []
     srv = None
     try:
+        services = system.services(ctx)
         for svc in services:
             bars.update(task, description=f"{system.name}: starting {svc.name}")
             svc.start(cg)

@@ -9,8 +9,10 @@ prefix from L3. Two server start-ups (about a minute each on two cores) are near
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,49 @@ def test_the_aibrix_hook_turns_pinned_memory_off(tmp_path: Path, monkeypatch: py
     assert out.stdout.strip() == "True"
 
 
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")  # dead, not yet reaped by whoever inherited it
+
+
+def test_a_service_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
+    """A service whose launcher exits on SIGTERM, leaving a child that ignores it: the child is gone after ``stop``
+    too (the sweep of the process group)."""
+    import sys
+    import time
+
+    from benchmarks.peers.system import Service
+
+    pidfile = tmp_path / "child.pid"
+    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    cmd = ["/bin/sh", "-c", f"{sys.executable} -c '{child}' & echo $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait"]
+    svc = Service("svc", cmd, tmp_path / "svc.log", pidfile.exists, timeout_s=30)
+    svc.start(None)
+    assert svc.proc is not None and svc.startup_s is not None
+    pid = int(pidfile.read_text())
+    try:
+        svc.stop(grace_s=1.0)
+        assert svc.proc.poll() == -15 and svc.record()["exit_code"] == -15
+        deadline = time.monotonic() + 10
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a failing test leaves nothing behind either
+
+
+def test_a_service_that_dies_at_start_up_skips_its_system_with_the_log(tmp_path: Path) -> None:
+    from benchmarks.peers.system import Service
+
+    svc = Service("svc", ["/bin/sh", "-c", "echo no such bucket >&2; exit 3"], tmp_path / "svc.log", lambda: False)
+    with pytest.raises(Skip, match="svc exited with code 3 at start-up: no such bucket"):
+        svc.start(None)
+
+
 # -- the overlay venv and skip-with-reason ---------------------------------------------------------------
 
 
@@ -179,6 +224,17 @@ def test_a_system_whose_package_is_missing_is_skipped_with_the_reason(tmp_path: 
                            bench.session.make_console(), None)
     assert res["skipped"].startswith("not installed in venv: lmcache") and "command" not in res
     assert res["versions"] == {"lmcache": "not installed"}
+
+    class NoPort(System):  # its services cannot be set up: skipped with the reason, and the next system runs
+        name = "noport"
+
+        def services(self, c: Context) -> list:
+            raise Skip("no free port for s3")
+
+    c = ctx(tmp_path, "noport", venv)
+    res = bench.run_system(args, NoPort(), c, tmp_path, {}, False, Bars(), None, bench.session.make_console(), None)
+    assert res["skipped"] == "no free port for s3" and "command" not in res and res["services"] == []
+    assert not c.work.exists()  # its directory went (no --keep-l3)
 
 
 # -- the memory cgroup ---------------------------------------------------------------------------------------

@@ -119,6 +119,8 @@ class Service:
         self.startup_s = round(time.monotonic() - t0, 2)
 
     def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM its process group, SIGKILL it after ``grace_s``; then SIGKILL what is left of the group (a
+        launcher may exit before what it started does). Its exit code."""
         proc = self.proc
         if proc is None:
             return None
@@ -129,6 +131,8 @@ class Service:
                 os.killpg(proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         return proc.poll()
 
     def record(self) -> dict[str, Any]:
