@@ -171,6 +171,7 @@ class Lab:
         self.juicefs = juicefs_binary() or "juicefs"
         self._stack = ExitStack()
         self._mounts: list[subprocess.Popen[Any]] = []
+        self._client: str | None = None  # the test's address on the bridge (``connect_client``)
 
     # ------------------------------------------------------------------ build
     def __enter__(self) -> Lab:
@@ -265,7 +266,12 @@ class Lab:
 
     def _unmount(self, host: Host, proc: subprocess.Popen[Any]) -> None:
         if proc.poll() is None and host.holder.poll() is None:
-            host.run("umount", str(self.mount), timeout_s=STOP_S, check=False)
+            # Busy while a process killed a moment ago still closes its files there: tried until it is free.
+            try:
+                wait_for(lambda: host.run("umount", str(self.mount), timeout_s=STOP_S, check=False).returncode == 0
+                         or not self._mounted(host), STOP_S, f"host {host.index} unmounting", interval_s=0.2)
+            except LabError:
+                pass  # still busy: detached lazily below
         if self._mounted(host):
             host.run("umount", "-l", str(self.mount), timeout_s=STOP_S, check=False)
         stop(proc)
@@ -274,6 +280,21 @@ class Lab:
     def add_cleanup(self, step: Callable[[], Any]) -> None:
         """Run ``step`` at teardown, before the hosts and the server go (last added, first run)."""
         self._stack.callback(step)
+
+    def connect_client(self) -> str:
+        """Put this (the test's) network namespace on the lab's bridge, once: a veth whose far end joins
+        ``br0``, so the test reaches the hosts' addresses (a server listening on ``Host.address``). Returns
+        the test's own address there. The link goes with the server namespace (a veth pair dies with either
+        end), and is deleted at teardown too."""
+        if self._client is None:
+            link, address = f"kvc{self.tag}", f"{self.net}.2"
+            run(["ip", "link", "add", link, "type", "veth", "peer", "name", "client", "netns", self.server_ns])
+            self._stack.callback(run, ["ip", "link", "del", link], check=False)
+            run(["ip", "-n", self.server_ns, "link", "set", "client", "master", "br0", "up"])
+            run(["ip", "addr", "add", f"{address}/24", "dev", link])
+            run(["ip", "link", "set", link, "up"])
+            self._client = address
+        return self._client
 
 
 @pytest.fixture(scope="module")

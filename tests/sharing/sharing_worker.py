@@ -92,6 +92,8 @@ class Worker:
                     "sharing": self.pool.sharing_stats(),
                     "own": None if own is None else len(own), "peers": sorted(self.pool.peers()),
                     "own_keys": [] if own is None else sorted(int.from_bytes(k[:4], "little") for k in own.keys())}
+        if op == "verdicts":  # each followed writer's liveness verdict on this process's clock
+            return {wid: self.pool.verdict(wid).verdict.value for wid in self.pool.peers()}
         if op == "churn":  # put ``keys`` in batches, acknowledging each batch's stored keys at once
             keys = cmd["keys"]
             for start in range(0, len(keys), BATCH):

@@ -42,6 +42,13 @@ def test_classes(fstype, cls):
     assert classify(fstype) is cls
 
 
+def test_a_plain_fuse_mount_is_classed_by_its_source(tmp_path):
+    assert classify("fuse", "mfs#10.0.0.1:9421") is FsClass.SHARED  # MooseFS
+    assert classify("fuse", "sshfs") is classify("fuse") is FsClass.UNKNOWN
+    mfs = line(40, str(tmp_path), "fuse", "mfs#master:9421")
+    assert detect(tmp_path, mountinfo(mfs)).fs_class is FsClass.SHARED
+
+
 def test_mountinfo_lines_with_and_without_optional_fields_and_escapes():
     text = (line(1, "/", "ext4", "/dev/vda", "254:0", optional="")
             + line(2, "/mnt/my\\040pool", "nfs4", "array:/kv", optional="shared:3 master:1 propagate_from:2")
@@ -89,7 +96,7 @@ def test_a_symlink_is_resolved_and_no_mountinfo_is_unknown(tmp_path):
 
 def test_this_machines_own_mountinfo(tmp_path):
     info = detect(tmp_path)
-    assert info.fstype and info.fs_class is classify(info.fstype) and not info.read_only
+    assert info.fstype and info.fs_class is classify(info.fstype, info.source) and not info.read_only
     assert str(tmp_path.resolve()).startswith(info.mount_point)
 
 

@@ -6,7 +6,7 @@ through; the last line wins a tie), and its fstype (FUSE by subtype, ``fuse.hf3f
   * LOCAL_ONLY: one host mounts it (ext4, XFS, btrfs, tmpfs, overlay, a block-backed FUSE, ...); two hosts
     mounting it read-write corrupt it, so cluster mode is refused there.
   * SHARED: made for several clients (NFS, Lustre, GPFS, CephFS, BeeGFS, SMB, GFS2/OCFS2, ``fuse.*`` except
-    a few known local helpers).
+    a few known local helpers, MooseFS's plain ``fuse`` by its ``mfs#`` source).
   * UNKNOWN: anything else (plain ``fuse``, virtiofs, no mountinfo): cluster mode proceeds with a warning.
 Whether hosts really see one directory is ``check-shared --peer-wait``'s job (``sharing.cluster_fs.probes``).
 Nothing here refuses anything: the open rules are ``sharing.cluster_fs.check``'s.
@@ -44,11 +44,18 @@ _LOCAL_FUSE = frozenset({"fuse.lxcfs", "fuse.gvfsd-fuse", "fuse.portal", "fuse.x
                          "fuse.fuse-overlayfs", "fuse.squashfuse", "fuse.encfs", "fuse.gocryptfs"})
 
 
-def classify(fstype: str) -> FsClass:
-    """The class of a mountinfo fstype (``ext4``, ``nfs4``, ``fuse.hf3fs``, ...)."""
+# Shared FUSE clients that mount with a plain ``fuse`` type, known by their mount source's prefix.
+_SHARED_FUSE_SOURCES = ("mfs#",)  # MooseFS (``mfs#<master>:<port>``)
+
+
+def classify(fstype: str, source: str = "") -> FsClass:
+    """The class of a mountinfo fstype (``ext4``, ``nfs4``, ``fuse.hf3fs``, ...); a plain ``fuse`` mount by
+    its ``source`` (``mfs#master:9421``: MooseFS)."""
     if fstype in _LOCAL or fstype in _LOCAL_FUSE:
         return FsClass.LOCAL_ONLY
     if fstype in _SHARED or fstype.startswith("fuse."):
+        return FsClass.SHARED
+    if fstype == "fuse" and source.startswith(_SHARED_FUSE_SOURCES):
         return FsClass.SHARED
     return FsClass.UNKNOWN
 
@@ -121,7 +128,7 @@ def detect(path: str | Path, mountinfo: str | None = None) -> FsInfo:
     if best is None:
         return FsInfo(str(path), "/", "", "", FsClass.UNKNOWN, read_only)
     m = best[2]
-    return FsInfo(str(path), m.mount_point, m.fstype, m.source, classify(m.fstype), read_only)
+    return FsInfo(str(path), m.mount_point, m.fstype, m.source, classify(m.fstype, m.source), read_only)
 
 
 def local_fs_refusal(info: FsInfo) -> str:
