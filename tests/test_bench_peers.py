@@ -98,7 +98,7 @@ def test_peer_flags_and_environment(tmp_path: Path) -> None:
     (daemon,) = lm.services(c)
     assert "--supported-transfer-mode" in daemon.command and "--disable-observability" in daemon.command
     a = lm.server_args(c)
-    assert "--enable-lmcache" in a and "--enable-hierarchical-cache" not in a and not lm.hicache
+    assert "--enable-lmcache" in a and "--enable-hierarchical-cache" not in a and not lm.hicache and not lm.l3
     port = daemon.command[daemon.command.index("--port") + 1]
     assert (c.work / "lmcache.yaml").read_text() == f"mp_host: 127.0.0.1\nmp_port: {port}\n"
     env = SYSTEMS["aibrix"].server_env(c)

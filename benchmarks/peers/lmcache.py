@@ -18,7 +18,9 @@ from benchmarks.peers.system import FLASH, Context, Service, System, tcp_open
 
 
 class LMCache(System):
-    name, storage, hicache = "lmcache", FLASH, False
+    # l3 False: its stores go to its daemon, past SGLang's HiCache backup counter, which stays at 0; waiting on
+    # that counter would only run out --backup-wait before every phase
+    name, storage, hicache, l3 = "lmcache", FLASH, False, False
     summary = "LMCache connector (replaces HiCache): lmcache server daemon, L1 DRAM = host-pool size, L2 fs on flash"
     # py-cpuinfo and cachetools: the daemon's CLI (without them it is the "lightweight" CLI with no `server`);
     # aiofiles: the fs L2 adapter (without it the type "fs" is unknown); blake3: the daemon's token hasher

@@ -159,7 +159,7 @@ class System:
     tools: tuple[str, ...] = ()  # executables its packages put in the peers venv's bin (its services)
     upstream = ""  # where its documentation is
     hicache = True  # whether it runs HiCache (a host pool of --hicache-ratio x the device pool)
-    l3 = True  # whether the harness waits for L3 write-back between phases
+    l3 = True  # whether the harness waits for L3 write-back between phases (SGLang's HiCache backup counter)
     flush = True  # whether /flush_cache between phases means anything (not for recompute)
 
     @property
