@@ -20,7 +20,8 @@ LOCK="$here/scripts/constraints.txt"
 log() { printf '[setup] %s\n' "$*"; }
 
 # System packages: fio (benchmarks), g++/ninja/libssl-dev (SGLang JIT-compiles its page-hash extension);
-# redis, FUSE 3 and iproute2 for the shared-filesystem lab (tests/sharing/fs_lab.py: JuiceFS over redis).
+# redis, FUSE 3, iproute2 and MooseFS for the shared-filesystem lab (benchmarks/cluster/lab.py: JuiceFS over
+# redis, MooseFS).
 need_apt=()
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
@@ -31,6 +32,9 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v mfsmaster >/dev/null 2>&1 || need_apt+=(moosefs-master)
+command -v mfschunkserver >/dev/null 2>&1 || need_apt+=(moosefs-chunkserver)
+command -v mfsmount >/dev/null 2>&1 || need_apt+=(moosefs-client)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "apt-get install ${need_apt[*]}"

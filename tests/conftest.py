@@ -31,6 +31,7 @@ SLOW_FIRST = (
     "tests/test_bench_streaming.py",  # ~95 s
     "tests/sglang/test_kvtier_server.py",  # ~90 s
     "tests/sglang/test_cpu_server.py",  # ~90 s
+    "tests/sharing/test_fs_lab_servers.py",  # ~90 s (two servers on a JuiceFS lab)
     "tests/test_bench_serving.py",  # ~80 s
     "tests/sglang/test_cluster_servers.py",  # ~65 s
     "tests/experiments/test_layer_loader.py",  # ~55 s

@@ -16,7 +16,15 @@
 On a shared raw pool (``host_index``) the lease checks instead that the host slot was not taken over
 (``PageStore.host_check``, ``sharing.shared_raw_claim``); re-registering is refused while that machine
 beats. Closing reads the fence once more (a store retired since its last beat writes no checkpoint). Under
-``sharing = "host"`` and "off" no fence is armed and the own store is never replaced.
+``sharing = "host"`` no fence is armed.
+
+Lost descriptors, under ``"host"`` and ``"cluster"`` alike: a write on the own store that raises OSError is
+refused (``write_failed``; the pool answers it as not stored, never an error); one whose error says the
+store's descriptors are lost for good (``store.lost_handles``: its filesystem's client died and the mount
+was made again, a file removed under it) gives the store up as a fence does: ``fenced`` with that reason, its
+lease stopped, and the next write re-registers, retried every PEER_RETRY_S until the filesystem answers
+again. The lease stops by itself on such an error too (``sharing.lease``). The directory given up keeps its
+pages: the new writer follows it as a peer (fresh descriptors) until it is reclaimed or retired.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from sgl_kvtier.sharing.retire import write_fence
 from sgl_kvtier.sharing.sites import open_writer
 from sgl_kvtier.sharing.writers import WriterClaim, host_id
 from sgl_kvtier.store.lifecycle import Step
+from sgl_kvtier.store.lost_handles import handle_lost, lost_reason
 from sgl_kvtier.store.page_store import PageStore
 from sgl_kvtier.store.shard import SharedTelemetry
 from sgl_kvtier.telemetry.counters import RateLimitedLog
@@ -103,13 +112,29 @@ class RejoiningWriter:
         self._fences.clear()
         return [("writer", self.store.close), *[("fence", f.close) for f in fences]]
 
+    def write_failed(self, store: PageStore, exc: OSError) -> None:
+        """A write on ``store`` raised ``exc``; the caller answers it as refused. Lost descriptors give the
+        store up (module docstring); any other error leaves it as it is (the next write tries again)."""
+        if handle_lost(exc) and store.fenced is None:
+            reason = lost_reason(exc)
+            store.fenced = reason
+            if store.lease is not None and store.lease.fenced is None:
+                store.lease.fenced = reason  # no more beats through the lost descriptors
+            log.warning("writer %s of %s gave up its directory: %s; the next write re-registers", store.wid,
+                        self.ns_meta, reason)
+            return
+        self._errlog.error("a write of writer %s of %s failed (refused): %r", store.wid, self.ns_meta, exc)
+
     # ------------------------------------------------------------------ fence
     def _arm(self, store: PageStore) -> None:
-        if store.config.sharing is not Sharing.CLUSTER or store.lease is None:
+        if store.lease is None:
+            return
+        # Fenced or its descriptors lost (``sharing.lease``), under any sharing mode: the next write re-registers.
+        store.lease.on_fenced = partial(self._on_fenced, store)
+        if store.config.sharing is not Sharing.CLUSTER:
             return
         if store.host_check is not None:  # a shared raw pool: its host slot, not a FENCE (module docstring)
             store.lease.fence_check = store.host_check
-            store.lease.on_fenced = partial(self._on_fenced, store)
             return
         try:
             lock_fd = store.claim.lock_fd if isinstance(store.claim, WriterClaim) else None
@@ -119,7 +144,6 @@ class RejoiningWriter:
             return
         self._fences[id(store)] = fence
         store.lease.fence_check = fence.check
-        store.lease.on_fenced = partial(self._on_fenced, store)
         found = fence.check(any_incarnation=True)
         if found is None:
             return

@@ -11,7 +11,10 @@ LEASE area (``media.shared_raw.region_meta.AreaBlocks``, which also beats the ho
 After each good beat ``after_beat`` (the pool's quota step) runs on the same thread, outside the beat's
 lock. Fencing: before each write ``fence_check`` says whether a live writer of another host retired this
 one; from then on the lease is ``fenced``, ``on_fenced`` runs once, and no beat writes or runs anything.
-The check comes first, so a LEASE deleted under it (``ESTALE``) cannot hide the fence. ``start`` beats on
+The check comes first, so a LEASE deleted under it (``ESTALE``) cannot hide the fence. A beat failing with
+an error that says its descriptors are lost for good (``store.lost_handles``: the filesystem's client died)
+stops the lease the same way, with that reason: the pool replaces the writer once the filesystem answers
+again (``sharing.fencing``). ``start`` beats on
 the ``kvtier-lease`` daemon thread, which never raises (failures are counted and logged); ``close`` stops
 it and closes the blocks. ``read_lease`` only reads (a shared raw pool's path: from its region).
 """
@@ -30,6 +33,7 @@ from sgl_kvtier.errors import CorruptRecordError
 from sgl_kvtier.io.threads import name_this_thread
 from sgl_kvtier.media.shared_raw.regions import region_read
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.lost_handles import handle_lost, lost_reason
 from sgl_kvtier.store.meta import FileBlocks, LeaseBlocks
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 
@@ -102,11 +106,24 @@ class Lease:
             if reason is None:
                 return False
             self.fenced = reason
+        self._stopped(reason)
+        return True
+
+    def _stopped(self, reason: str) -> None:
+        """The lease was just fenced (``self.fenced``, set under the lock): say so, and tell the pool."""
         log.warning("%s: this writer was fenced (%s); it writes nothing more in %s", self.path, reason,
                     self.path.parent)
         if self.on_fenced is not None:
             self.on_fenced(reason)
-        return True
+
+    def _lost(self, exc: OSError) -> None:
+        """A beat showed the lease's descriptors lost for good: fenced with that reason (module docstring)."""
+        reason = lost_reason(exc)
+        with self._lock:
+            if self.fenced is not None:
+                return
+            self.fenced = reason
+        self._stopped(reason)
 
     def _write_beat(self) -> bool:
         with self._lock:
@@ -136,6 +153,9 @@ class Lease:
             self.beat()
         except Exception as exc:  # noqa: BLE001 - the thread must live on; the next beat retries
             self.failures += 1
+            if isinstance(exc, OSError) and handle_lost(exc):
+                self._lost(exc)  # no beat can ever succeed through these descriptors
+                return
             self._errlog.error("%s: lease beat failed: %r", self.path, exc)
 
     def close(self) -> None:

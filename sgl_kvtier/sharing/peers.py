@@ -176,7 +176,12 @@ class Peers:
     def _discover(self, own_wid: str | None, now: float) -> bool:
         found = False
         readers = dict(self.readers)
-        for wid, path in writer_dirs(self.ns_meta):
+        try:
+            listed = writer_dirs(self.ns_meta)
+        except OSError as exc:  # the namespace directory unreachable now (its filesystem's client gone)
+            log.debug("writer directories of %s not listed: %r", self.ns_meta, exc)
+            return False
+        for wid, path in listed:
             if wid == own_wid or wid in readers or now < self._retry_at.get(wid, -float("inf")):
                 continue
             if self.watch.retired(path, read_lease(path / LEASE)) is not None:

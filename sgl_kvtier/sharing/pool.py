@@ -27,6 +27,9 @@ Rules:
   * Pool-wide cap: the own store is told the peers' leased ``bytes_used`` (``PageStore.peer_bytes``); the
     quota (``sharing.quota_loop``) runs after each beat; a fenced own store is replaced by
     ``sharing.fencing``. Hits on peers' pages are journaled as TOUCHes; peers' TOUCHes warm own pages.
+  * Never an OSError from the own store's writes either (put, delete, evict, clear, checkpoint): the write is
+    refused (not stored, 0, nothing done), counted and logged (``RejoiningWriter.write_failed``); a store
+    whose descriptors are lost is replaced by a fresh writer at a later write (``sharing.fencing``).
 """
 
 from __future__ import annotations
@@ -338,7 +341,8 @@ class SharedPool(PoolReads, ClosedOnExit):
             # The run chains on the key before it, whoever holds that one.
             chain = keys[start - 1] if start > 0 else parent
             refused = [False] * (end - start)
-            results[start:end] = self._call(own, partial(own.put, keys[start:end], pages[start:end], chain), refused)
+            results[start:end] = self._own_write(own, partial(own.put, keys[start:end], pages[start:end], chain),
+                                                 refused)
             start = end
         return results
 
@@ -363,7 +367,19 @@ class SharedPool(PoolReads, ClosedOnExit):
         if self._writer is None:
             return fallback
         own = self._writer.writable()
-        return fallback if own.fenced is not None else self._call(own, partial(call, own), fallback)
+        return fallback if own.fenced is not None else self._own_write(own, partial(call, own), fallback)
+
+    def _own_write(self, own: PageStore, call: Callable[[], _T], fallback: _T) -> _T:
+        """``call()``, a write on the own store; ``fallback`` where it raised OSError (refused, never an error
+        for the caller: ``RejoiningWriter.write_failed`` counts it and gives up a store whose descriptors are
+        lost)."""
+        assert self._writer is not None
+        try:
+            return self._call(own, call, fallback)
+        except OSError as exc:
+            self.counters.io_errors += 1
+            self._writer.write_failed(own, exc)
+            return fallback
 
 
 def _telemetry(config: StoreConfig) -> SharedTelemetry:

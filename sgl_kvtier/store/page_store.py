@@ -84,8 +84,10 @@ JOURNAL_SLACK = 16 << 10  # a bounded journal keeps this much for the DELs and T
 class PageStore(PageShard, CapacitySide):
     """The writer of one namespace shard: put / delete / clear / checkpoint over the shared read path."""
 
-    # Why a live writer of another host retired this one (``sharing.retire``; set by the pool), or None. Fenced,
-    # it writes nothing more in its directory (being deleted): puts refused without IO, no checkpoint.
+    # Why this store writes nothing more in its directory, or None (set by the pool): a live writer of another
+    # host retired it (``sharing.retire``; the directory is being deleted), or its descriptors are lost
+    # (``store.lost_handles``: its filesystem's client died). Fenced: puts refused without IO, no checkpoint;
+    # the pool replaces it with a writer in a fresh directory (``sharing.fencing``).
     fenced: str | None = None
 
     def __init__(self, config: StoreConfig, namespace: Namespace, layout: Layout, claim: Claim,
@@ -154,7 +156,8 @@ class PageStore(PageShard, CapacitySide):
     def _close_steps(self) -> list[Step]:
         # The checkpoint is attempted first, so the next open replays nothing; when it fails, the journal
         # (synced by every acknowledged put) still holds everything, and the release steps run regardless.
-        # A fenced store writes no checkpoint: its directory is being deleted (a file made then would outlive it).
+        # A fenced store writes no checkpoint: its directory is being deleted (a file made then would outlive it),
+        # or its descriptors are lost.
         return [*([] if self.fenced else [("checkpoint", self.checkpoint)]), *self._release_steps()]
 
     def _release_steps(self) -> list[Step]:
@@ -182,7 +185,7 @@ class PageStore(PageShard, CapacitySide):
         """Store pages; ``parent`` is the key that ``keys[0]`` chains on (for chain-aware eviction), and
         each later page chains on the key before it."""
         self._check_open()
-        if self.fenced is not None:  # its directory is being deleted: refused without IO (the pool counts it)
+        if self.fenced is not None:  # retired or lost (``fenced``): refused without IO (the pool counts it)
             return [False] * len(keys)
         if self.config.durability is Durability.ALWAYS and len(keys) > 1:
             return [ok for i in range(len(keys))
@@ -224,7 +227,13 @@ class PageStore(PageShard, CapacitySide):
             # Crash rule: a victim's DEL goes to the journal before phase 2 overwrites its slot. It is not
             # synced yet; if a crash loses it, replay maps the victim to bytes of another page, which fail
             # the victim's checksum: a miss, never wrong KV.
-            self._journal.append(evicted)
+            try:
+                self._journal.append(evicted)
+            except BaseException:  # nothing of the batch was written: its slots and keys are free again
+                for i, slot, _ in batch.reserved:
+                    self._inflight.discard(keys[i])
+                    self._slots.release(slot)
+                raise
         return batch
 
     def _write(self, keys: Sequence[PageKey], pages: Sequence[Sequence[Run]], parent: PageKey | None,
@@ -336,7 +345,7 @@ class PageStore(PageShard, CapacitySide):
         a snapshot that already holds some of the current one's records (replaying those again over it
         changes nothing: each key ends as its last record in the journal left it), then rotates.
         """
-        if self.fenced is not None:  # its directory is being deleted
+        if self.fenced is not None:  # retired (its directory is being deleted) or lost
             return
         with self._checkpoint_lock:
             for _ in range(2):

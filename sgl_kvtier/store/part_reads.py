@@ -41,7 +41,7 @@ from sgl_kvtier.io.buffers import ALIGN, AlignedBuffer, Run, copy_to_runs, round
 from sgl_kvtier.io.engine import IOOp, IOResult, OpKind, digest, range_digests
 from sgl_kvtier.store.lifecycle import Failure, Step, release_all, run_steps
 from sgl_kvtier.store.parts import Checksum, part_sum
-from sgl_kvtier.store.transfer import PageIO, ReadVerdict, busy_seconds
+from sgl_kvtier.store.transfer import PageIO, ReadVerdict, busy_seconds, renewable
 from sgl_kvtier.telemetry.counters import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -240,11 +240,12 @@ class PartRead:
                     placed.append((k, span, op, None, 0))
             self._take_turn(group.index)  # its ops built: hand them over right after the group before did
             results = io.engine.run([op for _, _, op, _, _ in placed])
-            found = []
-            for (k, span, op, bounce_buf, skip), res in zip(placed, results):
-                io.health.record(op.device, res.ok or res.short, res.seconds)
-                found.append(self._verdict(k, span, op, res, bounce_buf, skip, group))
-            self._retry_fresh(placed, found, group)
+            found = [self._verdict(k, span, op, res, bounce_buf, skip, group)
+                     for (k, span, op, bounce_buf, skip), res in zip(placed, results)]
+            renewed = self._retry_fresh(placed, results, found, group)
+            for n, ((_, _, op, _, _), res) in enumerate(zip(placed, results)):
+                if res.ok or n not in renewed:  # a read failed through a lost descriptor: its re-read answered
+                    io.health.record(op.device, res.ok or res.short, res.seconds)
             for (k, span, _, _, _), (verdict, good) in zip(placed, found):
                 group.parts_read += good
                 group.parts_failed += len(span) - good
@@ -257,19 +258,22 @@ class PartRead:
             for taken_buf in taken:
                 io.bounces.release(taken_buf)
 
-    def _retry_fresh(self, placed: list[_Placed], found: list[tuple[ReadVerdict, int]], group: _Group) -> None:
-        """Read again the ops of ``placed`` that failed verification where the page's segment descriptor was
-        just renewed (``PageIO.fresh_retry``, ``store.renewal``); their new outcomes replace ``found``'s."""
-        bad = [n for n, (verdict, _) in enumerate(found) if verdict is ReadVerdict.CORRUPT]
+    def _retry_fresh(self, placed: list[_Placed], results: list[IOResult], found: list[tuple[ReadVerdict, int]],
+                     group: _Group) -> list[int]:
+        """Read again the ops of ``placed`` that failed verification, or failed through a lost descriptor
+        (``transfer.renewable``), where the page's segment descriptor was just renewed (``PageIO.fresh_retry``,
+        ``store.renewal``); their new outcomes replace ``found``'s. Which ops of ``placed`` were read again."""
+        bad = [n for n, ((verdict, _), res) in enumerate(zip(found, results)) if renewable(verdict, res)]
         redo = self._io.fresh_retry([self._items[placed[n][0]][2][0] for n in bad])
         again = [n for n in bad if self._items[placed[n][0]][2][0] in redo]
         if not again:
-            return
+            return again
         for n, res in zip(again, self._io.engine.run([placed[n][2] for n in again])):
             k, span, op, bounce_buf, skip = placed[n]
             self._io.health.record(op.device, res.ok or res.short, res.seconds)
             found[n] = self._verdict(k, span, op, res, bounce_buf, skip, group)
             group.fresh += found[n][0] is ReadVerdict.HIT
+        return again
 
     def _verdict(self, k: int, span: Span, op: IOOp, res: IOResult, buf: AlignedBuffer | None, skip: int,
                  group: _Group) -> tuple[ReadVerdict, int]:

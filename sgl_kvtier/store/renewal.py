@@ -5,11 +5,16 @@ host rewrote that range in place (JuiceFS through FUSE does, for many seconds, w
 cache off), while a fresh open sees the new bytes. A follower keeps its writer's segment files open, so its
 view of a slot the writer reused would stay stale: every such page a miss for as long as it follows.
 
+A FUSE client that died makes every descriptor of its mount answer ENOTCONN for good, also once the
+filesystem is mounted again (``store.lost_handles``); a fresh open reaches the new mount.
+
 So a peer's reads (``sharing.follower.PageReader`` with ``follows_peer``) carry a renewal. When pages fail
-verification, ``renew`` reopens the segment files behind them and says which of them to read again; the
-read path (``store.transfer.PageIO.fresh_retry``, and ``store.part_reads`` for group-major reads) reads them
-once more through the fresh descriptor and serves what verifies. Rules:
-  * Only on a verification failure (a checksum or a short read), never on an IO error or a miss.
+verification, or their reads fail through a lost descriptor, ``renew`` reopens the segment files behind them
+and says which of them to read again; the read path (``store.transfer.PageIO.fresh_retry``, and
+``store.part_reads`` for group-major reads) reads them once more through the fresh descriptor and serves
+what verifies. Rules:
+  * Only on a verification failure (a checksum or a short read) or an IO error that says the descriptor is
+    lost (``store.transfer.renewable``), never on another IO error or a miss.
   * Bounded: one segment is reopened at most once per ``interval_s`` (the pool's follow interval); a burst
     of failures in one segment costs one open. A page whose segment was renewed in the interval already is
     not read again: a miss as before (a cluster follower keeps it as a suspect and tries it again later).

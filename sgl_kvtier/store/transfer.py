@@ -15,9 +15,9 @@ the page's bytes only (not the trailer), verified against the checksums the inde
 hit only if every part passes. Group-major reads are ``store.part_reads``, on ``locate``/``submit``.
 
 Each page read gets a ``ReadVerdict``; only ``HIT`` leaves bytes in the caller's runs that it may use.
-A peer follower's PageIO carries a ``renewal`` (``store.renewal``): a page failing verification is read
-once more where its segment's descriptor was just renewed (``fresh_retry``), and is a hit only if it
-verifies then.
+A peer follower's PageIO carries a ``renewal`` (``store.renewal``): a page failing verification, or whose
+read failed through a lost descriptor (``renewable``, ``store.lost_handles``), is read once more where its
+segment's descriptor was just renewed (``fresh_retry``), and is a hit only if it verifies then.
 ``read_timed`` also reports each device's busy time in the batch from its own ops (``busy_seconds``), so a
 slow device shows up as slow even when a fast one shares the batch.
 """
@@ -53,6 +53,7 @@ from sgl_kvtier.store.devices import Arena
 from sgl_kvtier.store.health import DeviceHealth
 from sgl_kvtier.store.layout import Layout
 from sgl_kvtier.store.lifecycle import release_all
+from sgl_kvtier.store.lost_handles import handle_lost
 from sgl_kvtier.store.parts import Checksum, PartMap, pack_sums
 from sgl_kvtier.store.renewal import DescriptorRenewal
 from sgl_kvtier.telemetry.counters import RateLimitedLog, StoreCounters
@@ -338,12 +339,15 @@ class PageIO:
                     continue
                 placed.append((j, op, bounce))
             results = self._run([op for _, op, _ in placed])
-            for (j, op, bounce), res in zip(placed, results):
-                self.health.record(op.device, res.ok or res.short, res.seconds)
+            for (j, _, bounce), res in zip(placed, results):
                 verdicts[j] = self._verdict(res, bounce, items[j])
-            redo = self.fresh_retry([items[j][1][0] for j, _, _ in placed if verdicts[j] is ReadVerdict.CORRUPT])
-            again = [(j, op, bounce) for j, op, bounce in placed if verdicts[j] is ReadVerdict.CORRUPT
-                     and items[j][1][0] in redo]
+            retry = [n for n, ((j, _, _), res) in enumerate(zip(placed, results)) if renewable(verdicts[j], res)]
+            redo = self.fresh_retry([items[placed[n][0]][1][0] for n in retry])
+            renewed = [n for n in retry if items[placed[n][0]][1][0] in redo]
+            for n, ((_, op, _), res) in enumerate(zip(placed, results)):
+                if res.ok or n not in renewed:  # a read failed through a lost descriptor: its re-read answers
+                    self.health.record(op.device, res.ok or res.short, res.seconds)
+            again = [placed[n] for n in renewed]
             for (j, op, bounce), res in zip(again, self._run([op for _, op, _ in again]) if again else []):
                 self.health.record(op.device, res.ok or res.short, res.seconds)
                 verdicts[j] = self._verdict(res, bounce, items[j])
@@ -378,6 +382,13 @@ class PageIO:
         if bounce is not None:
             copy_to_runs(bounce.view, runs)
         return ReadVerdict.HIT
+
+
+def renewable(verdict: ReadVerdict, res: IOResult) -> bool:
+    """Whether a page read is worth once more through a fresh descriptor (``PageIO.fresh_retry``): it failed
+    verification (stale bytes), or its IO failed through a descriptor that is lost for good
+    (``store.lost_handles``: the filesystem's client died and was mounted again)."""
+    return verdict is ReadVerdict.CORRUPT or (verdict is ReadVerdict.IO_ERROR and handle_lost(res.error))
 
 
 def busy_seconds(op_seconds: Sequence[tuple[int, float]], ndev: int, depth: int) -> list[float]:

@@ -121,7 +121,7 @@ STORE_HELP = {
     "corrupt_pages": "Pages that failed their checksum or came back short: dropped, served as misses",
     "remote_reuse_races": "Another writer's pages whose slot its owner reused under the read: served as misses",
     "segments_reopened": "Another writer's segment files opened afresh after a page read through the old "
-                         "descriptor failed verification",
+                         "descriptor failed verification, or failed as lost (its filesystem's client died)",
     "fresh_rereads": "Another writer's pages that failed through an old descriptor and verified through a fresh "
                      "one (served)",
     "io_errors": "Failed IOs: reads, writes, fdatasyncs and segment growths that the devices refused",
@@ -199,8 +199,8 @@ _GAUGES = (
      "anew): running total since the pool opened", SHARED),
     ("pool_writers_retired", "Writers of other hosts this pool's writer retired (fence, then files): running "
      "total", SHARED),
-    ("pool_fenced_pages", "Pages refused because this pool's own writer was fenced (retired by another host): "
-     "running total", SHARED),
+    ("pool_fenced_pages", "Pages refused because this pool's own writer was fenced (retired by another host, "
+     "or its descriptors lost): running total", SHARED),
     ("pool_reregistrations", "Times this pool's own writer, once fenced, re-registered in a fresh directory: "
      "running total", SHARED),
     ("writer_pages", "Pages of one writer of the pool (another writer's: its last lease)", WRITER),

@@ -92,6 +92,32 @@ def wait_stats(proc: HostProc, done: Callable[[dict[str, Any]], bool], what: str
         time.sleep(0.1)
 
 
+def check_shared_everywhere(lab: Lab) -> list[dict[str, Any]]:
+    """``sgl-kvtier check-shared --peer-wait --json`` on both hosts of ``lab`` at once, on a fresh directory:
+    the reports, in the hosts' order. Each must be fit and name the other host; the directory must be left
+    empty."""
+    path = pool_dir(lab, "check")
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_BOOT_ID"}
+    env["PYTHONPATH"] = str(ROOT)
+    runs = [host.popen(sys.executable, "-m", "sgl_kvtier", "check-shared", path, "--peer-wait", "40", "--json",
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+            for host in lab.hosts]
+    try:
+        outs = [run.communicate(timeout=90) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    reports = [json.loads(out) for out, _ in outs]
+    for report, host, other in zip(reports, lab.hosts, reversed(lab.hosts)):
+        print(f"check-shared on {host.hostname} ({lab.fs}): {report['cross']}; notes {report['notes']}")
+        assert report["fit"], report["problems"]
+        assert report["peer"]["host"] == other.hostname
+    assert lab.hosts[0].run("ls", "-A", path).stdout == ""  # every probe file removed
+    return reports
+
+
 def test_the_lab_hosts_are_distinct_machines_on_one_filesystem(fs_lab):
     a, b = fs_lab.hosts
     assert len({a.hostname, b.hostname}) == len({a.boot_id, b.boot_id}) == len({a.machine_id, b.machine_id}) == 2
@@ -174,27 +200,10 @@ def test_a_writer_stopped_past_dead_after_is_retired_by_the_other_host_and_re_re
 def test_check_shared_on_two_hosts_reports_what_each_sees_of_the_others_files(fs_lab):
     """``sgl-kvtier check-shared --peer-wait`` on both hosts at once, on JuiceFS: fit (the store adapts), each
     names the other, and reports cluster-wide locks and descriptors that keep the old bytes."""
-    path = pool_dir(fs_lab, "check")
-    env = {k: v for k, v in os.environ.items() if k != "KVTIER_BOOT_ID"}
-    env["PYTHONPATH"] = str(ROOT)
-    runs = [host.popen(sys.executable, "-m", "sgl_kvtier", "check-shared", path, "--peer-wait", "40", "--json",
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-            for host in fs_lab.hosts]
-    try:
-        outs = [run.communicate(timeout=90) for run in runs]
-    finally:
-        for run in runs:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
-    reports = [json.loads(out) for out, _ in outs]
-    for report, host, other in zip(reports, fs_lab.hosts, reversed(fs_lab.hosts)):
-        print(f"check-shared on {host.hostname}: {report['cross']}; notes {report['notes']}")
-        assert report["fit"], report["problems"]
-        assert report["fs"]["fstype"] == "fuse.juicefs" and report["peer"]["host"] == other.hostname
+    for report in check_shared_everywhere(fs_lab):
+        assert report["fs"]["fstype"] == "fuse.juicefs"
         cross = report["cross"]
         assert cross["lock_scope"] == "cluster-wide" and cross["fresh_open_sees"]
         assert cross["descriptor_stale_s"] is not None and cross["descriptor_stale_s"] >= 3.0  # JuiceFS: stale
         assert cross["rename_visible_s"] is not None
         assert any("fresh descriptor" in note for note in report["notes"])
-    assert fs_lab.hosts[0].run("ls", "-A", path).stdout == ""  # every probe file removed

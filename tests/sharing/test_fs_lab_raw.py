@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fs_lab import Lab, LabError, run
 from test_fs_lab import SERVE_S, HostProc, served
 from test_sharing import PAGE
 
+from benchmarks.cluster.lab import Lab, LabError, run
 from sgl_kvtier.media.shared_raw.superblock import format_pool
 
 pytestmark = pytest.mark.slow

