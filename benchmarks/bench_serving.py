@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import TRACE, drop_caches, page_cache_policy, progress
-from benchmarks.serving import client, configs, report, session, workloads
+from benchmarks.common import TRACE, page_cache_policy, progress
+from benchmarks.serving import configs, report, session, workloads
 from benchmarks.serving.models import run_model
 from benchmarks.serving.probes import prebuild_hash_extension, scheduler_pid, store_summary
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
@@ -44,15 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workload", nargs="+", default=["multiturn"], choices=["multiturn", "trace", "docqa"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16])
     p.add_argument("--out", type=Path, help="default benchmarks/results/serving-<timestamp>/")
-    dev = p.add_mutually_exclusive_group()
-    dev.add_argument("--gpu", dest="gpu", action="store_true", default=None, help="GPU flags (default: auto-detect)")
-    dev.add_argument("--cpu", dest="gpu", action="store_false", help="CPU route even if a GPU is present")
-    g = p.add_argument_group("multiturn")
-    g.add_argument("--clients", type=int, default=16)
-    g.add_argument("--rounds", type=int, default=4)
-    g.add_argument("--system-tokens", type=int, default=512)
-    g.add_argument("--user-tokens", type=int, default=256)
-    g.add_argument("--answer-tokens", type=int, default=64)
+    session.add_device_args(p)
+    session.add_multiturn_args(p, clients=16, rounds=4, system_tokens=512, user_tokens=256, answer_tokens=64)
     g = p.add_argument_group("docqa")
     g.add_argument("--documents", type=int, default=4)
     g.add_argument("--doc-tokens", type=int, default=3000)
@@ -138,33 +131,9 @@ def run_config(args, cfg, plan, model_dir, wls, drop, kvbpt, bars, task, console
                                 "--output", str(args.out / f"profile-{tag}.svg"), "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        for (wl_name, li, conc), wl in wls.items():
-            phases: list[dict[str, Any]] = []
-            unique = wl.unique_tokens(plan.page_size)
-            base = 0.0
-            for pi, phase in enumerate(wl.phases):
-                settle: dict[str, Any] = {}
-                if cfg.l3:
-                    # Smoke mode needs every page of the earlier phases in L3 before the flush; a real run
-                    # only waits for write-back to go quiet (pages dropped under pressure never arrive).
-                    want = base + unique[pi - 1] if args.flush_between_phases and pi > 0 else 0
-                    settle["backups"] = client.wait_backups(srv.url, want, args.backup_wait)
-                    base = settle["backups"]["backuped_tokens"] if pi == 0 else base
-                if args.flush_between_phases and pi > 0 and cfg.key != "a":
-                    settle["flush_s"] = srv.flush_cache(timeout_s=120)
-                if drop:
-                    settle["drop_caches_s"] = drop_caches()
-                bars.update(task, description=f"{cfg.name} {wl_name} C={conc} phase {pi}{'' if pi else ' (warm-up)'}")
-                m = session.measure_phase(srv, phase, conc, lambda _r: bars.advance(task))
-                phases.append({"phase": pi, "measured": pi > 0, "settle": settle, **m})
-            for p in phases:
-                p["repeat"] = rep
-            level = {"concurrency": conc, "salt": li, "phases": phases, "summary": report.summarize(phases, kvbpt)}
-            res["workloads"].setdefault(wl_name, []).append(level)
-            s = level["summary"]
-            console.log(f"{cfg.name:13s} {wl_name} C={conc}: TTFT p50 {s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s, "
-                        f"cached dev/host/storage {s['cached_tokens']['device']}/{s['cached_tokens']['host']}/"
-                        f"{s['cached_tokens']['storage']} of {s['prompt_tokens']}, {s['errors']} errors")
+        session.serve_levels(args, srv, wls, plan.page_size, label=cfg.name, l3=bool(cfg.l3), flush=cfg.key != "a",
+                             drop=drop, kvbpt=kvbpt, bars=bars, task=task, console=console, rep=rep,
+                             into=res["workloads"])
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)

@@ -23,6 +23,7 @@ pytest_plugins = ["sglang_fixtures", "fs_lab"]
 SLOW_FIRST = (
     "tests/sglang/test_shared_servers.py",  # ~200 s
     "tests/test_sglang_range.py",  # ~170 s (the wheel, the range tests and two servers on the oldest SGLang)
+    "tests/test_bench_peers.py",  # ~150 s (two servers)
     "tests/experiments/test_stream_server.py",  # ~140 s
     "tests/experiments/test_stream_retract.py",  # ~130 s
     "tests/sglang/test_server_reliability.py",  # ~120 s

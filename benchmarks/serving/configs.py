@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sgl_kvtier.serving.launch import BACKEND
 
@@ -83,22 +83,27 @@ CONFIGS: dict[str, Config] = {c.key: c for c in (
     Config("d", "file-l3", "HiCache + SGLang's built-in `file` L3 (one file per page)", hicache=True, l3="file"),
     Config("e", "kvtier-l3", "HiCache + sgl-kvtier L3 (dynamic backend KVTierStorage)", hicache=True, l3="kvtier"),
 )}  # fmt: skip
-BY_NAME = {c.name: c for c in CONFIGS.values()}
+
+
+T = TypeVar("T")
+
+
+def pick(names: list[str], choices: dict[str, T], aliases: dict[str, str], what: str) -> list[T]:
+    """The ``choices`` that ``names`` name (command-line words, each comma separated or not; an alias stands for
+    the choice it maps to), in the order of ``choices``, each once; ValueError for a name that is neither."""
+    wanted = set()
+    for part in (p.strip() for n in names for p in n.split(",")):
+        if part:
+            name = aliases.get(part, part)
+            if name not in choices:
+                raise ValueError(f"unknown {what} {part!r}; choose from {list(choices)} or {sorted(aliases)}")
+            wanted.add(name)
+    return [c for name, c in choices.items() if name in wanted]
 
 
 def resolve(names: list[str]) -> list[Config]:
     """`a b e` or `recompute radix kvtier-l3` (mixed is fine); kept in a-e order, duplicates dropped."""
-    out = set()
-    for n in names:
-        for part in n.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            cfg = CONFIGS.get(part) or BY_NAME.get(part)
-            if cfg is None:
-                raise ValueError(f"unknown configuration {part!r}; choose from a-e or {sorted(BY_NAME)}")
-            out.add(cfg.key)
-    return [CONFIGS[k] for k in sorted(out)]
+    return pick(names, CONFIGS, {c.name: c.key for c in CONFIGS.values()}, "configuration")
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:

@@ -88,16 +88,7 @@ ALIASES = {"per-instance": "kvtier-per-instance", "shared": "kvtier-shared", "fi
 
 def resolve(names: list[str]) -> list[SharingConfig]:
     """Configuration names (or aliases), comma or space separated, in the canonical order, once each."""
-    want: set[str] = set()
-    for n in names:
-        for part in (p.strip() for p in n.split(",")):
-            if not part:
-                continue
-            name = ALIASES.get(part, part)
-            if name not in CONFIGS:
-                raise ValueError(f"unknown configuration {part!r}; choose from {list(CONFIGS)} or {sorted(ALIASES)}")
-            want.add(name)
-    return [c for n, c in CONFIGS.items() if n in want]
+    return configs.pick(names, CONFIGS, ALIASES, "configuration")
 
 
 def request_log_args(directory: Path) -> list[str]:
