@@ -30,10 +30,10 @@ from sgl_kvtier.errors import CorruptRecordError, DeviceError, StoreFormatError
 from sgl_kvtier.io.buffers import round_up
 from sgl_kvtier.keys import Namespace
 from sgl_kvtier.store import format as fmt
+from sgl_kvtier.store.block_arena import BlockArena
 from sgl_kvtier.store.devices import (
     DIRECT_CLUSTER,
     Arena,
-    BlockArena,
     DirectoryArena,
     check_header,
     create_once,

@@ -142,9 +142,10 @@ def test_the_free_space_default_is_one_limit_for_all_pools(tmp_path, monkeypatch
         def __getattr__(self, name):
             return getattr(os, name)
 
-        def statvfs(self, path):
+        def statvfs(self, path):  # what a filesystem of ``free`` bytes reports once the store's files are in it
             real = os.statvfs(path)
-            return os.statvfs_result((4096, 4096, real.f_blocks, free // 4096, free // 4096, *real[5:]))
+            left = free - sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+            return os.statvfs_result((4096, 4096, real.f_blocks, left // 4096, left // 4096, *real[5:]))
 
     monkeypatch.setattr(capacity_module, "os", PinnedFs())
     backend = new_backend([tmp_path], capacity_bytes=None)

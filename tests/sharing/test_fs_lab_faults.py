@@ -190,7 +190,9 @@ def test_the_pool_quota_holds_across_both_hosts_writing_far_past_it(fs_lab, on_h
     held_a, held_b = a.call("stats")["own_keys"], b.call("stats")["own_keys"]
     print(f"quota: {CAP} pages; A holds {len(held_a)}, B {len(held_b)}; peak after a round {peak}")
     assert len(held_a) + len(held_b) <= CAP and held_a and held_b
-    assert len(held_a) + len(held_b) >= CAP // 2  # kept near the quota, not emptied
+    # The oldest go first: what each holds is among its newest CAP pages. (How far below the quota the pool
+    # ends depends on how stale each writer's view of the other was when both evicted at once.)
+    assert min(held_a) >= rounds * per_round - CAP and min(held_b) >= 10_000 + rounds * per_round - CAP
     serves_what_the_other_holds(a, b)
     serves_what_the_other_holds(b, a)
 
