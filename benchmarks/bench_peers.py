@@ -12,7 +12,7 @@ Peer packages live in an overlay venv (``benchmarks.peers.venv``: ``.venv-peers`
 
     python -m benchmarks.bench_peers --install                  # every system, C = 1 4 16, kvheavy model
     python -m benchmarks.bench_peers --systems file kvtier mooncake-dram --concurrency 1 4
-    python -m benchmarks.bench_peers --smoke                    # file + kvtier, one conversation, tiny model
+    python -m benchmarks.bench_peers --smoke                    # recompute + kvtier, one conversation, tiny model
     python -m benchmarks.bench_peers --help
 
 Writes <out>/results.json (every request, per-phase cgroup readings, versions, commands, skip reasons),
@@ -41,7 +41,7 @@ from benchmarks.serving.probes import prebuild_hash_extension
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 EXT_DIR = "TORCH_EXTENSIONS_DIR"
-SMOKE = {"systems": ["file", "kvtier"], "model": "tiny", "concurrency": [1], "clients": 1, "rounds": 2,
+SMOKE = {"systems": ["recompute", "kvtier"], "model": "tiny", "concurrency": [1], "clients": 1, "rounds": 2,
          "system_tokens": 256, "user_tokens": 128, "answer_tokens": 32, "max_new_tokens": 4,
          "flush_between_phases": True, "no_drop_caches": True, "page_cache_mb": 64, "kvtier_capacity_gb": 0.25,
          "install": False}  # fmt: skip
