@@ -20,7 +20,6 @@ The two start-ups dominate the run time.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -36,13 +35,13 @@ from test_shared_servers import (  # noqa: E402
     BACKED_UP,
     BOUNDARY_FAILURE,
     HIT,
-    PAGE,
     PAGES_PER_PROMPT,
     PROMPT,
     details,
     read,
     running,
     server,
+    server_args,
     storage,
     why_no_hit,
 )
@@ -68,12 +67,7 @@ def cluster_args(store: Path, host: str) -> list[str]:
         "allow_local_fs": True, "direct_io": "auto", "host_id": host, "heartbeat_s": HEARTBEAT_S,
         "dead_after_s": DEAD_AFTER_S, "reclaim_after_s": 900.0,
     }  # fmt: skip
-    return [
-        "--max-total-tokens", "16384", "--hicache-ratio", "2",
-        "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-        "--page-size", str(PAGE), "--enable-cache-report", "--enable-metrics", "--skip-server-warmup",
-        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
-    ]  # fmt: skip
+    return server_args(extra)
 
 
 def host_server(model: Path, store: Path, host: str, log: Path) -> SGLangServer:

@@ -56,6 +56,12 @@ def args_for(store: Path, *more: str, throttle: bool = True) -> list[str]:
     extra: dict[str, Any] = {**BACKEND, "devices": [str(store)], "capacity_bytes": 256 << 20, "sharing": "host"}
     if throttle:  # one op's IOs then take seconds each: not slow enough to trip the circuit breaker
         extra.update(throttle={"write_bytes_per_s": PAGES_PER_PROMPT * page_bytes() / OP_SECONDS}, slow_io_s=600.0)
+    return server_args(extra, *more)
+
+
+def server_args(extra: dict[str, Any], *more: str) -> list[str]:
+    """The flags of every server here: HiCache with the kvtier backend configured by ``extra``, page 16,
+    cache reports and metrics; ``more`` after them."""
     return [
         "--max-total-tokens", "16384", "--hicache-ratio", "2",
         "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",

@@ -10,7 +10,6 @@ start-ups dominate the run time.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,12 @@ from test_shared_servers import (  # noqa: E402
     BACKED_UP,
     BOUNDARY_FAILURE,
     HIT,
-    PAGE,
     PAGES_PER_PROMPT,
     PROMPT,
     details,
     read,
     running,
+    server_args,
     storage,
     why_no_hit,
 )
@@ -67,12 +66,7 @@ def lab_args(pool: Path) -> list[str]:
         **BACKEND, "devices": [str(pool)], "capacity_bytes": 64 << 20, "segment_bytes": 16 << 20,
         "sharing": "cluster", "heartbeat_s": 0.2, "dead_after_s": 5.0, "reclaim_after_s": 900.0,
     }  # fmt: skip
-    return [
-        "--max-total-tokens", "16384", "--hicache-ratio", "2",
-        "--enable-hierarchical-cache", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-        "--page-size", str(PAGE), "--enable-cache-report", "--enable-metrics", "--skip-server-warmup",
-        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
-    ]  # fmt: skip
+    return server_args(extra)
 
 
 def test_a_server_on_one_host_serves_from_storage_a_prompt_only_the_other_host_saw(fs_lab: Lab,
