@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shlex
 import sys
@@ -94,6 +95,7 @@ def add_plan_parser(sub: Any) -> None:
     g.add_argument("--modes", nargs="+", choices=[m.value for m in PoolMode], default=[m.value for m in PoolMode])
     g.add_argument("--out", type=Path, help="write plan.json, plan.md and plan.png here")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes for the passes")
     p.set_defaults(func=cmd_plan)
 
 
@@ -210,9 +212,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
         def step(label: str) -> None:
             done[0] += 1
-            status.update(f"replaying {trace.summary()['requests']:,} requests: {label} ({done[0]}/{steps})")
+            status.update(f"replaying {len(trace.requests):,} requests: {label} done ({done[0]}/{steps})")
 
-        result = plan(trace, dep, sizes, [PoolMode(m) for m in args.modes], progress=step)
+        result = plan(trace, dep, sizes, [PoolMode(m) for m in args.modes], progress=step, workers=args.workers)
     command = shlex.join(["sgl-kvtier", *sys.argv[1:]]) if sys.argv[1:2] == ["plan"] else "sgl-kvtier plan"
     record = result.as_dict() | {
         "command": command, "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -10,8 +10,10 @@ what they miss).
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from sgl_kvtier.plan.replay import (
     Deployment,
+    L3Pass,
     LocalPass,
     PoolMode,
     break_even_tokens,
@@ -77,8 +80,9 @@ class PlanResult:
 
 def plan(trace: Trace, dep: Deployment, l3_sizes: Sequence[float],
          modes: Sequence[PoolMode] = (PoolMode.SHARED, PoolMode.PER_INSTANCE),
-         progress: Callable[[str], None] | None = None) -> PlanResult:
-    """Replay ``trace`` for every L3 size in ``l3_sizes`` (bytes, all instances together) and ``modes``."""
+         progress: Callable[[str], None] | None = None, workers: int = 1) -> PlanResult:
+    """Replay ``trace`` for every L3 size in ``l3_sizes`` (bytes, all instances together) and ``modes``; with
+    ``workers`` > 1 the HBM-only pass and the L3 passes run in that many forked processes."""
     if not trace.requests:
         raise ValueError("the trace has no requests")
     started = time.perf_counter()
@@ -102,25 +106,66 @@ def plan(trace: Trace, dep: Deployment, l3_sizes: Sequence[float],
                    float(read.sum()), float(written.sum() * dep.bytes_per_token),
                    float(written.sum() * dep.bytes_per_token) / span * DAY_S, evicted)
 
-    rows = [row("no reuse", None, zeros, zeros, 0.0, "", 0)]
-    step("HBM")
-    hbm = local_pass(trace, dep, sizes, host=False)
-    rows.append(row("HBM", hbm, zeros, zeros, 0.0, "", 0))
-    step("HBM + host")
     local = local_pass(trace, dep, sizes, host=True)
-    rows.append(row("HBM + host", local, zeros, zeros, 0.0, "", 0))
+    step("HBM + host")
+    jobs: list[tuple[float, PoolMode] | None] = [None] + [(size, mode) for size in sorted(l3_sizes) for mode in modes]
+    results = _run_jobs(jobs, (trace, dep, sizes, local), workers, step)
+    hbm = results[0]
+    assert isinstance(hbm, LocalPass)
+    rows = [row("no reuse", None, zeros, zeros, 0.0, "", 0), row("HBM", hbm, zeros, zeros, 0.0, "", 0),
+            row("HBM + host", local, zeros, zeros, 0.0, "", 0)]
     over_time: dict[str, list[float]] = {}
-    for size in sorted(l3_sizes):
-        for mode in modes:
-            label = f"L3 {human_bytes(size)} {'shared' if mode is PoolMode.SHARED else 'per instance'}"
-            step(label)
-            l3 = l3_pass(trace, dep, sizes, local, size, mode)
-            rows.append(row(label, local, l3.storage_tokens, l3.written_tokens, size, mode.value, l3.evicted))
-            if mode is PoolMode.SHARED and size == max(l3_sizes):
-                over_time = per_minute(arrival, {"device": local.device_tokens, "host": local.host_tokens,
-                                                 "storage": l3.storage_tokens, "input": inputs})
+    for job, l3 in zip(jobs[1:], results[1:]):
+        assert job is not None and isinstance(l3, L3Pass)
+        size, mode = job
+        rows.append(row(_label(size, mode), local, l3.storage_tokens, l3.written_tokens, size, mode.value,
+                        l3.evicted))
+        if mode is PoolMode.SHARED and size == max(l3_sizes):
+            over_time = per_minute(arrival, {"device": local.device_tokens, "host": local.host_tokens,
+                                             "storage": l3.storage_tokens, "input": inputs})
     return PlanResult(trace.summary(), deployment_record(dep), tuple(rows), break_even_tokens(dep),
                       time.perf_counter() - started, over_time)
+
+
+_STATE: tuple[Trace, Deployment, list[list[int]], LocalPass] | None = None  # what a forked worker replays
+
+
+def _label(size: float, mode: PoolMode) -> str:
+    return f"L3 {human_bytes(size)} {'shared' if mode is PoolMode.SHARED else 'per instance'}"
+
+
+def _job(job: tuple[float, PoolMode] | None) -> LocalPass | L3Pass:
+    """One pass over ``_STATE``: HBM alone (None) or an L3 of (size, mode) over HBM + host memory."""
+    assert _STATE is not None
+    trace, dep, sizes, local = _STATE
+    if job is None:
+        return local_pass(trace, dep, sizes, host=False)
+    return l3_pass(trace, dep, sizes, local, job[0], job[1])
+
+
+def _run_jobs(jobs: list[tuple[float, PoolMode] | None], state: tuple[Trace, Deployment, list[list[int]], LocalPass],
+              workers: int, step: Callable[[str], None]) -> list[LocalPass | L3Pass]:
+    """Every job's pass, in order: in this process, or in forked ones (they inherit ``state``, nothing is
+    pickled but the results)."""
+    global _STATE
+    _STATE = state
+    try:
+        if workers <= 1 or len(jobs) == 1 or "fork" not in multiprocessing.get_all_start_methods():
+            out = []
+            for job in jobs:
+                out.append(_job(job))
+                step("HBM" if job is None else _label(*job))
+            return out
+        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_job, job): i for i, job in enumerate(jobs)}
+            done: dict[int, LocalPass | L3Pass] = {}
+            for fut in as_completed(futures):
+                job = jobs[futures[fut]]
+                step("HBM" if job is None else _label(*job))
+                done[futures[fut]] = fut.result()
+            return [done[i] for i in range(len(jobs))]
+    finally:
+        _STATE = None
 
 
 def per_minute(arrival: np.ndarray, series: dict[str, np.ndarray]) -> dict[str, list[float]]:

@@ -7,8 +7,9 @@ the L3 one shared pool or one per instance. A request's prompt is served by its 
 HBM holds, then those host memory holds, then those the L3 holds; the rest is computed. HBM and host
 memory do not depend on the L3, so they are replayed once (``local_pass``) and each L3 size on top of that
 (``l3_pass``). Time (``timeline``): an L3 load runs while the request waits (SGLang prefetches before it
-schedules); an instance then runs one prefill after another in the order their prompts are ready, each
-taking the host-to-HBM copy plus the prefill model's time for the computed tokens over the cached ones.
+schedules); an instance then runs one prefill forward after another, each taking every prompt ready when it
+starts (``timeline``), for the host-to-HBM copies plus the prefill model's time of the computed tokens over
+the cached ones.
 Decode steps are not modelled (they share the GPU with prefill in a real server). Routing: ``round_robin``
 in turn, or ``cache_aware`` as SGLang's router decides it: to the least loaded instance when the load is out
 of balance (by more than ``BALANCE_ABS`` requests and ``BALANCE_REL`` times) or when no instance holds
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -36,6 +38,7 @@ CACHE_THRESHOLD = 0.3  # SGLang router (cache_aware) defaults
 BALANCE_ABS = 64
 BALANCE_REL = 1.5
 LOAD_WINDOW_S = 10.0
+MAX_PREFILL_TOKENS = 16384  # SGLang's --max-prefill-tokens default: new tokens in one prefill forward
 
 
 class Routing(Enum):
@@ -103,15 +106,28 @@ def cacheable_sizes(trace: Trace, page_tokens: int) -> list[list[int]]:
     return [[s - s % page_tokens for s in trace.block_sizes(r)] for r in trace.requests]
 
 
-def local_pass(trace: Trace, dep: Deployment, sizes: list[list[int]], host: bool = True) -> LocalPass:
-    """HBM and (with ``host``) host memory of every instance over the whole trace."""
+def local_pass(trace: Trace, dep: Deployment, sizes: list[list[int]], host: bool = True,
+               flushes: Sequence[float] = ()) -> LocalPass:
+    """HBM and (with ``host``) host memory of every instance over the whole trace; emptied (SGLang's
+    ``/flush_cache``) before the first request arriving at or after each time in ``flushes``."""
     n = len(trace.requests)
-    l1 = [Tier(dep.hbm_tokens, dep.eviction) for _ in range(dep.instances)]
-    l2 = [Tier(dep.host_tokens if host else 0, dep.eviction) for _ in range(dep.instances)]
+    pending = sorted(flushes)
+
+    def fresh() -> tuple[list[Tier], list[Tier]]:
+        return ([Tier(dep.hbm_tokens, dep.eviction) for _ in range(dep.instances)],
+                [Tier(dep.host_tokens if host else 0, dep.eviction) for _ in range(dep.instances)])
+
+    l1, l2 = fresh()
+    evicted = [0, 0]
     recent: list[deque[float]] = [deque() for _ in range(dep.instances)]
     out = LocalPass(np.zeros(n, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64))
     for i, req in enumerate(trace.requests):
         blocks, size = req.blocks, sizes[i]
+        if pending and req.arrival_s >= pending[0]:
+            while pending and req.arrival_s >= pending[0]:
+                pending.pop(0)
+            evicted = [evicted[0] + sum(t.evicted for t in l1), evicted[1] + sum(t.evicted for t in l2)]
+            l1, l2 = fresh()
         if dep.routing is Routing.ROUND_ROBIN:
             inst = i % dep.instances
             d, h = _local_prefix(l1[inst], l2[inst], blocks)
@@ -124,7 +140,7 @@ def local_pass(trace: Trace, dep: Deployment, sizes: list[list[int]], host: bool
         out.device_blocks.append(d + h)
         l1[inst].admit(blocks, size)
         l2[inst].admit(blocks, size)
-    out.evicted = (sum(t.evicted for t in l1), sum(t.evicted for t in l2))
+    out.evicted = (evicted[0] + sum(t.evicted for t in l1), evicted[1] + sum(t.evicted for t in l2))
     return out
 
 
@@ -192,7 +208,9 @@ class Timeline:
 def timeline(trace: Trace, dep: Deployment, instance: np.ndarray, cached: np.ndarray, loaded: np.ndarray,
              from_host: np.ndarray) -> Timeline:
     """Queue each instance's prefills: ``cached`` prompt tokens need no prefill, of which ``loaded`` come
-    from the L3 (read while the request waits) and ``from_host`` + ``loaded`` cross to HBM."""
+    from the L3 (read while the request waits) and ``from_host`` + ``loaded`` cross to HBM. A forward takes
+    every prompt ready when it starts, as SGLang's scheduler batches them (up to ``MAX_PREFILL_TOKENS`` new
+    tokens, and prompts that fit the HBM pool together); each gets its first token when the forward ends."""
     arrival = np.array([r.arrival_s for r in trace.requests])
     inputs = np.array([r.input_tokens for r in trace.requests], np.int64)
     pages = loaded // dep.page_tokens
@@ -201,16 +219,25 @@ def timeline(trace: Trace, dep: Deployment, instance: np.ndarray, cached: np.nda
     ready = arrival + load
     t, c = np.maximum(inputs - cached, 1), cached
     pm = dep.prefill
-    work = pm.per_token_s * t + pm.per_token_kctx_s * t * (c + t / 2) / 1000 + pm.fixed_s
+    work = pm.per_token_s * t + pm.per_token_kctx_s * t * (c + t / 2) / 1000  # the fixed cost once a forward
     work = work + (from_host + loaded) * dep.bytes_per_token / dep.h2d_Bps
     done = np.zeros(len(arrival))
+    room = dep.hbm_tokens if dep.hbm_tokens > 0 else np.inf
     for inst in range(dep.instances):
         idx = np.flatnonzero(instance == inst)
-        idx = idx[np.argsort(ready[idx], kind="stable")]
-        free = 0.0
-        for j in idx.tolist():
-            free = max(free, ready[j]) + work[j]
-            done[j] = free
+        idx = idx[np.argsort(ready[idx], kind="stable")].tolist()
+        free, i = 0.0, 0
+        while i < len(idx):
+            start = max(free, ready[idx[i]])
+            end, new, held = start + pm.fixed_s + work[idx[i]], int(t[idx[i]]), int(inputs[idx[i]])
+            j = i + 1
+            while (j < len(idx) and ready[idx[j]] <= start and new + t[idx[j]] <= MAX_PREFILL_TOKENS
+                   and held + inputs[idx[j]] <= room):
+                end += work[idx[j]]
+                new, held = new + int(t[idx[j]]), held + int(inputs[idx[j]])
+                j += 1
+            done[idx[i:j]] = end
+            free, i = end, j
     return Timeline(done - arrival, ready)
 
 

@@ -157,7 +157,7 @@ def _mooncake(records: list[tuple[Path, int, dict[str, Any]]], block: int, sourc
             raise TraceError(f"{where}: hash_ids: {len(ids)} blocks for input_length {n_in} "
                              f"(blocks of {block} tokens need {math.ceil(n_in / block)})")
         out.append(TraceRequest(ts / 1000.0, n_in, n_out, tuple(ids)))
-    return _ordered(out, block, source)
+    return ordered(out, block, source)
 
 
 def _sglang(records: list[tuple[Path, int, dict[str, Any]]], block: int, source: str) -> Trace:
@@ -181,18 +181,24 @@ def _sglang(records: list[tuple[Path, int, dict[str, Any]]], block: int, source:
             raise TraceError(f"{where}: timestamp: not an ISO time: {obj['timestamp']!r}") from None
         latency = float(meta.get("e2e_latency") or 0.0)
         n_out = int(meta.get("completion_tokens") or 0)
-        chain, parent = [], -1
-        for i in range(0, len(tokens), block):
-            key = (parent, tuple(tokens[i:i + block]))
-            parent = ids.setdefault(key, len(ids))
-            chain.append(parent)
-        out.append(TraceRequest(finished - latency, len(tokens), n_out, tuple(chain)))
+        out.append(TraceRequest(finished - latency, len(tokens), n_out, chain_blocks(tokens, block, ids)))
     if not out:
         raise TraceError(f"{source}: no request.finished events (SGLang's --log-requests-format json)")
-    return _ordered(out, block, source)
+    return ordered(out, block, source)
 
 
-def _ordered(requests: list[TraceRequest], block: int, source: str) -> Trace:
+def chain_blocks(tokens: list[int], block: int, ids: dict[tuple[int, tuple[int, ...]], int]) -> tuple[int, ...]:
+    """Block ids of a prompt cut into ``block`` tokens: each named by its parent's id and its own tokens
+    (``ids`` maps those to ids, shared across the prompts of one trace), so equal ids mean equal prefixes."""
+    chain, parent = [], -1
+    for i in range(0, len(tokens), block):
+        parent = ids.setdefault((parent, tuple(tokens[i:i + block])), len(ids))
+        chain.append(parent)
+    return tuple(chain)
+
+
+def ordered(requests: list[TraceRequest], block: int, source: str) -> Trace:
+    """A trace of ``requests`` sorted by arrival, arrivals from 0."""
     requests.sort(key=lambda r: r.arrival_s)
     t0 = requests[0].arrival_s if requests else 0.0
     return Trace(tuple(TraceRequest(r.arrival_s - t0, r.input_tokens, r.output_tokens, r.blocks) for r in requests),

@@ -68,3 +68,11 @@ def test_plot(result: PlanResult, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = report.plot(result, tmp_path / "p.png", "caption")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_forked_passes_give_the_same_rows(mooncake_trace: Path, result: PlanResult) -> None:
+    sizes = [x * 512 * BPT for x in (8, 32, 128)]
+    seen: list[str] = []
+    forked = plan(load(mooncake_trace), deployment(), sizes, workers=2, progress=seen.append)
+    assert forked.rows == result.rows
+    assert sorted(seen) == sorted(["HBM + host", "HBM"] + [r.name for r in result.rows[3:]])

@@ -97,3 +97,12 @@ def test_peak_rate() -> None:
 def test_bad_deployment_names_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=f"^{field}:"):
         dep(**kw)
+
+
+def test_a_flush_empties_hbm_and_host_memory_not_the_l3() -> None:
+    d = dep()
+    sizes = cacheable_sizes(TRACE, d.page_tokens)
+    local = local_pass(TRACE, d, sizes, flushes=[10.0])  # /flush_cache just before r1
+    assert local.device_tokens.tolist() == [0, 0, 0, 0] and local.host_tokens.tolist() == [0, 0, 0, 64]
+    l3 = l3_pass(TRACE, d, sizes, local, 1e9, PoolMode.SHARED)
+    assert l3.storage_tokens.tolist() == [0, 64, 0, 32]  # r1 reads r0's pages from the L3
