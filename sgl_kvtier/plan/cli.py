@@ -79,6 +79,8 @@ def add_plan_parser(sub: Any) -> None:
     g.add_argument("--page-tokens", type=int, default=64)
     g.add_argument("--routing", choices=[r.value for r in Routing], default=Routing.CACHE_AWARE.value)
     g.add_argument("--h2d-gbps", type=float, default=25.0, help="host memory to HBM")
+    g.add_argument("--prefetch-threshold", type=int, default=256,
+                   help="SGLang's prefetch_threshold: L3 spans and hits of fewer tokens are recomputed")
     g = p.add_argument_group("the array (per instance)")
     g.add_argument("--read-gbps", type=float, help="read bandwidth one instance gets")
     g.add_argument("--write-gbps", type=float, help="write bandwidth one instance gets (flags rows that need more)")
@@ -200,7 +202,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     sizes = [parse_bytes(s) for s in args.l3_sizes]
     dep = Deployment(args.instances, int(args.hbm_kv_gb * 1e9 // bpt), int(args.host_kv_gb * 1e9 // bpt),
                      args.page_tokens, bpt, DeviceModel(read, latency), prefill, args.h2d_gbps * 1e9,
-                     Routing(args.routing), EvictionPolicyName(args.eviction))
+                     Routing(args.routing), EvictionPolicyName(args.eviction), args.prefetch_threshold)
     trace = load(args.trace, TraceFormat(args.format) if args.format else None, args.trace_block_tokens)
     if args.duration is not None:
         trace = trace.head(seconds=args.duration)

@@ -39,6 +39,7 @@ BALANCE_ABS = 64
 BALANCE_REL = 1.5
 LOAD_WINDOW_S = 10.0
 MAX_PREFILL_TOKENS = 16384  # SGLang's --max-prefill-tokens default: new tokens in one prefill forward
+PREFETCH_HOST_SHARE = 0.5  # SGLang skips a prefetch while those in flight reserve this share of the host pool
 
 
 class Routing(Enum):
@@ -65,12 +66,13 @@ class Deployment:
     h2d_Bps: float = 25e9  # host memory to HBM per instance
     routing: Routing = Routing.CACHE_AWARE
     eviction: EvictionPolicyName = EvictionPolicyName.CHAIN
+    prefetch_threshold_tokens: int = 256  # SGLang's prefetch_threshold: shorter L3 spans and hits are computed
 
     def __post_init__(self) -> None:
         for name in ("instances", "page_tokens", "bytes_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("hbm_tokens", "host_tokens"):
+        for name in ("hbm_tokens", "host_tokens", "prefetch_threshold_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if not self.array.bandwidth_Bps > 0 or not self.h2d_Bps > 0:
@@ -176,25 +178,41 @@ def _local_prefix(l1: Tier, l2: Tier, blocks: tuple[int, ...]) -> tuple[int, int
 def l3_pass(trace: Trace, dep: Deployment, sizes: list[list[int]], local: LocalPass, capacity_bytes: float,
             mode: PoolMode) -> L3Pass:
     """The L3 of ``capacity_bytes`` in all (split evenly per instance in ``PER_INSTANCE`` mode) on top of
-    ``local``: a request reads the blocks after its local prefix that the L3 holds; what it computes is
-    written."""
+    ``local``: a request reads the blocks after its local prefix that the L3 holds, as SGLang prefetches
+    them (``prefetches``); what it computes is written."""
     pools = 1 if mode is PoolMode.SHARED else dep.instances
     per_pool = int(capacity_bytes / pools // dep.bytes_per_token)
     tiers = [Tier(per_pool, dep.eviction) for _ in range(pools)]
     n = len(trace.requests)
     out = L3Pass(np.zeros(n, np.int64), np.zeros(n, np.int64), 0)
+    inflight: list[list[tuple[float, int]]] = [[] for _ in range(dep.instances)]  # (load end, tokens) per instance
     for i, req in enumerate(trace.requests):
-        tier = tiers[0 if pools == 1 else int(local.instance[i])]
+        inst = int(local.instance[i])
+        tier = tiers[0 if pools == 1 else inst]
         blocks, size, k = req.blocks, sizes[i], local.device_blocks[i]
         s = tier.prefix(blocks, k)
-        if s:
+        hit = sum(size[k:k + s])
+        if s and prefetches(dep, sum(size[k:]), hit, inflight[inst], req.arrival_s):
             tier.touch(blocks[k:k + s])
-            out.storage_tokens[i] = sum(size[k:k + s])
+            out.storage_tokens[i] = hit
+            inflight[inst].append((req.arrival_s + dep.array.load_time(hit // dep.page_tokens, dep.page_bytes), hit))
+        else:
+            s = 0
         m = k + s
         if m < len(blocks):
             out.written_tokens[i] = tier.admit(blocks[m:], size[m:], blocks[m - 1] if m else None)
     out.evicted = sum(t.evicted for t in tiers)
     return out
+
+
+def prefetches(dep: Deployment, span: int, hit: int, inflight: list[tuple[float, int]], now: float) -> bool:
+    """Whether SGLang loads an L3 hit of ``hit`` tokens for a prompt whose uncached rest is ``span`` tokens:
+    not when the span or the hit is below ``prefetch_threshold_tokens``, nor while the instance's prefetches
+    in flight (``inflight``, pruned here) reserve half its host pool or more (``prefetch_rate_limited``)."""
+    inflight[:] = [(end, t) for end, t in inflight if end > now]
+    if span < dep.prefetch_threshold_tokens or hit < dep.prefetch_threshold_tokens:
+        return False
+    return sum(t for _, t in inflight) < PREFETCH_HOST_SHARE * dep.host_tokens
 
 
 @dataclass

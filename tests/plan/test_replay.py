@@ -26,7 +26,8 @@ FAST = DeviceModel(1e18, 0.0)
 
 def dep(**kw: object) -> Deployment:
     base: dict = {"instances": 1, "hbm_tokens": 64, "host_tokens": 128, "page_tokens": 16, "bytes_per_token": 100,
-                  "array": FAST, "prefill": PrefillModel(0.01, 0.0), "h2d_Bps": 1e18, "routing": Routing.ROUND_ROBIN}
+                  "array": FAST, "prefill": PrefillModel(0.01, 0.0), "h2d_Bps": 1e18, "routing": Routing.ROUND_ROBIN,
+                  "prefetch_threshold_tokens": 0}
     return Deployment(**(base | kw))
 
 
@@ -51,10 +52,10 @@ def test_hbm_host_and_l3_by_hand() -> None:
 
 
 def test_a_shared_pool_serves_what_another_instance_wrote() -> None:
-    d = dep(instances=2, hbm_tokens=0, host_tokens=0)
+    d = dep(instances=2, hbm_tokens=0, host_tokens=1)  # a host pool too small to hold a block
     sizes = cacheable_sizes(TRACE, d.page_tokens)
     local = local_pass(TRACE, d, sizes)
-    assert local.instance.tolist() == [0, 1, 0, 1]
+    assert local.instance.tolist() == [0, 1, 0, 1] and not local.host_tokens.any()
     shared = l3_pass(TRACE, d, sizes, local, 1e9, PoolMode.SHARED)
     own = l3_pass(TRACE, d, sizes, local, 1e9, PoolMode.PER_INSTANCE)
     assert shared.storage_tokens.tolist() == [0, 64, 0, 96]
@@ -106,3 +107,22 @@ def test_a_flush_empties_hbm_and_host_memory_not_the_l3() -> None:
     assert local.device_tokens.tolist() == [0, 0, 0, 0] and local.host_tokens.tolist() == [0, 0, 0, 64]
     l3 = l3_pass(TRACE, d, sizes, local, 1e9, PoolMode.SHARED)
     assert l3.storage_tokens.tolist() == [0, 64, 0, 32]  # r1 reads r0's pages from the L3
+
+
+def test_sglang_skips_short_prefetches_and_those_past_half_the_host_pool() -> None:
+    sizes = cacheable_sizes(TRACE, 16)
+    # r3's L3 hit is one block of 32 tokens: below a threshold of 48 it is computed (and its block rewritten)
+    d = dep(prefetch_threshold_tokens=48)
+    local = local_pass(TRACE, d, sizes)
+    assert l3_pass(TRACE, d, sizes, local, 1e9, PoolMode.SHARED).storage_tokens.tolist() == [0, 0, 0, 0]
+    # two instances without HBM or host hits, a slow array: r1's load (64 tokens, 4 s) is still in flight
+    # when r3 comes to the same instance, and 64 tokens are half of a 128-token host pool
+    slow = DeviceModel(100 * 16 / 1.0, 0.0)  # a page a second
+    trace = Trace((TraceRequest(0, 64, 1, (1, 2)), TraceRequest(0.5, 64, 1, (1, 2)), TraceRequest(1.0, 64, 1, (7, 8)),
+                   TraceRequest(1.5, 64, 1, (1, 2))), 32, "rate")
+    sizes = cacheable_sizes(trace, 16)
+    limited = dep(instances=2, hbm_tokens=0, host_tokens=128, array=slow)
+    local = local_pass(trace, limited, sizes, host=False)
+    assert l3_pass(trace, limited, sizes, local, 1e9, PoolMode.SHARED).storage_tokens.tolist() == [0, 64, 0, 0]
+    roomy = dep(instances=2, hbm_tokens=0, host_tokens=256, array=slow)
+    assert l3_pass(trace, roomy, sizes, local, 1e9, PoolMode.SHARED).storage_tokens.tolist() == [0, 64, 0, 64]
