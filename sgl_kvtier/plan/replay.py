@@ -8,9 +8,8 @@ HBM holds, then those host memory holds, then those the L3 holds; the rest is co
 memory do not depend on the L3, so they are replayed once (``local_pass``) and each L3 size on top of that
 (``l3_pass``). Time (``timeline``): an L3 load runs while the request waits (SGLang prefetches before it
 schedules); an instance then runs one prefill forward after another, each taking every prompt ready when it
-starts (``timeline``), for the host-to-HBM copies plus the prefill model's time of the computed tokens over
-the cached ones.
-Decode steps are not modelled (they share the GPU with prefill in a real server). Routing: ``round_robin``
+starts, for the host-to-HBM copies plus the prefill model's time of the computed tokens over the cached
+ones. Decode steps are not modelled (they share the GPU with prefill in a real server). Routing: ``round_robin``
 in turn, or ``cache_aware`` as SGLang's router decides it: to the least loaded instance when the load is out
 of balance (by more than ``BALANCE_ABS`` requests and ``BALANCE_REL`` times) or when no instance holds
 ``CACHE_THRESHOLD`` of the prompt, else to the one holding the longest prefix; an instance's load is the
@@ -90,7 +89,7 @@ class LocalPass:
     instance: np.ndarray
     device_tokens: np.ndarray
     host_tokens: np.ndarray
-    device_blocks: list[int] = field(default_factory=list)  # leading blocks served from HBM or host memory
+    local_blocks: list[int] = field(default_factory=list)  # leading blocks served from HBM or host memory
     evicted: tuple[int, int] = (0, 0)  # blocks HBM and host memory dropped for room
 
 
@@ -139,7 +138,7 @@ def local_pass(trace: Trace, dep: Deployment, sizes: list[list[int]], host: bool
         out.instance[i] = inst
         out.device_tokens[i] = sum(size[:d])
         out.host_tokens[i] = sum(size[d:d + h])
-        out.device_blocks.append(d + h)
+        out.local_blocks.append(d + h)
         l1[inst].admit(blocks, size)
         l2[inst].admit(blocks, size)
     out.evicted = (evicted[0] + sum(t.evicted for t in l1), evicted[1] + sum(t.evicted for t in l2))
@@ -189,7 +188,7 @@ def l3_pass(trace: Trace, dep: Deployment, sizes: list[list[int]], local: LocalP
     for i, req in enumerate(trace.requests):
         inst = int(local.instance[i])
         tier = tiers[0 if pools == 1 else inst]
-        blocks, size, k = req.blocks, sizes[i], local.device_blocks[i]
+        blocks, size, k = req.blocks, sizes[i], local.local_blocks[i]
         s = tier.prefix(blocks, k)
         hit = sum(size[k:k + s])
         if s and prefetches(dep, sum(size[k:]), hit, inflight[inst], req.arrival_s):
