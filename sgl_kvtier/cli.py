@@ -14,6 +14,8 @@
                                               pool of H host slots; without --yes only shows what it would write
     sgl-kvtier launch --config X.toml [--print] [-- extra sglang args]   (see sgl_kvtier.serving.launch)
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
+    sgl-kvtier plan --trace T --model M ...   replay a request trace: hit rate, TTFT and flash traffic per L3
+                                              size, and advice (see sgl_kvtier.plan)
 
 Exit codes: 0 ok, 1 problems found (or an error), 2 usage, 130 interrupted.
 """
@@ -32,6 +34,7 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from sgl_kvtier.errors import KVTierError
+from sgl_kvtier.plan.cli import add_plan_parser
 from sgl_kvtier.serving.launch import add_launch_parser
 
 if TYPE_CHECKING:
@@ -266,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=3, help="turns of the conversation")
     p.set_defaults(func=cmd_demo)
     add_launch_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

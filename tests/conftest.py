@@ -19,24 +19,25 @@ from test_sharing import ROOT, WORKER, Proc
 # Fixtures for tests that run SGLang's classes in this process; the shared-filesystem lab (``fs_lab``).
 pytest_plugins = ["sglang_fixtures", "fs_lab"]
 
-# Seconds each took serially on a 2-vCPU VM, longest first.
+# Seconds each file's tests took in a full run on 2 workers of a 2-vCPU VM, longest first.
 SLOW_FIRST = (
-    "tests/sglang/test_shared_servers.py",  # ~200 s
-    "tests/test_sglang_range.py",  # ~170 s (the wheel, the range tests and two servers on the oldest SGLang)
+    "tests/sglang/test_shared_servers.py",  # ~360 s (three tests, two servers each)
+    "tests/test_sglang_range.py",  # ~320 s (the wheel, the range tests and two servers on the oldest SGLang)
+    "tests/experiments/test_stream_server.py",  # ~250 s
+    "tests/experiments/test_stream_retract.py",  # ~240 s
+    "tests/sglang/test_server_reliability.py",  # ~200 s
+    "tests/test_bench_streaming.py",  # ~170 s
+    "tests/sglang/test_cpu_server.py",  # ~160 s
     "tests/test_bench_peers.py",  # ~150 s (two servers)
-    "tests/experiments/test_stream_server.py",  # ~140 s
-    "tests/experiments/test_stream_retract.py",  # ~130 s
-    "tests/sglang/test_server_reliability.py",  # ~120 s
-    "tests/test_bench_policy.py",  # ~100 s
-    "tests/test_bench_streaming.py",  # ~95 s
-    "tests/sglang/test_kvtier_server.py",  # ~90 s
-    "tests/sglang/test_cpu_server.py",  # ~90 s
-    "tests/sharing/test_fs_lab_servers.py",  # ~90 s (two servers on a JuiceFS lab)
-    "tests/test_bench_serving.py",  # ~80 s
-    "tests/sglang/test_cluster_servers.py",  # ~65 s
-    "tests/experiments/test_layer_loader.py",  # ~55 s
-    "tests/sglang/test_prometheus.py",  # ~55 s
-    "tests/sglang/test_plain_server.py",  # ~45 s
+    "tests/test_bench_policy.py",  # ~140 s
+    "tests/test_bench_serving.py",  # ~130 s
+    "tests/sglang/test_cluster_servers.py",  # ~105 s
+    "tests/sharing/test_fs_lab_servers.py",  # ~100 s (two servers on a JuiceFS lab)
+    "tests/sglang/test_kvtier_server.py",  # ~95 s
+    "tests/sglang/test_prometheus.py",  # ~80 s
+    "tests/experiments/test_layer_loader.py",  # ~75 s
+    "tests/test_bench_kit_memory.py",  # ~70 s
+    "tests/sglang/test_plain_server.py",  # ~65 s
 )
 
 

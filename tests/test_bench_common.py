@@ -15,7 +15,8 @@ from benchmarks.machine import FLAGS, machine_info, machine_line
 from benchmarks.serving.models import ServedModel, kv_dtype_bytes, resolve_model, served_dtype
 from sgl_kvtier.serving.hardware import ENV_DTYPE, native_dtype
 
-SCRIPTS = ("bench_store", "bench_backends", "bench_serving", "bench_policy", "bench_peers", "reliability", "soak")
+SCRIPTS = ("bench_store", "bench_backends", "bench_serving", "bench_policy", "bench_peers", "bench_plan", "reliability",
+           "soak")
 
 
 def test_machine_info_records_cpu_probe_and_dtype(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_peers as bench
+from benchmarks import bench_plan
 from benchmarks.peers import SYSTEMS, cgroup, resolve
 from benchmarks.peers import report as peers_report
 from benchmarks.peers.seaweedfs import GRPC_OFFSET
@@ -426,3 +427,10 @@ def test_smoke_run_recompute_and_kvtier(tmp_path: Path, monkeypatch: pytest.Monk
     assert run["systems"]["kvtier"]["versions"]["sgl-kvtier"]
     md = (out / "report.md").read_text()
     assert "| recompute | none | 1 |" in md and "| kvtier | flash | 1 |" in md
+    # the planner on the same requests (bench_plan): the flush, then round 2 from the L3, as measured
+    bench_plan.main(["--run", str(out), "--read-gbps", "1"])  # one L3 read: too few to fit the read path on
+    check = json.loads((out / "plan-check.json").read_text())
+    (lv,) = check["levels"]
+    assert lv["requests"] == 1 and lv["predicted"]["by_tier"] == lv["measured"]["by_tier"]
+    assert lv["predicted"]["by_tier"]["storage"] > 0.5 and check["read"]["from"] == "given"
+    assert (out / "plan-check.png").stat().st_size > 0 and "| 1 | 1 |" in (out / "plan-check.md").read_text()

@@ -11,7 +11,8 @@ Layers, lowest first; a module imports only from its own package or from package
     5  media                             where slots live beyond a directory: the shared raw device
     6  sharing                           many writers of one pool: writers, leases, liveness, followers, quota,
                                          fencing, retirement, the cluster filesystem checks
-    7  admin, prefetch                   offline tools (fsck, rebuild); read-ahead staging over a store's reads
+    7  admin, prefetch, plan             offline tools (fsck, rebuild); read-ahead staging over a store's reads;
+                                         the sizing planner (a trace replayed through the store's own policies)
     8  sglang, serving                   the SGLang adapter; tooling that runs SGLang as a process
     9  experiments                       opt-in features behind their plugin switches (streamed tails, the cost
                                          policy's hooks, the layer loader): the adapter never imports them
@@ -36,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "errors": 0, "keys": 1, "config": 1, "estimation": 1, "fingerprint": 1, "telemetry": 2, "io": 2, "policy": 3,
-    "store": 4, "media": 5, "sharing": 6, "admin": 7, "prefetch": 7, "sglang": 8, "serving": 8, "experiments": 9,
+    "store": 4, "media": 5, "sharing": 6, "admin": 7, "prefetch": 7, "plan": 7, "sglang": 8, "serving": 8, "experiments": 9,
     "cli": 10, "__main__": 11,
 }
 ADAPTER = ("sglang", "experiments")

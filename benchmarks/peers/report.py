@@ -227,18 +227,19 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     colors = {"storage": "#c44e52", "device+host": "#4c72b0", "computed": "#bbbbbb"}
-    keys = [(r["system"], r["concurrency"]) for r in rs]
-    bottom = np.zeros(len(rs))
-    for part, color in colors.items():
-        vals = np.array([r["summary"]["cached_tokens"]["storage"] if part == "storage" else
-                         r["summary"]["computed_tokens"] if part == "computed" else
-                         r["summary"]["cached_tokens"]["device"] + r["summary"]["cached_tokens"]["host"]
-                         for r in rs], dtype=float)
-        bx.bar(range(len(rs)), vals, bottom=bottom, color=color, label=part)
-        bottom += vals
-    bx.set_xticks(range(len(rs)), [f"{n}\nC={c}" for n, c in keys], fontsize=7, rotation=45, ha="right")
+    for j, c in enumerate(levels_):
+        by = {r["system"]: r["summary"] for r in rs if r["concurrency"] == c}
+        xs = np.arange(len(names)) + j * width
+        bottom = np.zeros(len(names))
+        for part, color in colors.items():
+            vals = np.array([0.0 if n not in by else by[n]["cached_tokens"]["storage"] if part == "storage" else
+                             by[n]["computed_tokens"] if part == "computed" else
+                             by[n]["cached_tokens"]["device"] + by[n]["cached_tokens"]["host"] for n in names])
+            bx.bar(xs, vals, width * 0.95, bottom=bottom, color=color, label=part if j == 0 else None)
+            bottom += vals
+    bx.set_xticks(np.arange(len(names)) + width * (len(levels_) - 1) / 2, names, rotation=30, ha="right")
     bx.set_ylabel("prompt tokens (measured phases)")
-    bx.set_title("where prompt tokens came from")
+    bx.set_title("where prompt tokens came from (bars: C = " + ", ".join(map(str, levels_)) + ")")
     bx.legend(fontsize=8)
     fig.suptitle(caption(run), fontsize=8)
     return [save_figure(fig, out / "peers.png")]
