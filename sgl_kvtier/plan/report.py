@@ -51,9 +51,10 @@ def advice(result: PlanResult) -> str:
     pick = min((r for r in shared if r.ttft_p50_s <= best * (1 + NEAR_BEST)), key=lambda r: r.l3_bytes)
     gain = 1 - pick.ttft_p50_s / base.ttft_p50_s if base.ttft_p50_s > 0 else 0.0
     if gain < PAYS or pick.storage_share <= 0:
-        return (f"Offload does not pay for this trace: the best L3 ({pick.name}) serves {pick.storage_share:.1%} "
-                f"of prompt tokens and moves TTFT p50 from {base.ttft_p50_s:.3g} s to {pick.ttft_p50_s:.3g} s."
-                + even)
+        top = max(shared, key=lambda r: r.storage_share)
+        return (f"Offload does not pay for this trace: the largest L3 ({top.name}) serves {top.storage_share:.1%} "
+                f"of prompt tokens, and no size moves TTFT p50 from {base.ttft_p50_s:.3g} s below "
+                f"{best:.3g} s." + even)
     return (f"Take {human_bytes(pick.l3_bytes)} of shared L3: it serves {pick.storage_share:.1%} of prompt tokens "
             f"from flash and cuts TTFT p50 from {base.ttft_p50_s:.3g} s to {pick.ttft_p50_s:.3g} s "
             f"({base.ttft_p50_s / pick.ttft_p50_s:.2f}x) and p99 from {base.ttft_p99_s:.3g} s to "
