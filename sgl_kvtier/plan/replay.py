@@ -28,7 +28,7 @@ import numpy as np
 
 from sgl_kvtier.config import EvictionPolicyName
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.estimation import STORAGE_BATCH_PAGES, DeviceModel
+from sgl_kvtier.estimation import DeviceModel
 from sgl_kvtier.plan.tiers import Tier
 from sgl_kvtier.plan.trace import Trace
 from sgl_kvtier.policy.cost_model import PrefillModel
@@ -228,16 +228,15 @@ def timeline(trace: Trace, dep: Deployment, instance: np.ndarray, cached: np.nda
     from the L3 (read while the request waits) and ``from_host`` + ``loaded`` cross to HBM. A forward takes
     every prompt ready when it starts, as SGLang's scheduler batches them (up to ``MAX_PREFILL_TOKENS`` new
     tokens, and prompts that fit the HBM pool together); each gets its first token when the forward ends."""
+    n = len(trace.requests)
     arrival = np.array([r.arrival_s for r in trace.requests])
     inputs = np.array([r.input_tokens for r in trace.requests], np.int64)
-    pages = loaded // dep.page_tokens
-    lat, bw = dep.array.batch_latency_s, dep.array.bandwidth_Bps
-    load = np.ceil(pages / STORAGE_BATCH_PAGES) * lat + pages * dep.page_bytes / bw
+    load = np.fromiter((dep.array.load_time(int(p), dep.page_bytes) for p in loaded // dep.page_tokens), float, n)
     ready = arrival + load
-    t, c = np.maximum(inputs - cached, 1), cached
+    t = np.maximum(inputs - cached, 1)
     pm = dep.prefill
-    work = pm.per_token_s * t + pm.per_token_kctx_s * t * (c + t / 2) / 1000  # the fixed cost once a forward
-    work = work + (from_host + loaded) * dep.bytes_per_token / dep.h2d_Bps
+    work = np.fromiter((pm.time(int(new), int(old)) - pm.fixed_s for new, old in zip(t, cached)), float, n)
+    work = work + (from_host + loaded) * dep.bytes_per_token / dep.h2d_Bps  # the fixed cost: once a forward
     done = np.zeros(len(arrival))
     room = dep.hbm_tokens if dep.hbm_tokens > 0 else np.inf
     for inst in range(dep.instances):
@@ -261,14 +260,12 @@ def timeline(trace: Trace, dep: Deployment, instance: np.ndarray, cached: np.nda
 def break_even_tokens(dep: Deployment, limit: int = 1 << 21) -> int | None:
     """The shortest prefix (whole pages, up to ``limit`` tokens) that loads from the L3 faster than it
     recomputes from nothing; None if none does."""
-    n = np.arange(1, limit // dep.page_tokens + 1, dtype=np.float64)
-    tokens = n * dep.page_tokens
-    load = np.ceil(n / STORAGE_BATCH_PAGES) * dep.array.batch_latency_s + n * dep.page_bytes / dep.array.bandwidth_Bps
-    load += tokens * dep.bytes_per_token / dep.h2d_Bps
-    pm = dep.prefill
-    recompute = pm.per_token_s * tokens + pm.per_token_kctx_s * tokens * (tokens / 2) / 1000 + pm.fixed_s
-    wins = np.flatnonzero(load < recompute)
-    return int(tokens[wins[0]]) if len(wins) else None
+    for pages in range(1, limit // dep.page_tokens + 1):
+        tokens = pages * dep.page_tokens
+        load = dep.array.load_time(pages, dep.page_bytes) + tokens * dep.bytes_per_token / dep.h2d_Bps
+        if load < dep.prefill.time(tokens, 0):
+            return tokens
+    return None
 
 
 def peak_rate(times: np.ndarray, amounts: np.ndarray, window_s: float = 1.0) -> float:
