@@ -1,6 +1,6 @@
 """The table (markdown, also printed), the greedy-output check against recompute and the PNG of one bench_peers run.
 
-Per system and concurrency, from the measured phases (bench_serving's ``report.summarize``): TTFT p50 / p99,
+Per system and concurrency, from the measured phases (``sgl_kvtier.serving.summary.summarize``): TTFT p50 / p99,
 requests per second, prompt tokens served from storage (SGLang's ``cached_tokens_details``), from the device or
 host pool, and computed; errors; at C = 1 whether every greedy output equals recompute's; the memory the system's
 cgroup held (peak: resident + page cache; and the page cache no process maps, where an L3's file pages sit), the
