@@ -248,4 +248,5 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
 def caption(run: dict[str, Any]) -> str:
     """What the figure carries: the run's date, the machine and the command line."""
     machine = machine_line(run["machine"]) if run.get("machine", {}).get("cpu_model") else "machine not recorded"
-    return "\n".join(textwrap.wrap(f"bench_peers {run['started']}; {machine}", 180) + [run["command"]])
+    return "\n".join(textwrap.wrap(f"bench_peers {run['started']}; {machine}", 180)
+                     + textwrap.wrap(run["command"], 180, break_on_hyphens=False))

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sgl_kvtier.serving.workload import Request, TokenSource, Workload, multiturn, token_range
+from sgl_kvtier.serving.workload import Request, TokenSource, Workload, multiturn, token_range, warmup_split
 
 __all__ = ["TRACE_BLOCK_TOKENS", "Request", "TokenSource", "Workload", "docqa", "load_trace", "multiturn",
            "token_range", "trace"]
@@ -96,12 +96,7 @@ def trace(src: TokenSource, rows: list[dict[str, Any]], *, requests: int, block_
             tokens += src.block(("blk", h), block_tokens)
         built.append(Request(f"req{i}", tokens[:n], max_new_tokens, arrival_s=row["timestamp"] / 1000.0,
                              group=conv_of[i]))
-    split = max(1, min(len(built) - 1, round(len(built) * warmup_fraction)))
-    phases = [built[:split], built[split:]]
-    for phase in phases:
-        t0 = phase[0].arrival_s or 0.0
-        for r in phase:
-            r.arrival_s = ((r.arrival_s or 0.0) - t0) * time_scale if time_scale > 0 else None
+    phases, split = warmup_split(built, warmup_fraction, time_scale)
     params = {"requests": len(built), "block_tokens": block_tokens, "max_tokens": max_tokens,
               "max_new_tokens": max_new_tokens, "time_scale": time_scale, "warmup_fraction": warmup_fraction,
               "trace_rows": list(chosen)}

@@ -127,6 +127,19 @@ def multiturn(src: TokenSource, *, clients: int, rounds: int, system_tokens: int
 
 
 
+def warmup_split(built: list[Request], warmup_fraction: float, time_scale: float) -> tuple[list[list[Request]], int]:
+    """``built`` (in arrival order) as [warm-up, measured] with the first ``warmup_fraction`` warming up (at
+    least one request in each), and the size of the warm-up. Each phase's arrivals restart at 0, times
+    ``time_scale``; with ``time_scale`` 0 they are dropped (each request sent as soon as a slot frees)."""
+    split = max(1, min(len(built) - 1, round(len(built) * warmup_fraction)))
+    phases = [built[:split], built[split:]]
+    for phase in phases:
+        t0 = phase[0].arrival_s or 0.0
+        for r in phase:
+            r.arrival_s = ((r.arrival_s or 0.0) - t0) * time_scale if time_scale > 0 else None
+    return phases, split
+
+
 def from_trace(src: TokenSource, trace: Trace, *, block_tokens: int, max_tokens: int, max_new_tokens: int,
                time_scale: float, warmup_fraction: float) -> Workload:
     """A request trace (``sgl_kvtier.plan.trace``) as prompts: each block id becomes a fixed block of
@@ -150,12 +163,7 @@ def from_trace(src: TokenSource, trace: Trace, *, block_tokens: int, max_tokens:
             tokens += src.block(("blk", block), block_tokens)
         built.append(Request(f"t{i}", tokens[:n], max(1, min(req.output_tokens, max_new_tokens)),
                              arrival_s=req.arrival_s, group=f"b{req.blocks[0] if req.blocks else i}"))
-    split = max(1, min(len(built) - 1, round(len(built) * warmup_fraction)))
-    phases = [built[:split], built[split:]]
-    for phase in phases:
-        t0 = phase[0].arrival_s or 0.0
-        for r in phase:
-            r.arrival_s = ((r.arrival_s or 0.0) - t0) * time_scale if time_scale > 0 else None
+    phases, split = warmup_split(built, warmup_fraction, time_scale)
     params = {"requests": len(built), "source": trace.source, "block_tokens": block_tokens,
               "max_tokens": max_tokens, "max_new_tokens": max_new_tokens, "time_scale": time_scale,
               "warmup_fraction": warmup_fraction}
