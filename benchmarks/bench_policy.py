@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import page_cache_policy, progress
-from benchmarks.serving import client, configs, policy_report, report, session, workloads
+from benchmarks.serving import configs, policy_report, session, workloads
 from benchmarks.serving.models import run_model
 from benchmarks.serving.policies import POLICIES, parse_device, prefix_rounds, resolve_policies, unique_tokens
 from benchmarks.serving.probes import prebuild_hash_extension, store_summary
 from benchmarks.serving.settle import settle
+from sgl_kvtier.serving import client, summary
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every policy runs
@@ -130,7 +131,7 @@ def run_server(args, device, policy, plan, model_dir, rounds, drop, kvbpt, bars,
                                   "measured": rnd.kind == "measured", "settle": pre, **m})
         for c in sorted({r.concurrency for r in rounds if r.kind == "measured"}):
             phases = [r for r in res["rounds"] if r["measured"] and r["concurrency"] == c]
-            s = res["levels"][str(c)] = report.summarize(phases, kvbpt)
+            s = res["levels"][str(c)] = summary.summarize(phases, kvbpt)
             console.log(f"{tag:28s} C={c}: TTFT p50 {s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s, L3 tokens "
                         f"used {s['cached_tokens']['storage']} of {s['prompt_tokens']}, {s['errors']} errors")
     finally:

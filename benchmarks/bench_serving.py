@@ -30,6 +30,7 @@ from benchmarks.common import TRACE, page_cache_policy, progress
 from benchmarks.serving import configs, report, session, workloads
 from benchmarks.serving.models import run_model
 from benchmarks.serving.probes import prebuild_hash_extension, scheduler_pid, store_summary
+from sgl_kvtier.serving import summary
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 
@@ -164,7 +165,7 @@ def merge(run: dict[str, Any], cfg: configs.Config, res: dict[str, Any], kvbpt: 
                 pooled.append(cell)
             cell["phases"] += level["phases"]
             cell["p50_by_repeat"].append(level["summary"]["ttft_p50_s"])
-            cell["summary"] = report.summarize(cell["phases"], kvbpt) | {"ttft_p50_by_repeat": cell["p50_by_repeat"]}
+            cell["summary"] = summary.summarize(cell["phases"], kvbpt) | {"ttft_p50_by_repeat": cell["p50_by_repeat"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import args_json, drop_caches, page_cache_policy, progress
-from benchmarks.serving import client, configs, session, sharing, sharing_report, workloads
+from benchmarks.serving import configs, session, sharing, sharing_report, workloads
 from benchmarks.serving.models import run_model
 from benchmarks.serving.probes import cpu_seconds, prebuild_hash_extension, store_summary
 from benchmarks.serving.router import Frontend, RouterProcess, run_phase
+from sgl_kvtier.serving import client
 from sgl_kvtier.serving.hardware import AUTO, DTYPE_BYTES
 
 INSTANCES = 2

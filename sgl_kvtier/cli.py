@@ -16,6 +16,9 @@
     sgl-kvtier demo [--dir D] [--turns N]     a real SGLang server on CPU: hits from flash after a flush/restart
     sgl-kvtier plan --trace T --model M ...   replay a request trace: hit rate, TTFT and flash traffic per L3
                                               size, and advice (see sgl_kvtier.plan)
+    sgl-kvtier verify --config X.toml | --endpoint l3=URL ...   the same prompts with the L3 and without
+                                              (hbm-only / l2-only) at each concurrency; exit 1 unless the
+                                              gates pass (see sgl_kvtier.verify)
 
 Exit codes: 0 ok, 1 problems found (or an error), 2 usage, 130 interrupted.
 """
@@ -36,6 +39,7 @@ from rich.table import Table
 from sgl_kvtier.errors import KVTierError
 from sgl_kvtier.plan.cli import add_plan_parser
 from sgl_kvtier.serving.launch import add_launch_parser
+from sgl_kvtier.verify.cli import add_verify_parser
 
 if TYPE_CHECKING:
     from sgl_kvtier.admin.fsck import Shard
@@ -270,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     add_launch_parser(sub)
     add_plan_parser(sub)
+    add_verify_parser(sub)
     return parser
 
 

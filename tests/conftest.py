@@ -28,6 +28,7 @@ SLOW_FIRST = (
     "tests/sglang/test_server_reliability.py",  # ~200 s
     "tests/test_bench_streaming.py",  # ~170 s
     "tests/sglang/test_cpu_server.py",  # ~160 s
+    "tests/verify/test_verify_cli.py",  # ~155 s (two servers)
     "tests/test_bench_peers.py",  # ~150 s (two servers)
     "tests/test_bench_policy.py",  # ~140 s
     "tests/test_bench_serving.py",  # ~130 s

@@ -24,7 +24,8 @@ from benchmarks.peers import report as peers_report
 from benchmarks.peers.seaweedfs import GRPC_OFFSET
 from benchmarks.peers.system import Context, Skip, System, bindable
 from benchmarks.peers.venv import CONSTRAINTS, PeersVenv, canonical, conflicts, installed, pins
-from benchmarks.serving import configs, report
+from benchmarks.serving import configs
+from sgl_kvtier.serving import summary
 from sgl_kvtier.serving.hardware import ENV_DTYPE
 
 GB = 10**9
@@ -317,7 +318,7 @@ def _level(c: int, ttft: float, storage: int, outputs: list[int], cache: float =
     phases = [{"measured": False, "wall_s": 1.0, "requests": reqs, "metrics_delta": {}},
               {"measured": True, "wall_s": 2.0, "requests": reqs, "metrics_delta": {}, "probe_before": snap,
                "probe_after": after}]
-    return {"concurrency": c, "phases": phases, "summary": report.summarize(phases, 1000)}
+    return {"concurrency": c, "phases": phases, "summary": summary.summarize(phases, 1000)}
 
 
 def _fake_run() -> dict:

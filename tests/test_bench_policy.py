@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_policy as bench
-from benchmarks.serving import configs, policy_report, report, workloads
+from benchmarks.serving import configs, policy_report, workloads
 from benchmarks.serving.policies import (
     POLICIES,
     parse_device,
@@ -24,6 +24,7 @@ from benchmarks.serving.policies import (
     resolve_policies,
     unique_tokens,
 )
+from sgl_kvtier.serving import summary
 
 
 def test_device_settings() -> None:
@@ -79,10 +80,10 @@ def test_prefix_rounds_put_each_document_once_per_round() -> None:
 
 
 def _fake_run() -> dict:
-    def summary(ttft: float, storage: int) -> dict:
+    def cell(ttft: float, storage: int) -> dict:
         reqs = [{"rid": f"r{i}", "ttft_s": ttft * (1 + i / 10), "latency_s": ttft, "prompt_tokens": 1000,
                  "cached_device": 0, "cached_host": 0, "cached_storage": storage} for i in range(5)]
-        return report.summarize([{"measured": True, "wall_s": 2.0, "requests": reqs,
+        return summary.summarize([{"measured": True, "wall_s": 2.0, "requests": reqs,
                                   "metrics_delta": {"prefetched_tokens": 5.0 * storage,
                                                     "unfulfilled_timeout": 100.0}}], 1000)
 
@@ -95,7 +96,7 @@ def _fake_run() -> dict:
         "devices": {"fast": {"description": "fast"}, "slow-4MBps": {"description": "slow"}},
         "policy_order": list(POLICIES),
         "runs": {dev: {p: {"command_str": "python -m sglang.launch_server", "env": dict(POLICIES[p].env),
-                           "startup_s": 30.0, "levels": {"1": summary(t, 900 if p != "recompute" else 0)}}
+                           "startup_s": 30.0, "levels": {"1": cell(t, 900 if p != "recompute" else 0)}}
                        for p, t in ttfts.items()}
                  for dev, ttfts in (("fast", fast), ("slow-4MBps", slow))},
     }  # fmt: skip

@@ -20,8 +20,9 @@ import pytest
 
 from benchmarks import bench_serving as bench
 from benchmarks.common import TRACE
-from benchmarks.serving import client, configs, probes, report, workloads
+from benchmarks.serving import configs, probes, report, workloads
 from benchmarks.serving.models import kv_dtype_bytes
+from sgl_kvtier.serving import client, summary
 from sgl_kvtier.serving import model_factory as mf
 from sgl_kvtier.serving.hardware import ENV_DTYPE, native_dtype
 
@@ -200,7 +201,7 @@ def test_phases_cut_the_ttft_at_sglangs_stamps() -> None:
     assert client.phases_of({**meta, "storage_prefetch_wait": None}, 100.0, 1.5)["queued_s"] == pytest.approx(0.5)
     assert client.phases_of({k: v for k, v in meta.items() if k != "forward_entry_time"}, 100.0, 1.5) is None
     recs = [{"phases": got}, {"phases": {k: 3 * v for k, v in got.items()}}, {"phases": got}, {}]
-    assert report.phase_medians(recs) == pytest.approx(got) and report.phase_medians([{}]) == {}
+    assert summary.phase_medians(recs) == pytest.approx(got) and summary.phase_medians([{}]) == {}
 
 
 def test_metrics_parsing() -> None:
@@ -225,7 +226,7 @@ def _fake_run() -> dict:
         phases = [{"measured": False, "wall_s": 1.0, "requests": reqs, "metrics_delta": {"backuped_tokens": 50.0}},
                   {"measured": True, "wall_s": 2.0, "requests": reqs,
                    "metrics_delta": {"prefetched_tokens": 500.0, "backuped_tokens": 100.0}}]
-        return {"concurrency": c, "summary": report.summarize(phases, 1000)}
+        return {"concurrency": c, "summary": summary.summarize(phases, 1000)}
 
     cfgs = {"recompute": 4.0, "radix": 3.0, "file-l3": 1.5, "kvtier-l3": 1.0}
     return {
@@ -265,7 +266,7 @@ def test_repetitions_pool_their_requests() -> None:
         phases = [{"measured": True, "wall_s": 1.0, "requests": reqs, "metrics_delta": {}, "repeat": rep}]
         return {"command": ["x"], "command_str": "x", "startup_s": 1.0 + rep, "log": f"l{rep}", "repeat": rep,
                 "workloads": {"multiturn": [{"concurrency": 4, "salt": 0, "phases": phases,
-                                             "summary": report.summarize(phases, 1)}]}}
+                                             "summary": summary.summarize(phases, 1)}]}}
 
     bench.merge(run, cfg, res(0, 1.0), 1)
     bench.merge(run, cfg, res(1, 3.0), 1)

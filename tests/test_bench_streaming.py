@@ -17,12 +17,13 @@ import pytest
 
 from benchmarks import bench_streaming as bench
 from benchmarks import common, machine
-from benchmarks.serving import configs, report, workloads
-from benchmarks.serving.client import PHASES
+from benchmarks.serving import configs, workloads
 from benchmarks.serving.policies import parse_device, prefix_rounds
 from benchmarks.streaming import caveats, counters, outputs, paired, plan, plot, rounds, servers
 from benchmarks.streaming import report as stream_report
 from sgl_kvtier.config import Streaming
+from sgl_kvtier.serving import summary
+from sgl_kvtier.serving.client import PHASES
 
 OFF, ON = Streaming.OFF, Streaming.ON
 
@@ -254,7 +255,7 @@ def test_paired_ratios_compare_the_same_request_on_both_servers() -> None:
 def _summary(ttft: float, storage: int, unfulfilled: float = 0.0) -> dict:
     reqs = [{"rid": f"r{i}", "ttft_s": ttft * (1 + i / 10), "latency_s": ttft, "prompt_tokens": 1600,
              "cached_device": 0, "cached_host": 0, "cached_storage": storage} for i in range(5)]
-    s = report.summarize([{"measured": True, "wall_s": 2.0, "requests": reqs,
+    s = summary.summarize([{"measured": True, "wall_s": 2.0, "requests": reqs,
                            "metrics_delta": {"prefetched_tokens": 5.0 * storage,
                                              "unfulfilled_storage_transfer": unfulfilled}}], 1000)
     return s | {"stream": {"stream_pages": 40.0, "parts_read": 640.0, "retracted_requests": 0.0}}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from test_bench_streaming import _fake_run
 
-from benchmarks.serving.client import PHASES
 from benchmarks.streaming import bounds
 from benchmarks.streaming import report as stream_report
+from sgl_kvtier.serving.client import PHASES
 
 # Figures of a benchmark run (fast device, C = 1): off waited 0.130 s of 0.79 s; the rule learned k = 0.34 ms/MB
 OFF = {"ttft_p50_s": 0.79, "phases_p50_s": {"prefetch_wait_s": 0.13, "forward_s": 0.654}}

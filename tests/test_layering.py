@@ -14,8 +14,9 @@ Layers, lowest first; a module imports only from its own package or from package
     7  admin, prefetch, plan             offline tools (fsck, rebuild); read-ahead staging over a store's reads;
                                          the sizing planner (a trace replayed through the store's own policies)
     8  sglang, serving                   the SGLang adapter; tooling that runs SGLang as a process
-    9  experiments                       opt-in features behind their plugin switches (streamed tails, the cost
-                                         policy's hooks, the layer loader): the adapter never imports them
+    9  experiments, verify               opt-in features behind their plugin switches (streamed tails, the cost
+                                         policy's hooks, the layer loader): the adapter never imports them;
+                                         the L3 measured on a deployment against baselines (runs servers)
    10  cli                               operator commands (11: ``__main__``, which runs them)
 
 So the shard imports neither media nor sharing: ``PageStore.open`` takes a ``store.site.WriterSite`` that
@@ -37,7 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "errors": 0, "keys": 1, "config": 1, "estimation": 1, "fingerprint": 1, "telemetry": 2, "io": 2, "policy": 3,
-    "store": 4, "media": 5, "sharing": 6, "admin": 7, "prefetch": 7, "plan": 7, "sglang": 8, "serving": 8, "experiments": 9,
+    "store": 4, "media": 5, "sharing": 6, "admin": 7, "prefetch": 7, "plan": 7, "sglang": 8, "serving": 8, "verify": 9, "experiments": 9,
     "cli": 10, "__main__": 11,
 }
 ADAPTER = ("sglang", "experiments")

@@ -17,7 +17,7 @@ import math
 
 from benchmarks.peers.builtin import hicache_args
 from benchmarks.peers.system import DRAM, FLASH, Context, Service, System, tcp_open
-from benchmarks.serving import client
+from sgl_kvtier.serving import client
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
 MIN_SEGMENT = 16 << 20

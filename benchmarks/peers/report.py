@@ -1,6 +1,6 @@
 """The table (markdown, also printed), the greedy-output check against recompute and the PNG of one bench_peers run.
 
-Per system and concurrency, from the measured phases (bench_serving's ``report.summarize``): TTFT p50 / p99,
+Per system and concurrency, from the measured phases (``sgl_kvtier.serving.summary.summarize``): TTFT p50 / p99,
 requests per second, prompt tokens served from storage (SGLang's ``cached_tokens_details``), from the device or
 host pool, and computed; errors; at C = 1 whether every greedy output equals recompute's; the memory the system's
 cgroup held (peak: resident + page cache; and the page cache no process maps, where an L3's file pages sit), the
@@ -248,4 +248,5 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
 def caption(run: dict[str, Any]) -> str:
     """What the figure carries: the run's date, the machine and the command line."""
     machine = machine_line(run["machine"]) if run.get("machine", {}).get("cpu_model") else "machine not recorded"
-    return "\n".join(textwrap.wrap(f"bench_peers {run['started']}; {machine}", 180) + [run["command"]])
+    return "\n".join(textwrap.wrap(f"bench_peers {run['started']}; {machine}", 180)
+                     + textwrap.wrap(run["command"], 180, break_on_hyphens=False))

@@ -1,7 +1,7 @@
 """bench_policy's tables and plot: per device setting, each policy's TTFT p50/p99 and its ratio to the
 better of `recompute` and `load-all`; the target (cost <= 1.1x that, on p50 and p99) judged per level.
 
-Cells are `serving.report.summarize` summaries; `run["runs"][device][policy]["levels"][str(C)]`.
+Cells are `sgl_kvtier.serving.summary.summarize` summaries; `run["runs"][device][policy]["levels"][str(C)]`.
 """
 
 from __future__ import annotations

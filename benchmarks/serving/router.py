@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import client
 from benchmarks.serving.workloads import Request
+from sgl_kvtier.serving import client
 
 
 def router_command(worker_urls: list[str], port: int, prometheus_port: int, policy: str = "round_robin",

@@ -18,10 +18,10 @@ from rich.console import Console
 
 from benchmarks.common import RESULTS, drop_caches, make_console, timestamp, write_json
 from benchmarks.machine import machine_info
-from benchmarks.serving import client, report
 from benchmarks.serving.models import ServedModel, served_dtype
 from benchmarks.serving.probes import cpu_seconds
 from benchmarks.serving.workloads import Request, Workload
+from sgl_kvtier.serving import client, summary
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +117,7 @@ def serve_levels(args: argparse.Namespace, srv: Any, wls: dict[tuple[str, int, i
             phases.append({"phase": pi, "measured": pi > 0, "settle": settle, **m, **extra})
         for p in phases:
             p["repeat"] = rep
-        level = {"concurrency": conc, "salt": li, "phases": phases, "summary": report.summarize(phases, kvbpt)}
+        level = {"concurrency": conc, "salt": li, "phases": phases, "summary": summary.summarize(phases, kvbpt)}
         out.setdefault(wl_name, []).append(level)
         s = level["summary"]
         console.log(f"{label:13s} {wl_name} C={conc}: TTFT p50 {s['ttft_p50_s']:.2f} s p99 {s['ttft_p99_s']:.2f} s, "

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks.common import drop_caches
-from benchmarks.serving import client
+from sgl_kvtier.serving import client
 
 
 def wait_l3(url: str, want: float, limit_s: float, stall_s: float) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.serving import report
+from sgl_kvtier.serving import summary
 
 SHARED, PER_INSTANCE, FILE = "kvtier-shared", "kvtier-per-instance", "file-shared"
 CACHED_RATIO, TTFT_CUT = 1.5, 0.25
@@ -21,7 +22,7 @@ CACHED_RATIO, TTFT_CUT = 1.5, 0.25
 
 def summarize(phases: list[dict[str, Any]], kv_bytes_per_token: int) -> dict[str, Any]:
     """bench_serving's cell summary of the measured phases, plus cached prompt tokens in all."""
-    s = report.summarize(phases, kv_bytes_per_token)
+    s = summary.summarize(phases, kv_bytes_per_token)
     ok = [r for p in phases if p["measured"] for r in p["requests"] if "error" not in r]
     s["cached_total"] = sum(int(r.get("cached_tokens", 0)) for r in ok)
     return s
@@ -161,7 +162,7 @@ def plots(run: dict[str, Any], out: Path) -> list[Path]:
     ax1.grid(True, axis="y", alpha=0.3)
     colors = {"device": "#4c72b0", "host": "#55a868", "storage": "#c44e52", "computed": "#bbbbbb"}
     bottom = np.zeros(len(names))
-    for tier in (*report.TIERS, "computed"):
+    for tier in (*summary.TIERS, "computed"):
         vals = np.array([c["computed_tokens"] if tier == "computed" else c["cached_tokens"][tier] for c in cells],
                         dtype=float)
         ax2.bar(x, vals, bottom=bottom, color=colors[tier], label=tier)

@@ -2,7 +2,7 @@
 concurrency, their ratio, whether the outputs were identical, and the streaming counters; the reference
 cells (device hit, recompute); the targets judged on the run (reported, never asserted).
 
-Cells are ``serving.report.summarize`` summaries plus ``stream`` (the phases' summed streaming counters):
+Cells are ``sgl_kvtier.serving.summary.summarize`` summaries plus ``stream`` (the phases' summed streaming counters):
 ``run["servers"][device][mode]["levels"][level][str(C)]``, level ``l3`` / ``device`` / ``recompute``.
 """
 
@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.serving.client import PHASES
 from benchmarks.serving.report import machine_paragraph, model_dtype
 from benchmarks.streaming.bounds import ceiling, ceiling_line
 from benchmarks.streaming.caveats import capped, fallbacks, few_streamed, unfulfilled
 from benchmarks.streaming.cells import Cell, cell, levels, server_keys, twin_key
 from benchmarks.streaming.outputs import all_identical, attributable, document
 from benchmarks.streaming.plan import BREAKEVEN, ON_TWIN, PAIRED_RECORDS, twin_of
+from sgl_kvtier.serving.client import PHASES
 
 
 @dataclass(frozen=True)

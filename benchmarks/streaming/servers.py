@@ -35,11 +35,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import client, configs, report, session
+from benchmarks.serving import configs, session
 from benchmarks.serving.policies import DeviceSetting, Round, unique_tokens
 from benchmarks.serving.probes import cpu_seconds, store_summary, thread_cpu
 from benchmarks.serving.settle import settle, wait_l3
 from benchmarks.streaming import counters, plan, rounds
+from sgl_kvtier.serving import client, summary
 
 KVTIER = configs.CONFIGS["e"]  # HiCache + sgl-kvtier L3: the server every cell runs
 IDLE_FLAG = "--sleep-on-idle"
@@ -154,7 +155,7 @@ class BenchServer:
         for kind, level in rounds.LEVEL_OF.items():
             for c in sorted({r["concurrency"] for r in done if r["kind"] == kind}):
                 phases = [r for r in done if r["kind"] == kind and r["concurrency"] == c]
-                s = report.summarize(phases, self.kvbpt) | {"stream": counters.total(phases),
+                s = summary.summarize(phases, self.kvbpt) | {"stream": counters.total(phases),
                                                              "bind": phases[-1].get("bind", {}),
                                                              "thread_cpu_s": counters.total(phases, "thread_cpu_s")}
                 self.res["levels"].setdefault(level, {})[str(c)] = s

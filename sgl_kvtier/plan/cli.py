@@ -233,7 +233,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                       f"{t['input_tokens']:,} prompt tokens; at most {t['reusable_share']:.1%} of blocks reusable")
         console.print(f"model {g.name}: {bpt:,} L3 bytes per token; prefill {prefill_from}; array {array_from}: "
                       f"{read / 1e9:.3g} GB/s read, {latency * 1e3:.3g} ms a batch; replayed in {result.seconds:.1f} s")
-        console.print(report.table(result), width=max(console.width, 160))
+        wide = console if console.is_terminal and console.width >= 160 else Console(width=160)
+        wide.print(report.table(result))
         if over:
             console.print(f"[yellow]these need more flash writes than --write-gbps gives: {', '.join(over)}[/]")
         console.print(record["advice"])

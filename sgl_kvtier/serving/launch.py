@@ -20,6 +20,7 @@ import os
 import shlex
 import sys
 import tomllib
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,14 @@ BACKEND = {"backend_name": "kvtier", "module_path": "sgl_kvtier.sglang", "class_
 SGLANG_EXTRA_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
 MODEL_SIZES = ("tiny", "bench", "kvheavy")
 PREFETCH_POLICIES = ("cost", "off")
+
+
+class Offload(Enum):
+    """How much of a config's KV hierarchy a server runs: all of it, or less (a baseline to compare with)."""
+
+    L3 = "l3"  # HiCache's host tier and sgl-kvtier: the config as written
+    L2_ONLY = "l2-only"  # HiCache's host tier, no L3: [kvtier] and the L3 prefetch keys left out
+    HBM_ONLY = "hbm-only"  # no HiCache: the radix cache in HBM; whatever it lacks is recomputed
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -89,15 +98,22 @@ def split_policy(kvtier: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     return store, {ENV_POLICY: policy}
 
 
-def sglang_args(doc: dict[str, Any], gpu: bool, make_model: bool = True) -> tuple[str, list[str], dict[str, str]]:
+def sglang_args(doc: dict[str, Any], gpu: bool, make_model: bool = True,
+                offload: Offload = Offload.L3) -> tuple[str, list[str], dict[str, str]]:
     """(model path, the SGLang flags after it, the environment the server needs on top of ours) of a loaded
-    config, without the CPU route. A model size becomes a factory model, served with its ``--dtype``."""
+    config, without the CPU route. A model size becomes a factory model, served with its ``--dtype``.
+    ``offload`` below L3 leaves out the tiers it names (``Offload``); the rest of [sglang] is kept."""
     sg = dict(doc.get("sglang", {}))
     if "model_path" not in sg:
         raise ConfigError("sglang.model_path", "is required")
     kvtier, env = split_policy(doc.get("kvtier", {}))  # a bad value stops here, before SGLang starts
     env.update(plugin_env(kvtier))
     sglang_extra = {k: sg.pop(k) for k in SGLANG_EXTRA_KEYS if k in sg}
+    if offload is not Offload.L3:
+        env = {}
+        sg = {k: v for k, v in sg.items()
+              if not k.startswith(("hicache_storage", "enable_hierarchical_cache"))
+              and (offload is Offload.L2_ONLY or not k.startswith("hicache_"))}
     model = str(sg.pop("model_path"))
     if model in MODEL_SIZES:
         try:
@@ -107,8 +123,9 @@ def sglang_args(doc: dict[str, Any], gpu: bool, make_model: bool = True) -> tupl
         model = str(path)
         if sg.get("dtype") in (None, AUTO):  # SGLang's auto would serve a float32 model in float16
             sg["dtype"] = choice.dtype
-    args = ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(extra_config(kvtier, sglang_extra))]
+    args = {Offload.L3: ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+                         "--hicache-storage-backend-extra-config", json.dumps(extra_config(kvtier, sglang_extra))],
+            Offload.L2_ONLY: ["--enable-hierarchical-cache"], Offload.HBM_ONLY: []}[offload]
     for key, value in sg.items():
         flag = "--" + key.replace("_", "-")
         if value is True:

@@ -23,7 +23,7 @@ def subparsers() -> dict[str, argparse.ArgumentParser]:
 def test_every_subcommand_and_argument_is_on_the_page():
     page = hooks().cli_reference()
     subs = subparsers()
-    assert set(subs) == {"inspect", "fsck", "check-shared", "pool-format", "demo", "launch", "plan"}
+    assert set(subs) == {"inspect", "fsck", "check-shared", "pool-format", "demo", "launch", "plan", "verify"}
     sections = dict(re.findall(r"^## `([a-z-]+)`\n(.*?)(?=^## |\Z)", page, re.S | re.M))
     assert list(sections) == list(subs)
     for name, sub in subs.items():

@@ -11,7 +11,7 @@ from sgl_kvtier.cli import main
 from sgl_kvtier.config import StoreConfig
 from sgl_kvtier.errors import ConfigError
 from sgl_kvtier.policy.cost_inputs import ENV_POLICY
-from sgl_kvtier.serving.launch import build_command, load
+from sgl_kvtier.serving.launch import Offload, build_command, load, sglang_args
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -200,3 +200,22 @@ def test_the_demo_serves_its_model_in_the_chosen_dtype(tmp_path, monkeypatch):
         == "float32"
     assert args[args.index("--dtype") + 1] == "float32" and args[-1] == "--skip-server-warmup"
     assert extra_of(args)["devices"] == [str(tmp_path / "flash")] and "--device" not in args  # SGLangServer adds it
+
+
+def test_offload_levels_below_l3_leave_their_tiers_out():
+    doc = load(ROOT / "configs" / "cpu-demo.toml")
+    doc["sglang"]["model_path"] = "/models/m"
+    doc["kvtier"]["streaming"] = "on"
+    _, l3, l3_env = sglang_args(doc, gpu=True)
+    _, l2, l2_env = sglang_args(doc, gpu=True, offload=Offload.L2_ONLY)
+    _, hbm, hbm_env = sglang_args(doc, gpu=True, offload=Offload.HBM_ONLY)
+    assert "--hicache-storage-backend" in l3 and l3_env
+    assert "--enable-hierarchical-cache" in l2 and l2_env == {} and hbm_env == {}
+    assert not [a for a in l2 if a.startswith("--hicache-storage")] and "--hicache-ratio" in l2
+    assert not [a for a in hbm if a.startswith(("--hicache", "--enable-hierarchical-cache"))]
+    common = [a for a in l3 if not a.startswith(("--hicache", "--enable-hierarchical"))]
+    assert "--page-size" in common and "--max-total-tokens" in common
+    for args in (l2, hbm):  # every flag that is not about the tiers is kept, with its value
+        assert "--enable-metrics" in args
+        for flag in ("--page-size", "--max-total-tokens"):
+            assert args[args.index(flag) + 1] == l3[l3.index(flag) + 1]

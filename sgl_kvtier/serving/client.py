@@ -1,5 +1,6 @@
-"""HTTP side of the benchmark: streamed /generate (TTFT measured here, at the client), phases run with a
-bounded number of requests in flight (threads), and /metrics snapshots.
+"""The client side of a serving measurement (the benchmarks and ``sgl-kvtier verify``): streamed /generate
+(TTFT measured here, at the client), phases run with a bounded number of requests in flight (threads) over
+one or more endpoints, and /metrics snapshots.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from benchmarks.serving.workloads import Request
+from sgl_kvtier.serving.workload import Request
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -123,20 +125,32 @@ def stream_generate(url: str, req: Request, timeout_s: float = 1800.0, rid: str 
     return rec
 
 
-def run_phase(url: str, requests: list[Request], concurrency: int,
+def route(urls: Sequence[str], req: Request) -> str:
+    """The endpoint of ``req`` among ``urls``: fixed by its group (client, conversation), so a conversation's
+    prefixes stay on one instance, as behind a cache-aware router."""
+    return urls[zlib.crc32(req.group.encode()) % len(urls)] if len(urls) > 1 else urls[0]
+
+
+def run_phase(url: str | Sequence[str], requests: list[Request], concurrency: int,
               on_done: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], float]:
     """Send `requests` with at most `concurrency` in flight; (records in request order, wall seconds).
+
+    `url` is one endpoint or several (each request goes to ``route``'s; its record names it as `url`).
 
     Requests without `arrival_s` go out in order as soon as a slot frees up (closed loop). With
     `arrival_s` (trace replay) each is released at that offset, then waits for a slot; `late_s` records
     how long after its arrival it was actually sent.
     """
+    urls = [url] if isinstance(url, str) else list(url)
     slots = threading.Semaphore(concurrency)
     records: list[dict[str, Any] | None] = [None] * len(requests)
 
     def one(i: int, req: Request, due: float | None) -> None:
         try:
-            rec = stream_generate(url, req)
+            where = route(urls, req)
+            rec = stream_generate(where, req)
+            if len(urls) > 1:
+                rec["url"] = where
             if due is not None:
                 rec["late_s"] = max(0.0, rec["sent_at"] - due)
             records[i] = rec
