@@ -199,8 +199,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 console.print(f"[red]{arm.name} failed: {entry['error']}[/red]")
     cells = {name: {int(c): lv["summary"] for c, lv in a["levels"].items()} for name, a in run["arms"].items()}
-    l3 = cells.get("l3") or {c: {} for c in args.concurrency}
-    results = evaluate(gates, l3, cells.get(baseline, {}))
+    results = evaluate(gates, cells.get("l3", {}), cells.get(baseline, {}), levels=args.concurrency)
     run["verdicts"] = [r.as_dict() for r in results]
     run["passed"] = passed(results)
     (out / "verify.json").write_text(json.dumps(run, indent=1, default=str) + "\n")

@@ -8,7 +8,7 @@ that served no request) is ``NO_DATA``, which fails the run like ``FAIL``: no pa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -77,12 +77,14 @@ def judge(gate: str, concurrency: int, base: float | None, value: float | None, 
     return GateResult(gate, concurrency, base, value, achieved, required, verdict)
 
 
-def evaluate(gates: Gates, l3: Mapping[int, Mapping[str, Any]], baseline: Mapping[int, Mapping[str, Any]]) -> list[GateResult]:
-    """Every gate at every concurrency of ``l3`` (summaries by concurrency, ``serving.summary.summarize``)
-    against ``baseline``'s summary at the same concurrency."""
+def evaluate(gates: Gates, l3: Mapping[int, Mapping[str, Any]], baseline: Mapping[int, Mapping[str, Any]],
+             levels: Sequence[int] = ()) -> list[GateResult]:
+    """Every gate at every concurrency of ``levels`` and ``l3`` (summaries by concurrency,
+    ``serving.summary.summarize``) against ``baseline``'s summary at the same concurrency; a level ``l3``
+    lacks (its arm failed before it) is judged NO_DATA."""
     out: list[GateResult] = []
-    for c in sorted(l3):
-        cell, base = l3[c], baseline.get(c)
+    for c in sorted({*levels, *l3}):
+        cell, base = l3.get(c, {}), baseline.get(c)
         for gate, key, required, measure in (("ttft_p50_cut", "ttft_p50_s", gates.ttft_p50_cut, _cut),
                                              ("ttft_p99_cut", "ttft_p99_s", gates.ttft_p99_cut, _cut),
                                              ("throughput_gain", "req_per_s", gates.throughput_gain, _gain)):

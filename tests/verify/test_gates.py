@@ -40,6 +40,9 @@ def test_missing_figures_are_no_data_and_fail_the_run():
     assert all(r.verdict is Verdict.NO_DATA for r in res if r.gate != "error_rate")
     assert by_gate(res, 4)["error_rate"].verdict is Verdict.NO_DATA
     assert not passed(res) and not passed([])
+    partial = evaluate(Gates(), {1: cell(1.0, 2.0, 2.0)}, {1: cell(2.0, 3.0, 1.0), 4: cell(2.0, 3.0, 1.0)}, levels=[1, 4])
+    assert {r.verdict for r in partial if r.concurrency == 1} == {Verdict.PASS}
+    assert {r.verdict for r in partial if r.concurrency == 4} == {Verdict.NO_DATA} and not passed(partial)
 
 
 def test_errors_above_the_allowed_rate_fail():
