@@ -149,6 +149,13 @@ def build_command(doc: dict[str, Any], extra: list[str], gpu: bool, make_model: 
     return cmd + extra, env
 
 
+def make_directory_devices(doc: dict[str, Any]) -> None:
+    """Create the config's directory devices that do not exist yet (owner-only); ``/dev/`` paths are left alone."""
+    for device in doc.get("kvtier", {}).get("devices", []):
+        if not Path(device).exists() and not str(device).startswith("/dev/"):
+            Path(device).mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
 def cmd_launch(args: argparse.Namespace, console: Any) -> int:
     """``sgl-kvtier launch``: print the command, or replace this process with the server."""
     doc = load(args.config)
@@ -157,9 +164,7 @@ def cmd_launch(args: argparse.Namespace, console: Any) -> int:
         prefix = " ".join(f"{k}={v}" for k, v in env.items())
         print((prefix + " " if prefix else "") + shlex.join(cmd))
         return 0
-    for device in doc.get("kvtier", {}).get("devices", []):
-        if not Path(device).exists() and not device.startswith("/dev/"):
-            Path(device).mkdir(parents=True, exist_ok=True, mode=0o700)  # a directory device
+    make_directory_devices(doc)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return 0  # pragma: no cover - exec does not return
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sgl_kvtier.errors import ConfigError
-from sgl_kvtier.serving.launch import Offload, sglang_args
+from sgl_kvtier.serving.launch import Offload, make_directory_devices, sglang_args
 from sgl_kvtier.serving.server import SGLangServer
 
 
@@ -119,9 +119,7 @@ def serve(arm: Arm, doc: dict[str, Any] | None, *, gpu: bool, log_dir: Path, sta
     if doc is None:
         raise ConfigError("--config", f"arm {arm.name} has no --endpoint, so it needs a config to start from")
     if arm.offload is Offload.L3:
-        for device in doc.get("kvtier", {}).get("devices", []):
-            if not str(device).startswith("/dev/"):
-                Path(device).mkdir(parents=True, exist_ok=True, mode=0o700)  # a directory device
+        make_directory_devices(doc)
     model, args, env = sglang_args(doc, gpu, offload=arm.offload)
     log = log_dir / f"{arm.name}.log"
     srv = SGLangServer(model, extra_args=[*args, *extra_args], env=env, log_path=log, cpu=not gpu,
